@@ -1,0 +1,1 @@
+"""mlx-dflash applications: CLI, chat UI, server. Imports mlx_dflash, never the reverse."""

@@ -1,0 +1,64 @@
+"""The `mlx-dflash` command. Each subcommand lives in its own module with
+`add_parser(subparsers)` and `run(args)`; modules are imported lazily so a
+command only pays for what it uses."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
+
+# name -> module under app/
+COMMANDS = {
+    "generate": "app.generate_cmd",
+    "doctor": "app.doctor",
+}
+
+
+class UserError(Exception):
+    """An error the user caused; printed as one line, no traceback."""
+
+
+def _user_errors():
+    from mlx_dflash.hub import HubError
+    from mlx_dflash.target import TargetError
+
+    return (UserError, HubError, TargetError, ValueError, FileNotFoundError, PermissionError)
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="mlx-dflash", description="Lossless DFlash speculative decoding on MLX")
+    ap.add_argument("--version", action="version", version=f"mlx-dflash {mlx_dflash.__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    mods = {}
+    for name, modname in COMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:  # an optional front end whose dependency is missing
+            sys.stderr.write(f"mlx-dflash: '{name}' unavailable ({e})\n")
+            continue
+        mod.add_parser(sub)
+        mods[name] = mod
+    return ap, mods
+
+
+def main(argv=None) -> int:
+    ap, mods = build_parser()
+    args = ap.parse_args(argv)
+    if not args.command:
+        ap.print_help()
+        return 0
+    try:
+        return mods[args.command].run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except _user_errors() as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        sys.stderr.write(f"mlx-dflash {args.command}: error: {msg}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

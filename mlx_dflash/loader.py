@@ -1,0 +1,92 @@
+"""`load`: a target (mlx-lm) and, optionally, its DFlash drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .drafter import Drafter, load_drafter, validate
+from .hub import HubError, resolve_path
+from .target import Target
+
+
+def models_dir() -> Path:
+    """The embedded models: `models/` in a checkout, `mlx_dflash_models` when installed."""
+    here = Path(__file__).resolve().parent.parent / "models"
+    if here.is_dir():
+        return here
+    import mlx_dflash_models
+
+    return Path(mlx_dflash_models.__path__[0])
+
+
+def default_pair() -> tuple:
+    """(target, drafter) folders of the embedded default pair."""
+    d = models_dir()
+    return d / "target", d / "dflash2"
+
+
+def _cpu() -> bool:
+    return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
+def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None):
+    """Returns (model, tokenizer, drafter or None).
+
+    With no model, the embedded default pair. On the CPU backend half-precision
+    weights are widened to float32: CPU BLAS is float32 and the results are exact."""
+    import mlx_lm
+
+    if model is None:
+        t, d = default_pair()
+        if not (t / "config.json").exists():
+            raise HubError(f"the embedded default model is missing from {t}; reinstall mlx-dflash or pass --model")
+        model = str(t)
+        if drafter is None and (d / "config.json").exists():
+            drafter = str(d)
+    path = resolve_path(model, "model")
+    if not (path / "config.json").exists():
+        raise HubError(f"{path} has no config.json; not an mlx-lm model folder")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise HubError(f"{path / 'config.json'} is not valid JSON (line {e.lineno})") from None
+    if "dflash_config" in cfg:
+        raise HubError(f"{path} is a DFlash drafter, not a target model; pass it as the drafter")
+    try:
+        m, tok = mlx_lm.load(str(path))
+    except ValueError as e:  # unsupported model type and similar, from mlx-lm
+        raise HubError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from None
+    if dtype is None and _cpu():
+        dtype = mx.float32
+    if dtype is not None:
+        _cast(m, dtype)
+    d = None
+    if drafter is not None:
+        d = load_drafter(drafter)
+        validate(d, Target(m))
+        _cast(d, dtype or _param_dtype(m))
+    return m, tok, d
+
+
+def _param_dtype(m):
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(m.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return mx.float32
+
+
+def _cast(m, dtype) -> None:
+    """Cast floating, non-quantized parameters (quantized weights stay as they are)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    upd = [(k, v.astype(dtype)) for k, v in tree_flatten(m.parameters())
+           if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype]
+    if upd:
+        m.update(tree_unflatten(upd))
+        mx.eval(m.parameters())

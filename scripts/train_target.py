@@ -1,0 +1,653 @@
+#!/usr/bin/env python
+"""Train the embedded default models of mlx-dflash on CPU (tokenizer, data, model, export).
+
+Sub-commands (run from the repository root, with PYTHONPATH=. so that
+`mlx_dflash` -- which loads the fast OpenBLAS into mlx -- is importable):
+
+  python scripts/train_target.py prepare                     # tokenizer + token streams -> runs/data/
+  python scripts/train_target.py bench  --preset target      # tokens/s of a few steps
+  python scripts/train_target.py train  --preset target --steps N [--resume]
+  python scripts/train_target.py export --preset target      # -> models/target/
+  python scripts/train_target.py evaluate --preset target    # generations, repetition rate
+  python scripts/train_target.py card   --preset target      # README.md model card + loss curve
+
+`--preset draft` does the same for the small classic autoregressive draft
+model (runs/draft-ar -> models/draft-ar).
+
+Data (real text only):
+  * the .py files of the running interpreter's standard library
+    (sysconfig stdlib; test dirs, idlelib, lib2to3, site-packages skipped; deduped
+    by content hash; 1% of files held out for validation);
+  * GSM8K train as ChatML chat (user = question, assistant = worked answer with
+    the final `#### N` line). The LAST 473 problems of train.jsonl are the dev
+    split: never used for training nor for the tokenizer; they are written to
+    runs/data/gsm8k_dev.jsonl by `write_gsm8k_dev()` (deterministic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import mlx_dflash  # noqa: E402,F401  (must precede mlx: loads OpenBLAS)
+from mlx_dflash import fastblas  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+N_DEV = 473
+DATA = ROOT / "runs" / "data"
+VOCAB_SIZE = 8192
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+PRESETS = {
+    "target": dict(
+        model=dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                   num_key_value_heads=2, head_dim=64, intermediate_size=1024),
+        lr=2e-3, batch=16, run="runs/target", out="models/target",
+        title="mlx-dflash default target model"),
+    "draft": dict(
+        model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, intermediate_size=1024),
+        lr=3e-3, batch=16, run="runs/draft-ar", out="models/draft-ar",
+        title="mlx-dflash classic autoregressive draft model"),
+}
+SEQ = 512
+P_GSM = 0.45  # share of training sequences drawn from the GSM8K chat stream
+
+
+# ----------------------------------------------------------------------------- data
+
+def gsm8k_rows():
+    return [json.loads(l) for l in GSM8K.read_text().splitlines() if l.strip()]
+
+
+def gsm8k_split():
+    rows = gsm8k_rows()
+    return rows[:-N_DEV], rows[-N_DEV:]
+
+
+def write_gsm8k_dev(path: Path = DATA / "gsm8k_dev.jsonl") -> Path:
+    """Deterministically (re)write the dev split: the last 473 problems of train.jsonl."""
+    _, dev = gsm8k_split()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in dev:
+            f.write(json.dumps({"messages": [{"role": "user", "content": r["question"]}],
+                                "answer": r["answer"]}) + "\n")
+    return path
+
+
+def chat_text(q: str, a: str) -> str:
+    return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+
+
+def stdlib_files():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    seen, out = set(), []
+    for d, dirs, files in os.walk(root):
+        rel = Path(d).relative_to(root).parts
+        if any(p in skip or p.startswith("config-") for p in rel):
+            dirs[:] = []
+            continue
+        dirs.sort()
+        for fn in sorted(files):
+            if not fn.endswith(".py"):
+                continue
+            p = Path(d) / fn
+            try:
+                txt = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            h = hashlib.sha1(txt.encode()).hexdigest()
+            if h in seen or len(txt) < 20:
+                continue
+            seen.add(h)
+            out.append((str(p.relative_to(root)), txt))
+    return out
+
+
+def train_tokenizer(texts):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 2048,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "mask_token": "<|mask|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|mask|>"],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def cmd_prepare(args):
+    DATA.mkdir(parents=True, exist_ok=True)
+    write_gsm8k_dev()
+    train_rows, _ = gsm8k_split()
+    files = stdlib_files()
+    rng = np.random.default_rng(0)
+    val_idx = set(rng.choice(len(files), size=max(1, len(files) // 100), replace=False).tolist())
+    code_train = [t for i, (_, t) in enumerate(files) if i not in val_idx]
+    code_val = [t for i, (_, t) in enumerate(files) if i in val_idx]
+    chats = [chat_text(r["question"], r["answer"]) for r in train_rows]
+    print(f"stdlib files {len(files)} ({sum(len(t) for _, t in files)/1e6:.1f} MB), "
+          f"gsm8k train {len(chats)}", flush=True)
+
+    t0 = time.time()
+    tok = train_tokenizer(code_train + chats)
+    print(f"tokenizer trained in {time.time()-t0:.0f}s, vocab {tok.get_vocab_size()}", flush=True)
+    tok_dir = DATA / "tokenizer"
+    tok_dir.mkdir(exist_ok=True)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2))
+    (tok_dir / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "mask_token": "<|mask|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|mask|>"]}, indent=2))
+
+    for s in SPECIALS:
+        assert len(tok.encode(s).ids) == 1, s
+    sample = "def f(x):\n    return  x\t+ 1\n\n\nclass A:\n        pass\n"
+    assert tok.decode(tok.encode(sample).ids, skip_special_tokens=False) == sample
+    eot = tok.token_to_id("<|endoftext|>")
+
+    def stream(texts):
+        ids = []
+        for enc in tok.encode_batch(texts):
+            ids.extend(enc.ids)
+            ids.append(eot)
+        return np.array(ids, dtype=np.uint16)
+
+    _, dev = gsm8k_split()
+    streams = {
+        "code_train": stream(code_train),
+        "code_val": stream(code_val),
+        "gsm_train": stream(chats),
+        "gsm_dev": stream([chat_text(r["question"], r["answer"]) for r in dev]),
+    }
+    for k, v in streams.items():
+        np.save(DATA / f"{k}.npy", v)
+    stats = {k: int(v.size) for k, v in streams.items()}
+    stats.update(n_stdlib_files=len(files), n_code_val_files=len(code_val),
+                 n_gsm_train=len(chats), n_gsm_dev=len(dev),
+                 stdlib=sysconfig.get_paths()["stdlib"], python=sys.version.split()[0])
+    (DATA / "stats.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats, indent=2))
+
+
+# ----------------------------------------------------------------------------- model
+
+def model_config(preset: str) -> dict:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DATA / "tokenizer" / "tokenizer.json"))
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+               vocab_size=tok.get_vocab_size(), rms_norm_eps=1e-6,
+               max_position_embeddings=2048, rope_theta=10000.0,
+               tie_word_embeddings=True, hidden_act="silu",
+               attention_bias=False, rope_scaling=None)
+    cfg.update(PRESETS[preset]["model"])
+    cfg["eos_token_id"] = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    cfg["pad_token_id"] = tok.token_to_id("<|endoftext|>")
+    cfg["bos_token_id"] = None
+    cfg["mask_token_id"] = tok.token_to_id("<|mask|>")
+    cfg["torch_dtype"] = "bfloat16"
+    return cfg
+
+
+def build_model(cfg):
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs.from_dict(cfg)
+    return qwen3.Model(args)
+
+
+def count_params(model):
+    from mlx.utils import tree_flatten
+
+    total = sum(v.size for _, v in tree_flatten(model.parameters()))
+    emb = model.model.embed_tokens.weight.size
+    return total, total - emb
+
+
+class Sampler:
+    """Random windows of SEQ+1 tokens; a sequence comes from GSM8K chat w.p. P_GSM."""
+
+    def __init__(self, seed: int):
+        self.code = np.load(DATA / "code_train.npy")
+        self.gsm = np.load(DATA / "gsm_train.npy")
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, bs: int):
+        out = np.empty((bs, SEQ + 1), dtype=np.int32)
+        for i in range(bs):
+            src = self.gsm if self.rng.random() < P_GSM else self.code
+            o = self.rng.integers(0, src.size - SEQ - 1)
+            out[i] = src[o:o + SEQ + 1]
+        return out
+
+
+def val_batches(name: str, bs: int, n: int):
+    arr = np.load(DATA / f"{name}.npy")
+    k = min(n * bs, (arr.size - 1) // SEQ)
+    windows = np.stack([arr[i * SEQ:i * SEQ + SEQ + 1] for i in range(k)]).astype(np.int32)
+    return [windows[i:i + bs] for i in range(0, k, bs)]
+
+
+def _ckpt_save(run: Path, model, opt, step, sampler, tokens, elapsed):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    tmp = run / "ckpt.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    (tmp / "state.json").write_text(json.dumps({
+        "step": step, "tokens": tokens, "elapsed": elapsed,
+        "rng": sampler.rng.bit_generator.state}))
+    final = run / "ckpt"
+    old = run / "ckpt.old"
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def cmd_train(args, bench: bool = False):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_unflatten
+
+    assert "OpenBLAS" in fastblas.STATE["blas"], fastblas.STATE
+    P = PRESETS[args.preset]
+    run = ROOT / P["run"]
+    run.mkdir(parents=True, exist_ok=True)
+    cfg = model_config(args.preset)
+    mx.random.seed(args.seed)
+    model = build_model(cfg)
+    total, non_emb = count_params(model)
+    print(f"blas: {fastblas.STATE['blas']}; params {total/1e6:.2f}M (non-embedding {non_emb/1e6:.2f}M)",
+          flush=True)
+
+    steps, warmup, lr = args.steps, args.warmup, args.lr or P["lr"]
+    bs = args.batch or P["batch"]
+    sched = optim.join_schedules(
+        [optim.linear_schedule(lr / 100, lr, warmup),
+         optim.cosine_decay(lr, max(1, steps - warmup), end=lr * 0.05)], [warmup])
+    opt = optim.AdamW(learning_rate=sched, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    sampler = Sampler(args.seed)
+    step, tokens, elapsed0 = 0, 0, 0.0
+
+    if args.resume and (run / "ckpt" / "state.json").exists():
+        st = json.loads((run / "ckpt" / "state.json").read_text())
+        model.load_weights(str(run / "ckpt" / "model.safetensors"))
+        opt.init(model.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(run / "ckpt" / "optimizer.safetensors")).items()))
+        sampler.rng.bit_generator.state = st["rng"]
+        step, tokens, elapsed0 = st["step"], st["tokens"], st["elapsed"]
+        print(f"resumed from step {step} ({tokens} tokens)", flush=True)
+    else:
+        opt.init(model.trainable_parameters())
+        if not bench:
+            (run / "config.json").write_text(json.dumps(cfg, indent=2))
+            (run / "train_log.jsonl").write_text("")
+    mx.eval(model.parameters(), opt.state)
+
+    def loss_fn(m, x, y):
+        logits = m(x).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, y, reduction="mean")
+
+    state = [model.state, opt.state]
+
+    from functools import partial
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(batch):
+        x, y = batch[:, :-1], batch[:, 1:]
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
+        grads, gnorm = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss, gnorm
+
+    @mx.compile
+    def eval_loss(batch):
+        return loss_fn(model, batch[:, :-1], batch[:, 1:])
+
+    vals = {"gsm_dev": val_batches("gsm_dev", bs, 4), "code_val": val_batches("code_val", bs, 4)}
+
+    def evaluate():
+        return {k: float(np.mean([eval_loss(mx.array(b)).item() for b in bl])) for k, bl in vals.items()}
+
+    log = open(run / "train_log.jsonl", "a") if not bench else None
+    t_start = time.time()
+    t_last_ckpt = t_start
+    t_win, tok_win = time.time(), 0
+    run_steps = args.bench_steps if bench else steps
+    losses = []
+    while step < run_steps:
+        b = mx.array(sampler.batch(bs))
+        loss, gnorm = train_step(b)
+        mx.eval(loss, gnorm, state)
+        step += 1
+        tokens += bs * SEQ
+        tok_win += bs * SEQ
+        losses.append(loss.item())
+        if bench:
+            dt = time.time() - t_win
+            print(f"step {step} loss {losses[-1]:.3f} {bs*SEQ*step/ (time.time()-t_start):.0f} tok/s (cum) "
+                  f"dt {dt:.2f}s", flush=True)
+            t_win = time.time()
+            continue
+        if step % args.log_every == 0 or step == steps:
+            now = time.time()
+            rec = {"step": step, "loss": float(np.mean(losses)), "lr": float(sched(mx.array(step - 1)).item()),
+                   "grad_norm": float(gnorm.item()), "tokens": tokens,
+                   "tokens_per_s": tok_win / (now - t_win), "elapsed": elapsed0 + now - t_start,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
+            if step % args.eval_every == 0 or step == steps:
+                rec.update({f"val_{k}": v for k, v in evaluate().items()})
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(json.dumps(rec), flush=True)
+            losses, t_win, tok_win = [], time.time(), 0
+        if time.time() - t_last_ckpt > args.ckpt_minutes * 60 or step == steps:
+            _ckpt_save(run, model, opt, step, sampler, tokens, elapsed0 + time.time() - t_start)
+            t_last_ckpt = time.time()
+    if bench:
+        n = len(losses)
+        warm = max(1, n // 3)
+        print(f"BENCH {args.preset}: {bs*SEQ*(n-warm)/(time.time()-t_start):.0f} tok/s approx (incl. compile)")
+    else:
+        (run / "DONE").write_text(json.dumps({"step": step, "tokens": tokens}))
+        print("done", flush=True)
+
+
+# ----------------------------------------------------------------------------- export / eval / card
+
+def cmd_export(args):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    P = PRESETS[args.preset]
+    run, out = ROOT / P["run"], ROOT / P["out"]
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((run / "config.json").read_text())
+    model = build_model(cfg)
+    model.load_weights(str(run / "ckpt" / "model.safetensors"))
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DATA / "tokenizer" / f, out / f)
+    shutil.copy(run / "train_log.jsonl", out / "train_log.jsonl")
+    print(f"exported {out}: {sum(p.stat().st_size for p in out.iterdir())/1e6:.1f} MB")
+
+
+def repeated_ngram_loop(ids, window=64, n=8):
+    """True iff the last `window` generated tokens contain some 8-gram twice."""
+    tail = list(ids[-window:])
+    seen = set()
+    for i in range(len(tail) - n + 1):
+        g = tuple(tail[i:i + n])
+        if g in seen:
+            return True
+        seen.add(g)
+    return False
+
+
+def cmd_evaluate(args):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    P = PRESETS[args.preset]
+    out = ROOT / P["out"]
+    model, tok = load(str(out))
+    # check the tokenizer contract
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    txt = "def f(x):\n    if x:\n\treturn  x + 1\n\n# done\n"
+    assert tok.decode(tok.encode(txt, add_special_tokens=False)) == txt
+    greedy = make_sampler(temp=0.0)
+    dev = [json.loads(l) for l in write_gsm8k_dev().read_text().splitlines()]
+    results = {"gsm8k": [], "python": []}
+    n_gsm = args.n_gsm
+    for r in dev[:n_gsm]:
+        p = tok.apply_chat_template(r["messages"], add_generation_prompt=True)
+        t0 = time.time()
+        text = generate(model, tok, p, max_tokens=args.max_tokens, sampler=greedy)
+        ids = tok.encode(text, add_special_tokens=False)
+        gold = r["answer"].split("####")[-1].strip()
+        pred = text.split("####")[-1].strip().split("\n")[0].strip() if "####" in text else None
+        results["gsm8k"].append({"question": r["messages"][0]["content"], "output": text,
+                                 "n_tokens": len(ids), "has_final": "####" in text,
+                                 "correct": pred == gold, "gold": gold,
+                                 "loop": repeated_ngram_loop(ids), "s": time.time() - t0})
+    py_prompts = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):",
+                  "class Stack:\n    def __init__(self):", "def is_prime(n):",
+                  "def read_json(path):\n    \"\"\"Read a JSON file.\"\"\"",
+                  "import re\n\n\ndef tokenize(text):", "def binary_search(items, target):",
+                  "class Point:\n    \"\"\"A 2D point.\"\"\"\n\n    def __init__(self, x, y):",
+                  "def _quote(s):", "    def __repr__(self):"]
+    for p in py_prompts:
+        ids_p = tok.encode(p, add_special_tokens=False)
+        text = generate(model, tok, ids_p, max_tokens=args.max_tokens, sampler=greedy)
+        ids = tok.encode(text, add_special_tokens=False)
+        results["python"].append({"prompt": p, "output": text, "n_tokens": len(ids),
+                                  "loop": repeated_ngram_loop(ids)})
+    summ = {}
+    for k, rs in results.items():
+        summ[k] = {"n": len(rs), "loop_rate": float(np.mean([r["loop"] for r in rs])),
+                   "mean_tokens": float(np.mean([r["n_tokens"] for r in rs]))}
+    summ["gsm8k"]["has_final_rate"] = float(np.mean([r["has_final"] for r in results["gsm8k"]]))
+    summ["gsm8k"]["accuracy"] = float(np.mean([r["correct"] for r in results["gsm8k"]]))
+    res = {"summary": summ, "max_tokens": args.max_tokens, "chat_prompt_example": prompt,
+           "results": results}
+    (ROOT / P["run"] / "eval.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(summ, indent=2))
+    for r in results["gsm8k"][:3] + results["python"][:3]:
+        print("-----", r.get("question", r.get("prompt")))
+        print(r["output"])
+
+
+def cmd_card(args):
+    P = PRESETS[args.preset]
+    run, out = ROOT / P["run"], ROOT / P["out"]
+    cfg = json.loads((out / "config.json").read_text())
+    log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+    ev = json.loads((run / "eval.json").read_text())
+    stats = json.loads((DATA / "stats.json").read_text())
+    model = build_model(cfg)
+    total, non_emb = count_params(model)
+    last = log[-1]
+    lastval = [r for r in log if "val_gsm_dev" in r][-1]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in log], [r["loss"] for r in log], label="train", lw=1)
+        ev_r = [r for r in log if "val_gsm_dev" in r]
+        ax.plot([r["step"] for r in ev_r], [r["val_gsm_dev"] for r in ev_r], "o-", label="val gsm8k dev (chat)")
+        ax.plot([r["step"] for r in ev_r], [r["val_code_val"] for r in ev_r], "s-", label="val stdlib (held-out files)")
+        ax.set_xlabel("step"); ax.set_ylabel("cross-entropy (nats/token)"); ax.set_ylim(0, 6)
+        ax.grid(alpha=.3); ax.legend(); ax.set_title(P["title"])
+        fig.tight_layout(); fig.savefig(out / "loss.png", dpi=80)
+        curve = "![loss curve](loss.png)\n"
+    except ImportError:
+        curve = "(matplotlib not installed: no plot)\n"
+    s = ev["summary"]
+    tps = np.median([r["tokens_per_s"] for r in log])
+    model_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+                  "rope_theta", "tie_word_embeddings")
+    arch = "\n".join(f"| {k} | {cfg[k]} |" for k in model_keys)
+    steps = last["step"]
+    samples = []
+    for r in ev["results"]["gsm8k"][:3]:
+        samples.append(f"**GSM8K dev** (chat template, greedy) -- question: {r['question']}\n\n"
+                       f"```text\n{r['output']}\n```\n(gold: {r['gold']}, loop: {r['loop']})\n")
+    for r in ev["results"]["python"][:3]:
+        samples.append(f"**Python** (raw prompt, greedy)\n\n```python\n{r['prompt']}{r['output']}\n```\n"
+                       f"(loop: {r['loop']})\n")
+    pre = "--preset " + args.preset
+    lines = f"""# {P['title']}
+
+A tiny Qwen3-architecture (`model_type: qwen3`, mlx-lm format) causal language
+model trained from scratch on CPU for mlx-dflash, so the project ships a
+self-contained model {'pair' if args.preset == 'target' else 'family'} with no download. It is a toy:
+it writes GSM8K-*style* worked answers and Python-*looking* code, but is not
+expected to be correct. Weights: `model.safetensors` (bfloat16, tied
+embeddings), tokenizer shared by `models/target` and `models/draft-ar`.
+
+## Architecture
+
+| field | value |
+|---|---|
+{arch}
+
+Parameters: **{total:,}** total ({non_emb:,} non-embedding; the LM head is tied to the embedding).
+
+## Tokenizer
+
+Byte-level BPE (HF `tokenizers`), vocab {cfg['vocab_size']}, trained on the training text below
+(never on the GSM8K dev split). Special tokens: `<|endoftext|>` (id {cfg['pad_token_id']}, pad / document
+separator), `<|im_start|>`, `<|im_end|>` (eos), `<|mask|>` (id {cfg['mask_token_id']}, the DFlash mask token).
+ChatML chat template (`<|im_start|>role\\ncontent<|im_end|>\\n`; `add_generation_prompt`
+appends `<|im_start|>assistant\\n`). `eos_token_id` in config.json = {cfg['eos_token_id']}
+(`<|im_end|>`, `<|endoftext|>`). Decoding round-trips spaces, tabs, newlines.
+
+## Data (real text only)
+
+* Python {stats['python']} standard library `.py` sources (`sysconfig.get_paths()['stdlib']`; skipping
+  `test`/`tests`, `idlelib`, `lib2to3`, `site-packages`; deduplicated by content):
+  {stats['n_stdlib_files']} files, {stats['code_train']:,} training tokens
+  ({stats['n_code_val_files']} files / {stats['code_val']:,} tokens held out for validation).
+* GSM8K train (`/work/shared/data/gsm8k/train.jsonl`) as ChatML chat: user = question,
+  assistant = worked answer including the `<<calc>>` annotations and the final `#### N` line:
+  {stats['n_gsm_train']} problems, {stats['gsm_train']:,} tokens. The **last {N_DEV} problems of train.jsonl are the
+  dev split** (regenerated deterministically by `write_gsm8k_dev()` into `runs/data/gsm8k_dev.jsonl`):
+  never trained on, not used for the tokenizer.
+* Documents are packed with `<|endoftext|>` separators into one token stream per source;
+  each training sequence ({SEQ}+1 tokens) is a random window from the GSM8K stream with
+  probability {P_GSM} and from the stdlib stream otherwise, so GSM8K chat is ~{int(P_GSM*100)}% of
+  training tokens (≈{last['tokens']*P_GSM/stats['gsm_train']:.0f} epochs of it; ≈{last['tokens']*(1-P_GSM)/stats['code_train']:.1f} of the stdlib).
+
+## Training
+
+float32, AdamW (β=(0.9, 0.95), weight decay 0.1), peak lr {PRESETS[args.preset]['lr'] if not args.lr else args.lr},
+linear warmup then cosine decay to 5% of peak, grad-norm clip 1.0, batch
+{PRESETS[args.preset]['batch']}×{SEQ} tokens, `mx.compile`d step, mlx {__import__('mlx.core').core.__version__} on CPU with OpenBLAS
+(2 shared x86-64 cores).
+
+* steps: **{steps}**, tokens seen: **{last['tokens']:,}**, wall time {last['elapsed']/60:.0f} min,
+  median throughput {tps:.0f} tokens/s
+* final train loss (mean of the last {5} logged steps): **{last['loss']:.3f}**;
+  validation loss at step {lastval['step']}: GSM8K dev chat **{lastval['val_gsm_dev']:.3f}**,
+  held-out stdlib **{lastval['val_code_val']:.3f}** (nats/token)
+* full metrics: `train_log.jsonl` (step, loss, lr, grad_norm, tokens, tokens_per_s, elapsed, val_*)
+
+{curve}
+## Quality check
+
+Greedy decoding with `mlx_lm.generate` (max {ev['max_tokens']} new tokens) on the first
+{s['gsm8k']['n']} GSM8K dev questions (chat template) and {s['python']['n']} raw Python prompts.
+
+**Repetition rate** := share of outputs whose last 64 generated tokens (or all of them if
+fewer) contain some token 8-gram at least twice (a degenerate loop).
+
+| set | n | repetition rate | mean new tokens | other |
+|---|---|---|---|---|
+| GSM8K dev (chat) | {s['gsm8k']['n']} | {s['gsm8k']['loop_rate']:.0%} | {s['gsm8k']['mean_tokens']:.0f} | ends with `#### N`: {s['gsm8k']['has_final_rate']:.0%}, exact answer: {s['gsm8k']['accuracy']:.0%} |
+| Python (raw) | {s['python']['n']} | {s['python']['loop_rate']:.0%} | {s['python']['mean_tokens']:.0f} | |
+
+### Sample outputs
+
+""" + "\n".join(samples) + f"""
+
+## Reproduce
+
+From the repository root (Linux, CPU; `mlx[cpu]`, `mlx-lm`, `tokenizers`, `scipy-openblas32`,
+`matplotlib`; `PYTHONPATH=.` so the script loads the OpenBLAS shim before mlx):
+
+```bash
+export PYTHONPATH=.
+python scripts/train_target.py prepare
+{args.repro_cmd or f'python scripts/train_target.py train {pre} --steps {steps}'}
+python scripts/train_target.py export {pre}
+python scripts/train_target.py evaluate {pre}
+python scripts/train_target.py card {pre}{' --repro-cmd "..."' if args.repro_cmd else ''}
+```
+
+A killed run continues with the same `train` command plus `--resume` (weights, AdamW
+state, step and the data-sampler RNG are checkpointed every few minutes to `{P['run']}/ckpt`).
+"""
+    (out / "README.md").write_text(lines)
+    print(f"wrote {out/'README.md'}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=["prepare", "bench", "train", "export", "evaluate", "card"])
+    ap.add_argument("--preset", choices=list(PRESETS), default="target")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--bench-steps", type=int, default=8)
+    ap.add_argument("--n-gsm", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--repro-cmd", default=None, help="train command line to print in the card")
+    args = ap.parse_args()
+    {"prepare": cmd_prepare, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
+     "export": cmd_export, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

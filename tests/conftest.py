@@ -1,0 +1,31 @@
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+import mlx_dflash  # noqa: E402,F401  (fast BLAS before anything imports mlx)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory):
+    """Small random target + drafter pairs per family, made by make_test_pair."""
+    from make_test_pair import make_drafter, make_target
+
+    made = {}
+
+    def get(family="qwen3", version=1, hidden=64, layers=3, vocab=512, seed=0, draft_layers=1, block_size=16):
+        key = (family, version, hidden, layers, vocab, seed, draft_layers, block_size)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}-v{version}")
+            t = make_target(out / "target", family, hidden, layers, vocab, seed)
+            make_drafter(out / "drafter", t["config"], t["special_ids"]["<|mask|>"], version=version,
+                         layers=draft_layers, block_size=block_size, seed=seed)
+            made[key] = out
+        return made[key]
+
+    return get

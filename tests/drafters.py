@@ -1,0 +1,45 @@
+"""Test drafters with the `propose` interface of mlx_dflash.drafter.Drafter."""
+
+import random
+
+from mlx_lm.models.cache import KVCache
+
+
+class _Cfg:
+    def __init__(self, layer_ids, mask_id=0):
+        self.target_layer_ids = layer_ids
+        self.mask_token_id = mask_id
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (known in advance), each
+    draft corrupted with probability `noise` (noise=1: always wrong)."""
+
+    version = 1
+
+    def __init__(self, prompt_len, continuation, vocab, block_size=16, noise=0.0, seed=0, layer_ids=(0,)):
+        self.prompt_len = prompt_len
+        self.cont = list(continuation)
+        self.vocab = vocab
+        self.block_size = block_size
+        self.noise = noise
+        self.rng = random.Random(seed)
+        self.config = _Cfg(list(layer_ids))
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        import mlx.core as mx
+
+        if new_feats is not None:  # track the context length like a real drafter
+            n = new_feats.shape[1]
+            cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+        pos = cache[0].offset - self.prompt_len  # index of the anchor in the continuation
+        assert self.cont[pos] == anchor, "oracle out of sync with the decode loop"
+        out = []
+        for k in range(1, width):
+            true = self.cont[pos + k] if pos + k < len(self.cont) else 0
+            wrong = self.rng.random() < self.noise
+            out.append((true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab if wrong else true)
+        return out, None, 0.0

@@ -1,0 +1,176 @@
+"""Greedy output is token-for-token mlx-lm's own stream_generate."""
+
+import mlx_lm
+import pytest
+
+from drafters import OracleDrafter
+from mlx_dflash import generate, load
+
+PROMPTS = [
+    "def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
+    "class Stack:\n    def push(self, x):", "The answer is", "x = [i * i for i in range(10)]",
+    "Question: how many apples", "return self._cache[key]", "for line in open(path):",
+    "# Compute the mean\n", "if __name__ == '__main__':", "Janet's ducks lay 16 eggs per day.",
+    "try:\n    import json\nexcept ImportError:", "A robe takes 2 bolts", "while True:",
+    "print('hello world')", "async def fetch(url):", "He bought 3 pens for $2 each.",
+    "with open('f') as fh:", "lambda x: x + 1",
+]
+WIDTHS = [1, 2, 3, 5, 8, 16]
+MAX = 24
+
+
+def _ref(model, tok, prompt, max_tokens=MAX):
+    out = []
+    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
+    d = pairs(family, version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    checked = 0
+    for prompt in PROMPTS:
+        ref = _ref(model, tok, prompt)
+        for w in WIDTHS:
+            r = generate(model, tok, prompt, drafter, max_tokens=MAX, block_size=w)
+            assert r.token_ids == ref, (prompt, w)
+            assert r.stats.mode == "dflash" and r.stats.block_size == w
+            checked += 1
+    assert checked == len(PROMPTS) * len(WIDTHS)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
+    """A noisy oracle makes cycles accept 0..w-1 drafts: every trim/rollback path runs."""
+    d = pairs(family, version=1)
+    model, tok, _ = load(str(d / "target"))
+    vocab = model.args.vocab_size
+    acc = {w: [0, 0] for w in WIDTHS}
+    for i, prompt in enumerate(PROMPTS):
+        ref = _ref(model, tok, prompt)
+        n_prompt = len(tok.encode(prompt))
+        for w in WIDTHS:
+            o = OracleDrafter(n_prompt, ref, vocab, noise=0.3, seed=i * 31 + w)
+            r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w)
+            assert r.token_ids == ref, (prompt, w)
+            acc[w][0] += r.stats.accepted
+            acc[w][1] += r.stats.drafted
+    for w in WIDTHS[1:]:  # some drafts accepted, some rejected, at every width
+        assert 0 < acc[w][0] < acc[w][1], (w, acc[w])
+
+
+def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    vocab = model.args.vocab_size
+    for w in [2, 3, 5, 8]:
+        n = 1 + 4 * w  # the prefill token + 4 full cycles
+        prompt = PROMPTS[w]
+        ref = _ref(model, tok, prompt, n)
+        assert len(ref) == n
+        p = len(tok.encode(prompt))
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab), max_tokens=n, block_size=w)
+        assert r.token_ids == ref
+        assert r.stats.tau == w and r.stats.cycles == 4 and r.stats.acceptance_rate == 1.0
+        assert r.from_draft.count(True) == 4 * (w - 1)
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab, noise=1.0), max_tokens=n, block_size=w)
+        assert r.token_ids == ref
+        assert r.stats.tau == 1.0 and r.stats.accepted == 0 and r.stats.cycles == n - 1
+
+
+def test_eos_inside_accepted_run(pairs):
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt = PROMPTS[0]
+    full = _ref(model, tok, prompt, 40)
+    p = len(tok.encode(prompt))
+    for cut in range(5, 20):
+        eos = full[cut]
+        if eos in full[:cut]:
+            continue
+        tok.eos_token_ids = {eos}
+        try:
+            ref = _ref(model, tok, prompt, 40)
+            assert ref == full[:cut]
+            for w in [3, 5, 8]:
+                r = generate(model, tok, prompt, OracleDrafter(p, full, 512), max_tokens=40, block_size=w)
+                assert r.token_ids == ref and r.finish_reason == "stop"
+                assert eos not in r.token_ids
+        finally:
+            tok.eos_token_ids = {tok.convert_tokens_to_ids("<|im_end|>")}
+        return
+    pytest.fail("no usable EOS position in the reference")
+
+
+def test_stop_string_across_block_boundary(pairs):
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt = PROMPTS[3]
+    full = _ref(model, tok, prompt, 40)
+    p = len(tok.encode(prompt))
+    text = tok.decode(full)
+    straddled = 0
+    w = 4  # cycles emit tokens [1..4], [5..8], ...: token 4k|4k+1 is a boundary
+    for i in range(2, 14):
+        a, b = tok.decode(full[:i]), tok.decode(full[: i + 1])
+        if not (text.startswith(b) and len(a) > 0 and len(b) > len(a)):
+            continue
+        stop = a[-1:] + b[len(a):]  # last char of token i-1 + the text of token i
+        if text.find(stop) != len(a) - 1:
+            continue
+        r = generate(model, tok, prompt, OracleDrafter(p, full, 512), max_tokens=40, block_size=w, stop=[stop])
+        assert r.finish_reason == "stop"
+        assert r.text == text[: len(a) - 1], (i, stop)
+        if (i - 1) % w == 0:
+            straddled += 1
+    assert straddled > 0, "no stop string straddled a block in this run"
+
+
+def test_verify_mode_off_is_plain_decoding(pairs):
+    d = pairs("qwen3", version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    for prompt in PROMPTS[:5]:
+        r = generate(model, tok, prompt, drafter, max_tokens=MAX, verify_mode="off")
+        assert r.token_ids == _ref(model, tok, prompt)
+        assert r.stats.mode == "off" and r.stats.drafted == 0
+
+
+def test_untrimmable_cache_falls_back(pairs, capsys):
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_dflash.generate import PromptCache
+
+    class NoTrim(KVCache):
+        def is_trimmable(self):
+            return False
+
+    d = pairs("qwen3", version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    pc = PromptCache(target=[NoTrim() for _ in model.layers])
+    r = generate(model, tok, PROMPTS[1], drafter, max_tokens=MAX, prompt_cache=pc)
+    assert r.token_ids == _ref(model, tok, PROMPTS[1])
+    assert r.stats.mode == "off" and "cannot be trimmed" in r.stats.fallback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plain decoding" in err[0]
+
+
+def test_prompt_cache_reuse_is_lossless(pairs):
+    from mlx_dflash.generate import PromptCache
+
+    d = pairs("qwen3", version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    pc = PromptCache()
+    conv = PROMPTS[0]
+    for turn in range(3):
+        r = generate(model, tok, conv, drafter, max_tokens=12, prompt_cache=pc)
+        assert r.token_ids == _ref(model, tok, conv, 12)
+        if turn:
+            assert r.stats.reused_tokens > 0
+        conv = conv + r.text + PROMPTS[turn + 1]
+    # a diverging prompt trims back to the shared prefix and stays exact
+    r = generate(model, tok, PROMPTS[5], drafter, max_tokens=12, prompt_cache=pc)
+    assert r.token_ids == _ref(model, tok, PROMPTS[5], 12)
