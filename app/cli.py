@@ -13,6 +13,13 @@ import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
 # name -> module under app/
 COMMANDS = {
     "generate": "app.generate_cmd",
+    "chat": "app.chat",
+    "serve": "app.server",
+    "models": "app.models_cmd",
+    "settings": "app.settings_cmd",
+    "bench": "app.bench",
+    "train-drafter": "app.train_cmd",
+    "inspect": "app.inspect_cmd",
     "doctor": "app.doctor",
 }
 
@@ -36,8 +43,10 @@ def build_parser():
     for name, modname in COMMANDS.items():
         try:
             mod = importlib.import_module(modname)
-        except ImportError as e:  # an optional front end whose dependency is missing
-            sys.stderr.write(f"mlx-dflash: '{name}' unavailable ({e})\n")
+        except ModuleNotFoundError as e:
+            if e.name == modname:  # command not part of this build
+                continue
+            sys.stderr.write(f"mlx-dflash: '{name}' unavailable ({e}); reinstall mlx-dflash\n")
             continue
         mod.add_parser(sub)
         mods[name] = mod

@@ -196,11 +196,14 @@ def stream_generate(
     stop: Optional[Sequence[str]] = None,
     prompt_cache: Optional[PromptCache] = None,
     prefill_step_size: int = 2048,
+    max_context: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`.
 
     Yields one GenerationResponse per token; the last one has `finish_reason`.
-    Greedy output is token-for-token what mlx-lm's own `stream_generate` gives."""
+    Greedy output is token-for-token what mlx-lm's own `stream_generate` gives.
+    Prompts longer than `max_context` tokens use plain decoding (DFlash gains
+    shrink with context; the fallback is reported in the stats)."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode '{verify_mode}'; valid: {', '.join(VERIFY_MODES)}")
     if max_tokens < 1:
@@ -227,6 +230,8 @@ def stream_generate(
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
+    if mode == "dflash" and max_context is not None and len(ids) > max_context:
+        mode, stats.fallback = "off", f"prompt longer than max_context ({len(ids)} > {max_context})"
     if mode == "dflash" and not target.can_trim(pc.target):
         mode, stats.fallback = "off", "target KV cache cannot be trimmed"
         _notice("this target's KV cache cannot be trimmed; using plain decoding")

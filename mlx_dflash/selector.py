@@ -23,6 +23,23 @@ def selector_param_count(hidden_size: int, rank: int) -> int:
     return 3 * hidden_size * rank
 
 
+def top_k_ids(logits: mx.array, k: int, chunk: int = 64) -> mx.array:
+    """Ids [P, k] (unordered) of the k largest logits per row of [P, V].
+
+    mlx-cpu's argpartition over a 150k vocabulary costs milliseconds a row; but the
+    top-k entries all lie in the k chunks with the largest maxima, so select
+    chunks first, then entries among k * chunk: ~10x faster, one graph."""
+    P, V = logits.shape
+    if V < 4 * k * chunk:
+        return mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    x = mx.pad(logits, [(0, 0), (0, -V % chunk)], constant_values=-float("inf")) if V % chunk else logits
+    x = x.reshape(P, -1, chunk)
+    chunks = mx.argpartition(-x.max(-1), k - 1, axis=-1)[:, :k]  # [P, k]
+    sub = mx.take_along_axis(x, chunks[..., None], axis=1).reshape(P, k * chunk)
+    ids = (chunks[..., None] * chunk + mx.arange(chunk)).reshape(P, k * chunk)
+    return mx.take_along_axis(ids, mx.argpartition(-sub, k - 1, axis=-1)[:, :k], axis=-1)
+
+
 class PathSelector(nn.Module):
     def __init__(self, hidden_size: int, rank: int = 256, top_k: int = 16, codebook_vocab: int | None = None):
         super().__init__()
@@ -66,8 +83,7 @@ class PathSelector(nn.Module):
 
     def candidates(self, logits):
         """Top-K token ids [P, K] (unordered) and their logits."""
-        k = min(self.top_k, logits.shape[-1])
-        ids = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        ids = top_k_ids(logits, min(self.top_k, logits.shape[-1]))
         return ids, mx.take_along_axis(logits, ids, axis=-1)
 
     def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None):

@@ -173,3 +173,13 @@ def test_param_count():
     sel = PathSelector(2560, rank=256)
     assert sum(v.size for _, v in tree_flatten(sel.parameters())) == n
     assert sel.hidden_projection.weight.shape == (256, 2560)
+
+
+@pytest.mark.parametrize("P,V,k", [(3, 50, 4), (4, 8192, 16), (2, 5000, 16), (15, 40000, 16), (1, 2048, 8)])
+def test_top_k_ids(P, V, k):
+    from mlx_dflash.selector import top_k_ids
+
+    logits = mx.random.normal((P, V), key=mx.random.key(V))
+    got = np.sort(np.array(top_k_ids(logits, k)), -1)
+    want = np.sort(np.argsort(-np.array(logits), -1)[:, :k], -1)
+    assert (got == want).all()
