@@ -249,24 +249,34 @@ class Drafter(nn.Module):
         return self.norm(x)
 
 
-    def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0):
-        """Draft `width - 1` tokens after `anchor` in one parallel forward.
-
-        Returns (drafts, q, t_select): q is None for a deterministic proposal
-        (DFlash argmax, or the selector's greedy walk), else the [n, V] rows the
-        selector sampled from; t_select is the time spent in the selector."""
+    def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0) -> "Proposal":
+        """Draft `width - 1` tokens after `anchor` in one parallel forward."""
         block = mx.array([[anchor] + [self.config.mask_token_id] * (width - 1)])
         h = self(target.embed(block), new_feats, cache)[0, 1:]
         logits = target.head(h)
         if self.config.version == 1:
-            return mx.argmax(logits, axis=-1).tolist(), None, 0.0
+            tokens = mx.argmax(logits, axis=-1)
+            conf = mx.softmax(logits, axis=-1).max(axis=-1)
+            mx.eval(tokens, conf)
+            return Proposal(tokens.tolist(), None, 0.0, conf.tolist())
         mx.eval(logits, h)
         t0 = time.perf_counter()
         drafts, q = self.candidate_selector.propose(
             logits, h, anchor, target.embed_tokens, temperature=temperature)
-        if isinstance(drafts, mx.array):
-            drafts = drafts.tolist()
-        return [int(x) for x in drafts], q, time.perf_counter() - t0
+        drafts = [int(x) for x in (drafts.tolist() if isinstance(drafts, mx.array) else drafts)]
+        t_sel = time.perf_counter() - t0
+        conf = mx.softmax(logits, axis=-1)[mx.arange(len(drafts)), mx.array(drafts)]
+        return Proposal(drafts, q, t_sel, conf.tolist())
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one cycle."""
+
+    tokens: list  # the drafts d_1 .. d_{w-1}
+    q: Optional[mx.array] = None  # [n, V] proposal rows when sampled; None: deterministic
+    t_select: float = 0.0  # seconds spent in the path selector
+    conf: Optional[list] = None  # the drafter's probability of each draft (for adaptive width)
 
 
 # -- loading, saving, validation ------------------------------------------------
@@ -274,14 +284,7 @@ class Drafter(nn.Module):
 
 def load_drafter(path_or_repo: str, dtype=None) -> Drafter:
     path = resolve_path(path_or_repo, "drafter")
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise DrafterError(f"{path} has no config.json; not a drafter folder")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterError(f"{cfg_file} is not valid JSON (line {e.lineno}); fix or re-download it") from None
-    config = DrafterConfig.from_dict(cfg)
+    config = read_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DrafterError(f"{path} has no .safetensors weights (only safetensors are loaded)")
@@ -339,3 +342,34 @@ def validate(drafter: Drafter, target) -> None:
         raise DrafterError(f"drafter taps target layers {bad} but the target has only {target.num_layers} layers")
     if c.num_target_layers and c.num_target_layers != target.num_layers:
         raise DrafterError(f"drafter was trained for a {c.num_target_layers}-layer target; this one has {target.num_layers}")
+
+
+def param_counts(model: Drafter) -> dict:
+    """Parameter counts by part. Shapes only: works on a lazily built model
+    (nothing is allocated until evaluated)."""
+    from mlx.utils import tree_flatten
+
+    out = {"layers": 0, "fc": 0, "conv": 0, "selector": 0}
+    for k, v in tree_flatten(model.parameters()):
+        if k.startswith("candidate_selector."):
+            part = "selector"
+        elif "_conv." in k:
+            part = "conv"
+        elif k.startswith(("fc.", "hidden_norm.")):
+            part = "fc"
+        else:
+            part = "layers"
+        out[part] += v.size
+    out["total"] = sum(out.values())
+    return out
+
+
+def read_config(path) -> DrafterConfig:
+    """The DrafterConfig of a drafter folder, without loading weights."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise DrafterError(f"{path} has no config.json; not a drafter folder")
+    try:
+        return DrafterConfig.from_dict(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError as e:
+        raise DrafterError(f"{cfg_file} is not valid JSON (line {e.lineno}); fix or re-download it") from None

@@ -15,7 +15,7 @@ from .drafter import Drafter
 from .sampling import SamplingParams, accept_speculative, probs, sample
 from .target import Target
 
-VERIFY_MODES = ("dflash", "off")
+VERIFY_MODES = ("dflash", "adaptive", "off")
 DEFAULT_BLOCK_SIZE = 5
 
 
@@ -34,13 +34,14 @@ class CycleStats:
 
 @dataclass
 class GenerationStats:
-    mode: str = "dflash"  # dflash | off
+    mode: str = "dflash"  # dflash | adaptive | off
     fallback: Optional[str] = None  # why DFlash was not used, if it was asked for
     block_size: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from a prompt cache
     generation_tokens: int = 0
     cycles: int = 0
+    plain_cycles: int = 0  # cycles that verified the anchor alone (adaptive fallback)
     drafted: int = 0
     accepted: int = 0
     cycle_tokens: int = 0  # tokens emitted by verify cycles (excludes the prefill token)
@@ -74,6 +75,7 @@ class GenerationStats:
 
     def add(self, c: CycleStats) -> None:
         self.cycles += 1
+        self.plain_cycles += c.width == 1
         self.drafted += c.width - 1
         self.accepted += c.accepted
         self.cycle_tokens += c.emitted
@@ -219,31 +221,36 @@ def stream_generate(
 
     target = Target(model)
     stats = GenerationStats(prompt_tokens=len(ids))
-    mode = "dflash" if drafter is not None and verify_mode != "off" else "off"
+    mode = verify_mode if drafter is not None and verify_mode != "off" else "off"
     if verify_mode != "off" and drafter is None:
         stats.fallback = "no drafter"
     w = 1
-    if mode == "dflash":
+    if mode != "off":
         w = block_size or min(DEFAULT_BLOCK_SIZE, drafter.block_size)
         if not 1 <= w <= drafter.block_size:
             raise ValueError(f"block size {w} must be between 1 and the drafter's trained block size {drafter.block_size}")
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
-    if mode == "dflash" and max_context is not None and len(ids) > max_context:
+    if mode != "off" and max_context is not None and len(ids) > max_context:
         mode, stats.fallback = "off", f"prompt longer than max_context ({len(ids)} > {max_context})"
-    if mode == "dflash" and not target.can_trim(pc.target):
+    if mode != "off" and not target.can_trim(pc.target):
         mode, stats.fallback = "off", "target KV cache cannot be trimmed"
         _notice("this target's KV cache cannot be trimmed; using plain decoding")
     stats.mode, stats.block_size = mode, w
-    capture = list(drafter.config.target_layer_ids) if mode == "dflash" else []
+    capture = list(drafter.config.target_layer_ids) if mode != "off" else []
+    policy = None
+    if mode == "adaptive":  # per-cycle width from the measured cost curve (adaptive.py)
+        from .adaptive import AdaptiveWidth
+
+        policy = AdaptiveWidth.create(model, drafter, max_width=w)
 
     # Reuse the cached prefix. Drafter context rows always cover a prefix of the
     # target's cached tokens; rows beyond what both share are dropped.
-    if mode == "dflash" and (pc.drafter is None or pc.drafter_id != id(drafter)):
+    if mode != "off" and (pc.drafter is None or pc.drafter_id != id(drafter)):
         pc.drafter, pc.drafter_id = drafter.make_cache(), id(drafter)
     keep = len(pc.tokens)
-    if mode == "dflash":
+    if mode != "off":
         keep = min(keep, pc.drafter[0].offset)
     common = 0
     for x, y in zip(pc.tokens[:keep], ids[:-1]):  # always leave >= 1 token to process
@@ -305,12 +312,18 @@ def stream_generate(
                 return
             continue
 
-        ww = max(1, min(w, remaining))  # never draft past max_tokens
+        ww = policy.width() if policy else w  # 1: a plain step that still feeds the drafter context
+        ww = max(1, min(ww, remaining))  # never draft past max_tokens
         t0 = time.perf_counter()
-        drafts, q, t_sel = [], None, 0.0
+        drafts, q, t_sel, conf = [], None, 0.0, None
         if ww > 1:
-            drafts, q, t_sel = drafter.propose(target, token, new_feats, pc.drafter, ww, sp.temperature)
+            prop = drafter.propose(target, token, new_feats, pc.drafter, ww, sp.temperature)
+            drafts, q, t_sel, conf = prop.tokens, prop.q, prop.t_select, prop.conf
             new_feats = None
+            if policy:  # verify only the drafts worth their cost
+                n = policy.cut(prop)
+                drafts, conf = drafts[:n], (conf[:n] if conf else conf)
+                q = q[:n] if q is not None else None
         t_draft = time.perf_counter() - t0 - t_sel
         t2 = time.perf_counter()
         vin = mx.array([[token] + drafts])
@@ -326,7 +339,7 @@ def stream_generate(
         t3 = time.perf_counter()
         # bookkeeping: roll back rejected rows; the anchor and accepted drafts
         # become drafter context, the bonus is the next anchor (no features yet)
-        target.trim(pc.target, ww - 1 - a)
+        target.trim(pc.target, len(drafts) - a)
         pc.tokens += [token] + drafts[:a]
         if new_feats is None:
             new_feats = f[:, : a + 1]
@@ -334,7 +347,7 @@ def stream_generate(
             new_feats = mx.concatenate([new_feats, f[:, : a + 1]], axis=1)
         out = drafts[:a] + [bonus]
         token = bonus
-        cyc = CycleStats(ww, a, 0, t_draft, t_sel, t3 - t2, time.perf_counter() - t3)
+        cyc = CycleStats(len(drafts) + 1, a, 0, t_draft, t_sel, t3 - t2, time.perf_counter() - t3)
         resps = []
         for i, tok in enumerate(out):
             cyc.emitted += 1
@@ -342,6 +355,8 @@ def stream_generate(
             if emit.done:
                 break
         stats.add(cyc)  # before yielding, so every token of the cycle sees it
+        if policy:
+            policy.observe(cyc, conf)
         stats.generation_time = time.perf_counter() - gen_tic
         yield from resps
         if emit.done:

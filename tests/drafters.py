@@ -4,6 +4,8 @@ import random
 
 from mlx_lm.models.cache import KVCache
 
+from mlx_dflash.drafter import Proposal
+
 
 class _Cfg:
     def __init__(self, layer_ids, mask_id=0):
@@ -42,4 +44,17 @@ class OracleDrafter:
             true = self.cont[pos + k] if pos + k < len(self.cont) else 0
             wrong = self.rng.random() < self.noise
             out.append((true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab if wrong else true)
-        return out, None, 0.0
+        return Proposal(out, None, 0.0, [1.0] * len(out))
+
+
+class FixedDrafter(OracleDrafter):
+    """Always proposes the same tokens, whatever the anchor (for sampling tests)."""
+
+    def __init__(self, tokens, block_size=16):
+        super().__init__(0, [], 0, block_size)
+        self.tokens = list(tokens)
+        self.proposed = 0
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        self.proposed += 1
+        return Proposal(self.tokens[: width - 1], None, 0.0, [1.0] * (width - 1))
