@@ -1,0 +1,1 @@
+"""The embedded model pair, installed as the data-only package `mlx_dflash_models`."""
