@@ -32,7 +32,7 @@ GEMM(const void*, cgemm)
 """
 
 # What happened, for `mlx-dflash doctor`.
-STATE = {"blas": "reference (mlx-cpu bundled)", "shim": None, "error": None}
+STATE = {"blas": "reference (mlx-cpu bundled)", "shim": None, "error": None, "threads": None}
 
 
 def _openblas_lib() -> Path | None:
@@ -91,15 +91,21 @@ def use_fast_blas() -> str:
         return STATE["blas"]
     try:
         shim = build_shim(lib)
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+        blas = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
         STATE["error"] = f"could not build or load the BLAS shim ({type(e).__name__}); is a C compiler installed?"
         return STATE["blas"]
     import scipy_openblas32
 
+    # Busy-waiting BLAS threads collapse when the cores are shared with other
+    # work (seen: 7x slower decode steps); MLX_DFLASH_BLAS_THREADS=1 avoids it.
+    threads = os.environ.get("MLX_DFLASH_BLAS_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        blas.scipy_openblas_set_num_threads(int(threads))
+    STATE["threads"] = blas.scipy_openblas_get_num_threads()
     STATE["shim"] = str(shim)
-    STATE["blas"] = f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim)"
+    STATE["blas"] = f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim), {STATE['threads']} threads"
     return STATE["blas"]
 
 
