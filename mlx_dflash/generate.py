@@ -52,6 +52,7 @@ class GenerationStats:
     t_verify: float = 0.0
     t_book: float = 0.0
     peak_memory: float = 0.0  # GB
+    adaptive: Optional[dict] = None  # verify mode adaptive: the policy's state (AdaptiveWidth.summary)
 
     @property
     def tau(self) -> float:
@@ -357,6 +358,7 @@ def stream_generate(
         stats.add(cyc)  # before yielding, so every token of the cycle sees it
         if policy:
             policy.observe(cyc, conf)
+            stats.adaptive = policy.summary()
         stats.generation_time = time.perf_counter() - gen_tic
         yield from resps
         if emit.done:

@@ -1,0 +1,153 @@
+"""`mlx-dflash settings get|set|reset [MODEL] [KEY] [VALUE]`.
+
+    settings get                      everything
+    settings get port                 a global setting
+    settings get MODEL [KEY]          a model's settings (defaults included)
+    settings set port 8080            a global setting
+    settings set MODEL KEY VALUE      a model setting ("none" clears an optional one)
+    settings reset [MODEL] [KEY]      back to defaults (everything: --yes)
+    settings path                     where the file is
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub):
+    p = sub.add_parser("settings", help="per-model and global settings", description=__doc__.split("\n\n")[1],
+                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["get", "set", "reset", "path"])
+    p.add_argument("args", nargs="*", metavar="MODEL|KEY|VALUE")
+    p.add_argument("--json", action="store_true", help="get: print JSON")
+    p.add_argument("--yes", "-y", action="store_true", help="reset: confirm resetting everything")
+
+
+def _is_global(store, name: str) -> bool:
+    from mlx_dflash.settings import GLOBAL_KEYS, SettingsError
+
+    if name not in GLOBAL_KEYS:
+        return False
+    try:  # a model may be named like a global key; its settings win
+        return name not in store.models()
+    except SettingsError:  # corrupt file: a global key is meant
+        return True
+
+
+def _model_view(store, model_id: str) -> dict:
+    from mlx_dflash.settings import MODEL_KEYS
+
+    s = store.model(model_id)
+    return {k: getattr(s, f) for k, f in MODEL_KEYS.items()}
+
+
+def _print(value, as_json: bool) -> None:
+    if isinstance(value, dict) and not as_json:
+        for k, v in value.items():
+            print(f"{k} = {json.dumps(v)}")
+    else:
+        print(json.dumps(value, indent=2 if isinstance(value, dict) else None))
+
+
+def _get(store, a, as_json) -> int:
+    from dataclasses import asdict
+
+    from mlx_dflash.settings import model_field
+
+    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+
+    if len(a) > 2:
+        raise SettingsError("usage: mlx-dflash settings get [MODEL] [KEY]")
+    if not a:
+        out = {"file": str(store.path), "global": asdict(store.globals()),
+               "models": {m: store.explicit(m) for m in store.models()}}
+        if as_json:
+            print(json.dumps(out, indent=2))
+        else:
+            print(f"# {store.path}")
+            _print(out["global"], False)
+            for m, kv in out["models"].items():
+                print(f"[{m}]")
+                _print(kv, False)
+        return 0
+    if len(a) == 1 and _is_global(store, a[0]):
+        _print(getattr(store.globals(), a[0]), as_json)
+        return 0
+    view = _model_view(store, a[0])
+    if len(a) == 1:
+        _print(view, as_json)
+        return 0
+    model_field(a[1])  # unknown key -> one-line error listing the valid ones
+    from mlx_dflash.settings import MODEL_KEYS
+
+    key = a[1] if a[1] in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == a[1])
+    _print(view[key], as_json)
+    return 0
+
+
+def _kind(store, model_id: str):
+    """The kind of the model with this id, None if no such model is installed."""
+    from mlx_dflash.manager import discover
+
+    return next((e.kind_label for e in discover(store) if e.id == model_id), None)
+
+
+def _set(store, a) -> int:
+    from mlx_dflash.settings import MODEL_KEYS, model_field, parse_value
+
+    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+
+    if len(a) == 2 and _is_global(store, a[0]):
+        g = store.set_global(**{a[0]: parse_value(a[0], a[1])})
+        print(f"{a[0]} = {json.dumps(getattr(g, a[0]))}")
+        return 0
+    if len(a) == 2 and a[0] in MODEL_KEYS:
+        raise SettingsError(f"'{a[0]}' is a model setting; name the model: mlx-dflash settings set MODEL {a[0]} {a[1]}")
+    if len(a) != 3:
+        raise SettingsError("usage: mlx-dflash settings set MODEL KEY VALUE  (or: settings set GLOBAL_KEY VALUE)")
+    model_id, key, text = a
+    name = model_field(key)
+    kind = _kind(store, model_id)
+    if kind not in (None, "target"):
+        raise SettingsError(f"'{model_id}' is a {kind}; settings apply to target models")
+    s = store.set_model(model_id, **{name: parse_value(name, text)})
+    shown = key if key in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == name)
+    print(f"{model_id}: {shown} = {json.dumps(getattr(s, name))}")
+    if kind is None:
+        print(f"note: no model '{model_id}' is installed; the setting applies once it is "
+              "(see `mlx-dflash models list`)")
+    return 0
+
+
+def _reset(store, a, yes) -> int:
+    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+
+    if not a:
+        if not yes:
+            raise SettingsError(f"this resets every setting in {store.path}; add --yes to confirm")
+        store.reset_all()
+        print(f"all settings reset ({store.path})")
+        return 0
+    if len(a) == 1 and _is_global(store, a[0]):
+        store.reset_global(a[0])
+        print(f"{a[0]} reset")
+        return 0
+    if len(a) > 2:
+        raise SettingsError("usage: mlx-dflash settings reset [MODEL] [KEY]")
+    store.reset_model(a[0], a[1] if len(a) == 2 else None)
+    print(f"{a[0]}: {a[1] + ' reset' if len(a) == 2 else 'all settings reset'}")
+    return 0
+
+
+def run(args) -> int:
+    from mlx_dflash.settings import SettingsStore
+
+    store = SettingsStore()
+    if args.action == "path":
+        print(store.path)
+        return 0
+    if args.action == "get":
+        return _get(store, args.args, args.json)
+    if args.action == "set":
+        return _set(store, args.args)
+    return _reset(store, args.args, args.yes)

@@ -1,0 +1,463 @@
+"""Adaptive verify width (verify mode `adaptive`).
+
+Each cycle picks how many positions to draft, and after drafting how many of
+the drafts to verify, so as to maximise expected emitted tokens per second:
+
+    E[emitted | verify n drafts] = 1 + sum_{k=1..n} prod_{i<=k} a_i
+    cost(draft width W, n)       = c(n + 1) + d(W)          (in 1-token target steps)
+
+c(w) (verify cost) and d(w) (draft cost) are measured once per model and
+machine at start-up (`measure_costs`, cached as JSON) and then rescaled by what
+the loop actually observes (context grows, the machine gets busier). a_i, the
+chance that draft i is accepted given drafts < i were, comes from the drafter's
+own probability of the draft, calibrated by recent acceptance.
+
+When recent cycles emit fewer tokens per unit of cost than plain decoding would
+(prose, long context, a drafter that does not fit), the policy falls back to
+plain steps and re-probes after 8, 16, 32 (at most 64) of them: never sticky,
+and `state` / `summary()` (GenerationStats.adaptive) say what it is doing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+COST_CONTEXT = 256  # tokens of cached context the cost curve is measured at
+COST_BUDGET_S = 0.8  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
+COST_MAX_AGE_S = 30 * 86400  # re-measure monthly: a curve taken on a busy day must not stick
+
+
+# -- the cost curve -------------------------------------------------------------
+
+
+@dataclass
+class Costs:
+    """Measured on one model + drafter, on this machine."""
+
+    t1: float  # seconds of a 1-token target step (with feature capture), the unit below
+    c: Dict[int, float]  # verify cost c(w) = t(w tokens) / t1, w = 1..max_width
+    d: Dict[int, float]  # draft cost d(w) = t(draft w positions) / t1; d(1) = 0
+    context: int = COST_CONTEXT
+    measured_at: float = 0.0  # unix time
+
+    @property
+    def max_width(self) -> int:
+        return max(self.c)
+
+    def to_json(self) -> dict:
+        return {"t1": self.t1, "c": {str(k): v for k, v in self.c.items()},
+                "d": {str(k): v for k, v in self.d.items()}, "context": self.context,
+                "measured_at": self.measured_at}
+
+    @classmethod
+    def from_json(cls, j: dict) -> "Costs":
+        return cls(float(j["t1"]), {int(k): float(v) for k, v in j["c"].items()},
+                   {int(k): float(v) for k, v in j["d"].items()}, int(j.get("context", COST_CONTEXT)),
+                   float(j.get("measured_at", 0.0)))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
+                  budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25) -> Costs:
+    """Time target forwards of 1..max_width tokens over `context` cached tokens
+    (capturing the drafter's tapped layers, as the decode loop does) and drafter
+    proposals of 2..max_width positions, in interleaved rounds."""
+    from .drafter import Drafter
+    from .target import Target
+
+    target = Target(model)
+    capture = list(drafter.config.target_layer_ids) if drafter is not None else []
+    cache = target.make_cache()
+    ids = (mx.arange(context) * 7919 + 11) % target.vocab_size
+    _, feats = target(ids[None], cache, capture)
+    mx.eval([c.state for c in cache])
+    real_drafter = isinstance(drafter, Drafter)  # test doubles have no cost worth measuring
+    dcache = None
+    if real_drafter:
+        dcache = drafter.make_cache()
+        drafter.propose(target, 1, feats, dcache, 2)  # fills the drafter context once
+
+    def verify(w):
+        t0 = time.perf_counter()
+        logits, f = target(ids[-w:][None], cache, capture)
+        mx.argmax(logits[0], axis=-1).tolist()  # the loop reads the argmax back too
+        if f is not None:
+            mx.eval(f)
+        dt = time.perf_counter() - t0
+        target.trim(cache, w)
+        return dt
+
+    def draft(w):
+        t0 = time.perf_counter()
+        drafter.propose(target, 1, None, dcache, w)
+        return time.perf_counter() - t0
+
+    widths = range(1, max_width + 1)
+    dwidths = range(2, max_width + 1) if real_drafter else ()
+    for w in widths:  # warm-up: first calls at a new shape are slow
+        verify(w)
+    for w in dwidths:
+        draft(w)
+    tv = {w: [] for w in widths}
+    td = {w: [] for w in dwidths}
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        for w in widths:
+            tv[w].append(verify(w))
+        for w in dwidths:
+            td[w].append(draft(w))
+        if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+            break
+    # ratios within a round, then the median over rounds: the machine's load
+    # drifts between rounds and cancels within one; spikes fall out of the median
+    t1 = _median(tv[1])
+    c = {w: _median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
+    d = {1: 0.0}
+    d.update({w: (_median([a / b for a, b in zip(td[w], tv[1])]) if real_drafter else 0.0)
+              for w in range(2, max_width + 1)})
+    return Costs(t1, c, d, context, time.time())
+
+
+# -- the per-model, per-machine cache -----------------------------------------------
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("MLX_DFLASH_HOME")
+    if home:
+        return Path(home) / "cache"
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("mlx-dflash"))
+
+
+def _config_of(obj) -> dict:
+    args = getattr(obj, "args", None) or getattr(obj, "config", None)
+    if args is None:
+        return {"type": type(obj).__name__}
+    if hasattr(args, "to_dict"):
+        return args.to_dict()
+    try:
+        return asdict(args)
+    except TypeError:
+        return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def cost_key(model, drafter=None) -> dict:
+    """What the cost curve depends on. The model is identified by its config and
+    its parameters' shapes and dtypes (the mlx-lm model object does not know its
+    weights file; cost depends on shapes, dtypes and quantization, not values)."""
+    from mlx.utils import tree_flatten
+
+    from . import fastblas
+
+    def params(m):
+        h = hashlib.sha1()
+        for k, v in tree_flatten(m.parameters()):
+            h.update(f"{k}:{tuple(v.shape)}:{v.dtype};".encode())
+        return h.hexdigest()[:16]
+
+    key = {
+        "model": _config_of(model), "model_params": params(model),
+        "drafter": _config_of(drafter) if drafter is not None else None,
+        "drafter_params": params(drafter) if hasattr(drafter, "parameters") else None,
+        "machine": {"platform": platform.platform(), "machine": platform.machine(),
+                    "processor": platform.processor(), "cpus": os.cpu_count(), "mlx": mx.__version__,
+                    "device": str(mx.default_device()), "blas": fastblas.STATE["blas"]},
+    }
+    return json.loads(json.dumps(key, default=str, sort_keys=True))
+
+
+def cost_path(key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "adaptive" / f"costs-{digest}.json"
+
+
+def load_cached(key: dict, max_width: int) -> Optional[Costs]:
+    p = cost_path(key)
+    try:
+        j = json.loads(p.read_text())
+        costs = Costs.from_json(j["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or corrupt: measure again
+    if j.get("key") != key or costs.max_width < max_width or time.time() - costs.measured_at > COST_MAX_AGE_S:
+        return None
+    return costs
+
+
+def save_cached(key: dict, costs: Costs) -> Path:
+    p = cost_path(key)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
+    os.replace(tmp, p)  # atomic: a concurrent reader never sees half a file
+    return p
+
+
+_MEMO: Dict[str, Costs] = {}  # one process measures (or reads) each curve once
+
+
+def get_costs(model, drafter=None, max_width: int = 5, refresh: bool = False) -> Costs:
+    """The cost curve for this model + drafter on this machine: memoised, then
+    the on-disk cache, else measured now (and cached)."""
+    key = cost_key(model, drafter)
+    k = json.dumps(key, sort_keys=True)
+    got = None if refresh else _MEMO.get(k)
+    if got is None or got.max_width < max_width:
+        got = None if refresh else load_cached(key, max_width)
+        if got is None:
+            got = measure_costs(model, drafter, max_width)
+            try:
+                save_cached(key, got)
+            except OSError:
+                pass  # read-only cache dir: measure again next process
+        _MEMO[k] = got
+    return got
+
+
+def remember(model, drafter, costs: Costs) -> None:
+    """Use (and cache) a curve measured elsewhere, e.g. by a benchmark run."""
+    key = cost_key(model, drafter)
+    _MEMO[json.dumps(key, sort_keys=True)] = costs
+    try:
+        save_cached(key, costs)
+    except OSError:
+        pass
+
+
+# -- the policy ---------------------------------------------------------------------
+
+
+class _Calibration:
+    """P(draft accepted | its drafter probability), in probability bins, from
+    recent verifies. Counts decay every cycle, so a bin that has not been seen
+    for a while drifts back to the prior (the drafter's own probability)."""
+
+    def __init__(self, bins: int = 10, prior_weight: float = 1.0, decay: float = 0.98):
+        self.bins, self.m, self.decay = bins, prior_weight, decay
+        self.hits = [0.0] * bins
+        self.n = [0.0] * bins
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(p * self.bins)))
+
+    def __call__(self, p: float) -> float:
+        b = self._bin(p)
+        return (self.hits[b] + self.m * p) / (self.n[b] + self.m)
+
+    def update(self, p: float, hit: bool) -> None:
+        b = self._bin(p)
+        self.hits[b] += hit
+        self.n[b] += 1
+
+    def step(self) -> None:
+        self.hits = [h * self.decay for h in self.hits]
+        self.n = [n * self.decay for n in self.n]
+
+
+class _Scale:
+    """Observed time / start-up estimate, as a running average: the start-up
+    curve keeps its shape, its level follows the machine (load, context). One
+    outlier (a page fault, another process) moves it by at most a bounded step."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha, self.value, self.seen = alpha, 1.0, False
+
+    def update(self, observed: float, predicted: float) -> bool:
+        if predicted <= 0 or observed <= 0:
+            return False
+        r = observed / predicted
+        if not self.seen:
+            self.value, self.seen = r, True
+        else:
+            r = min(max(r, self.value / 4), self.value * 4)
+            self.value += self.alpha * (r - self.value)
+        return True
+
+
+class AdaptiveWidth:
+    """Per-cycle verify width for `stream_generate(verify_mode="adaptive")`.
+
+    The decode loop calls `width()` before drafting, `cut(proposal)` after, and
+    `observe(cycle_stats, conf)` after the verify."""
+
+    PATIENCE = 4  # cycles below break-even before falling back to plain steps
+    BACKOFF0, BACKOFF_MAX = 8, 64  # plain steps before the next re-probe (a probe costs ~1 step)
+    ALPHA, ALPHA_PROBE = 0.1, 0.5  # acceptance running-mean rates (a probe counts more)
+    RATE_ALPHA = 0.05  # realized-speedup running mean: ~20 cycles, so luck does not trigger a fallback
+
+    def __init__(self, costs: Costs, max_width: int, *, prior: float = 0.7, online: bool = True):
+        if not 1 <= max_width <= costs.max_width:
+            raise ValueError(f"max_width {max_width} outside the measured cost curve 1..{costs.max_width}")
+        self.costs = costs
+        self.max_width = max_width
+        self.online = online  # rescale costs with observed timings
+        self.prior = prior
+        self.p = [prior] * max_width  # p[k-1]: P(draft k accepted | drafts < k accepted)
+        self.calib = _Calibration()
+        self.sv, self.sd = _Scale(), _Scale()  # observed / start-up verify and draft times
+        self.book = 0.0  # seconds of bookkeeping per cycle, observed
+        self.d_seen = 0.0  # seconds per draft, observed (for drafters with no measured d)
+        self.state = "dflash"  # "dflash" | "fallback"
+        self.probing = False  # this cycle is a re-probe from fallback
+        self.below = 0  # consecutive cycles whose recent speedup < 1
+        self._rt = self._rc = None  # running means of tokens and cost per cycle
+        self.backoff = self.BACKOFF0
+        self.wait = 0
+        self.fallbacks = 0
+        self.probes = 0
+        self.widths: Dict[int, int] = {}  # verify width -> cycles
+        self._dw: Optional[int] = None  # draft width of the current cycle (None: plain)
+        self._conf = None  # the drafter's probabilities of this cycle's drafts
+        self._refresh()
+
+    @classmethod
+    def create(cls, model, drafter, max_width: int = 5, **kw) -> "AdaptiveWidth":
+        return cls(get_costs(model, drafter, max_width), max_width, **kw)
+
+    # -- the cost model ----------------------------------------------------------
+    def _refresh(self) -> None:
+        """Seconds per verify width (never cheaper than a narrower one: timing
+        noise must not make width look free) and per draft width, as now scaled."""
+        t1, sv, sd = self.costs.t1, self.sv.value, self.sd.value
+        self._v, run = [0.0], 0.0
+        for w in range(1, self.max_width + 1):
+            run = max(run, self.costs.c[w] * t1 * sv)
+            self._v.append(run)
+        # a drafter whose cost was not measured (d = 0): its observed time, any width
+        self._d = [0.0, 0.0] + [self.costs.d[w] * t1 * sd or self.d_seen for w in range(2, self.max_width + 1)]
+
+    def verify_cost(self, w: int) -> float:
+        return self._v[w]
+
+    def draft_cost(self, w: int) -> float:
+        return self._d[w]
+
+    def cost(self, draft_width: int, n: int) -> float:
+        """Seconds of a cycle that drafts `draft_width` positions and verifies n drafts."""
+        return self._d[draft_width] + self._v[n + 1] + self.book
+
+    @staticmethod
+    def expected(a: List[float]) -> List[float]:
+        """E[emitted] when verifying the first n drafts, n = 0..len(a)."""
+        out, run = [1.0], 1.0
+        for x in a:
+            run *= x
+            out.append(out[-1] + run)
+        return out
+
+    def speedup(self, e: float, draft_width: int, n: int) -> float:
+        """Expected tokens/s relative to plain decoding."""
+        return e / self.cost(draft_width, n) * self.cost(1, 0)
+
+    def plan(self, p=None):
+        """(draft width, expected speedup) from the per-position estimates."""
+        if self.max_width < 2:
+            return 1, 1.0
+        e = self.expected(self.p if p is None else p)
+        return max(((w, self.speedup(e[w - 1], w, w - 1)) for w in range(2, self.max_width + 1)),
+                   key=lambda x: x[1])
+
+    def realized(self, cyc) -> float:
+        """Recent tokens per second (accepted + bonus over modelled cycle cost),
+        relative to plain decoding."""
+        tok, cost = cyc.accepted + 1, self.cost(self._dw or 1, cyc.width - 1)
+        if self._rt is None:
+            self._rt, self._rc = tok, cost
+        else:
+            self._rt += self.RATE_ALPHA * (tok - self._rt)
+            self._rc += self.RATE_ALPHA * (cost - self._rc)
+        return self._rt / self._rc * self.cost(1, 0)
+
+    # -- the hooks ---------------------------------------------------------------
+    def width(self) -> int:
+        self._dw, self._conf = None, None
+        if self.state == "fallback" and self.wait > 0:
+            return 1
+        if self.state == "fallback":  # re-probe, verifying every draft, at a fresh policy's width
+            self.probing = True
+            return self.plan([self.prior] * self.max_width)[0]
+        return self.plan()[0]
+
+    def _acceptance(self, conf, n: int) -> List[float]:
+        """Calibrated acceptance of the first n drafts (per-position rates without conf)."""
+        if conf:
+            return [self.calib(float(x)) for x in conf[:n]]
+        return self.p[:n]
+
+    def best_cut(self, conf, n_drafts: int, draft_width: int):
+        """(n, expected speedup): the number of drafts to verify that maximises
+        E[emitted] / cost, given the draft cost already paid."""
+        e = self.expected(self._acceptance(conf, n_drafts))
+        n = max(range(n_drafts + 1), key=lambda i: (e[i] / self.cost(draft_width, i), i))
+        return n, self.speedup(e[n], draft_width, n)
+
+    def cut(self, prop) -> int:
+        """How many of the drafts to verify (all of them when probing)."""
+        drafts = prop.tokens
+        self._dw, self._conf = len(drafts) + 1, prop.conf
+        return len(drafts) if self.probing else self.best_cut(prop.conf, len(drafts), self._dw)[0]
+
+    def observe(self, cyc, conf=None) -> None:
+        n = cyc.width - 1  # drafts verified
+        self.widths[cyc.width] = self.widths.get(cyc.width, 0) + 1
+        alpha = self.ALPHA_PROBE if self.probing else self.ALPHA
+        # Evidence: the accepted drafts and the first rejected one. Drafts cut
+        # before the verify move p towards their calibrated estimate, so the
+        # width plan does not keep a stale optimism about positions never verified.
+        self.calib.step()
+        tested = min(cyc.accepted + 1, n)
+        for k in range(1, tested + 1):
+            hit = k <= cyc.accepted
+            self.p[k - 1] += alpha * (hit - self.p[k - 1])
+            if conf and k <= len(conf):
+                self.calib.update(float(conf[k - 1]), hit)
+        if self._conf and n == cyc.accepted:  # all verified drafts accepted: the cut ones are unknown
+            for k in range(n + 1, min(len(self._conf), self.max_width - 1) + 1):
+                self.p[k - 1] += alpha * (self.calib(float(self._conf[k - 1])) - self.p[k - 1])
+        if self.online:
+            c = self.costs
+            self.sv.update(cyc.t_verify, c.c[cyc.width] * c.t1)
+            if self._dw is not None:
+                td = cyc.t_draft + cyc.t_select
+                if not self.sd.update(td, c.d[self._dw] * c.t1):
+                    self.d_seen += 0.2 * (td - self.d_seen)
+            self.book += 0.1 * (cyc.t_book - self.book)
+            self._refresh()
+        if self.state == "fallback" and not self.probing:
+            self.wait -= 1
+            return
+        if self.probing:  # judge the probe with its own evidence included
+            self.probing = False
+            self.probes += 1
+            s = self.plan()[1]
+            if self._conf:
+                s = min(s, self.best_cut(self._conf, len(self._conf), self._dw)[1])
+            if s >= 1.0:
+                self.state, self.below, self.backoff, self._rt = "dflash", 0, self.BACKOFF0, None
+            else:  # still not worth it: wait twice as long before the next probe
+                self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
+                self.wait = self.backoff
+            return
+        # break-even on what recent cycles really emitted per unit of cost: one
+        # cycle whose drafts all look doubtful is no reason to stop drafting
+        self.below = self.below + 1 if self.realized(cyc) < 1.0 else 0
+        if self.below >= self.PATIENCE:
+            self.state, self.wait, self.below = "fallback", self.backoff, 0
+            self.fallbacks += 1
+
+    def summary(self) -> dict:
+        """For the stats (cheap: called every cycle)."""
+        return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
+                "widths": dict(self.widths)}

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Prompt and corpus files for training the embedded drafters (deterministic).
+
+    python scripts/drafter_data.py OUT [--gsm 400] [--code 200] [--corpus-gsm 300] [--corpus-code 120]
+
+Writes, from the embedded target's own training sources (scripts/train_target.py)
+and never from its held-out parts:
+
+  OUT/prompts_gsm.jsonl   {"messages": [user: question]}  GSM8K train questions
+                          (the last 473 problems, the dev split, are excluded)
+  OUT/prompts_code.jsonl  {"prompt": "def f(...):\\n    \"\"\"doc\"\"\"\\n"}  a function
+                          header + docstring from the stdlib training files (HumanEval-like)
+  OUT/corpus.jsonl        {"text": ...}  other GSM8K train problems as ChatML chat, and
+                          windows of stdlib training files: the target's training text
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_target as tt  # noqa: E402  (the target's data sources and split)
+
+
+def training_stdlib_files():
+    """The stdlib files the target trained on (its 1% validation files removed, same rng)."""
+    files = tt.stdlib_files()
+    rng = np.random.default_rng(0)
+    val = set(rng.choice(len(files), size=max(1, len(files) // 100), replace=False).tolist())
+    return [f for i, f in enumerate(files) if i not in val]
+
+
+def function_prefixes(src: str):
+    """`def ...:` header + docstring of every documented function (its source indentation kept)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return []
+    lines = src.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) and node.body:
+            doc = node.body[0]
+            start = node.lineno - 1 - len(node.decorator_list)
+            text = "".join(lines[start: doc.end_lineno])
+            if 40 < len(text) < 1200 and len(node.body) > 1:
+                out.append(text)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--gsm", type=int, default=400, help="GSM8K prompts")
+    ap.add_argument("--code", type=int, default=200, help="code prompts")
+    ap.add_argument("--corpus-gsm", type=int, default=300, help="GSM8K chats in the corpus")
+    ap.add_argument("--corpus-code", type=int, default=120, help="stdlib windows in the corpus")
+    ap.add_argument("--window", type=int, default=2000, help="characters per stdlib window")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(a.seed)
+
+    train_rows, dev = tt.gsm8k_split()
+    dev_q = {r["question"] for r in dev}
+    order = rng.permutation(len(train_rows))
+    prompt_rows = [train_rows[i] for i in order[: a.gsm]]
+    corpus_rows = [train_rows[i] for i in order[a.gsm: a.gsm + a.corpus_gsm]]
+    assert not any(r["question"] in dev_q for r in prompt_rows + corpus_rows)
+    with open(out / "prompts_gsm.jsonl", "w") as f:
+        for r in prompt_rows:
+            f.write(json.dumps({"messages": [{"role": "user", "content": r["question"]}]}) + "\n")
+
+    files = training_stdlib_files()
+    prefixes = [p for _, src in files for p in function_prefixes(src)]
+    pick = rng.choice(len(prefixes), size=min(a.code, len(prefixes)), replace=False)
+    with open(out / "prompts_code.jsonl", "w") as f:
+        for i in sorted(pick):
+            f.write(json.dumps({"prompt": prefixes[i]}) + "\n")
+
+    with open(out / "corpus.jsonl", "w") as f:
+        for r in corpus_rows:
+            f.write(json.dumps({"text": tt.chat_text(r["question"], r["answer"])}) + "\n")
+        for i in rng.choice(len(files), size=a.corpus_code, replace=True):
+            src = files[i][1]
+            o = int(rng.integers(0, max(1, len(src) - a.window)))
+            f.write(json.dumps({"text": src[o: o + a.window]}) + "\n")
+    print(f"{out}: {len(prompt_rows)} GSM8K prompts, {len(pick)} code prompts (of {len(prefixes)} documented "
+          f"functions), corpus {len(corpus_rows)} GSM8K chats + {a.corpus_code} stdlib windows")
+
+
+if __name__ == "__main__":
+    main()

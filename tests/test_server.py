@@ -1,0 +1,511 @@
+"""`mlx-dflash serve`: real server processes on loopback, driven by the official
+`openai` client and by raw HTTP (httpx)."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS_SETTING = 24  # per-model max_tokens default written to the settings file
+SYSTEM = "You are terse."  # per-model system prompt from the settings file
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m app.cli serve ...` in a subprocess with its own settings home."""
+
+    def __init__(self, home: Path, *args, model="qwen"):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = home / f"server-{self.port}.log"
+        env = {**os.environ, "MLX_DFLASH_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args]
+        if model:
+            cmd += ["--model", model]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log, "w"))
+        deadline = time.monotonic() + 300  # startup cap only (model load on a busy CPU)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()}")
+            try:
+                h = httpx.get(self.url + "/health", timeout=2).json()
+                if h["model"] == model:  # loaded at start when --model is given
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up: {self.log.read_text()}")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def models(pairs, tmp_path_factory):
+    """A model folder with two targets (qwen: DFlash drafter; llama: another
+    size, so the drafters do not mix) and a settings home pointing at it."""
+    a, b = pairs(), pairs(family="llama", hidden=32)
+    root = tmp_path_factory.mktemp("models")
+    for name, src in (("qwen", a / "target"), ("qwen-drafter", a / "drafter"),
+                      ("llama", b / "target"), ("llama-drafter", b / "drafter")):
+        (root / name).symlink_to(src)
+    home = tmp_path_factory.mktemp("home")
+    (home / "settings.json").write_text(json.dumps({
+        "version": 1, "global": {"model_dirs": [str(root)], "default_model": "qwen"},
+        "models": {"qwen": {"max_tokens": MAX_TOKENS_SETTING, "system_prompt": SYSTEM}}}))
+    return root, home
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    s = Server(models[1], "--queue-size", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(models):
+    """The same model in this process, for reference generations (plain decoding)."""
+    from mlx_dflash import generate, load
+
+    model, tok, _ = load(str(models[0] / "qwen"))
+
+    def chat_prompt(messages):
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def run(prompt, n):
+        return generate(model, tok, prompt, None, max_tokens=n)
+
+    return tok, chat_prompt, run
+
+
+def _chat(client, content, n=16, **kw):
+    return client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": content}],
+                                          max_tokens=n, temperature=0, **kw)
+
+
+def _check_report(d, finish_cut=False):
+    """usage, timings and dflash agree with one another."""
+    u, t, f = d["usage"], d["timings"], d["dflash"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert t["predicted_n"] == u["completion_tokens"]
+    assert t["prompt_n"] + t["cache_n"] == u["prompt_tokens"]
+    assert t["cache_n"] == f["reused_prompt_tokens"] == u["prompt_tokens_details"]["cached_tokens"]
+    assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
+    assert f["mode"] in ("dflash", "off")
+    if f["mode"] == "dflash":
+        assert f["verify_width"] >= 2 and f["fallback"] is None
+        assert t["draft_n"] <= f["cycles"] * (f["verify_width"] - 1)
+        assert f["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
+    if not finish_cut:  # every token after the prefill's came from a verify cycle
+        assert f["tau"] * f["cycles"] == pytest.approx(u["completion_tokens"] - 1)
+
+
+# -- the openai client ------------------------------------------------------------------
+
+def test_models_lists_targets_only(server):
+    ids = [m.id for m in server.client().models.list()]
+    assert {"llama", "qwen"} <= set(ids)  # (plus the embedded target, once it exists)
+    assert not [i for i in ids if "drafter" in i or i.endswith("draft-ar")]
+
+
+def test_chat_greedy_equals_engine_and_reports(server, ref):
+    _, chat_prompt, run = ref
+    r = _chat(server.client(), "Tell me about the sea.", n=20)
+    d = r.model_dump()
+    # the settings' system prompt is applied when the request has none
+    expect = run(chat_prompt([{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "Tell me about the sea."}]), 20)
+    assert r.choices[0].message.content == expect.text
+    assert r.usage.completion_tokens == len(expect.token_ids) == 20
+    assert r.usage.prompt_tokens == expect.stats.prompt_tokens
+    assert r.choices[0].finish_reason == "length"
+    assert d["dflash"]["mode"] == "dflash"
+    _check_report(d)
+
+
+def test_settings_default_max_tokens(server):
+    r = server.client().chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Go on"}])
+    assert r.usage.completion_tokens == MAX_TOKENS_SETTING
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_completion_and_stream_agree(server, ref):
+    _, _, run = ref
+    c = server.client()
+    r = c.completions.create(model="qwen", prompt="def main():", max_tokens=12, temperature=0)
+    expect = run("def main():", 12)
+    assert r.choices[0].text == expect.text
+    _check_report(r.model_dump())
+    chunks = list(c.completions.create(model="qwen", prompt="def main():", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expect.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    token_chunks = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason is None]
+    assert len(token_chunks) == 12  # one chunk per generated token
+    _check_report(chunks[-1].model_dump())
+
+
+def test_chat_stream_with_usage(server):
+    c = server.client()
+    full = _chat(c, "Count with me", n=10)
+    chunks = list(_chat(c, "Count with me", n=10, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    last = chunks[-1].model_dump()
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    _check_report(last)
+    # without include_usage there is no usage-only chunk, yet timings ride on the final chunk
+    plain = list(_chat(c, "Count with me", n=10, stream=True))
+    assert all(ch.choices for ch in plain)
+    assert plain[-1].model_dump()["timings"]["predicted_n"] == 10
+
+
+def test_stop_string(server, ref):
+    c = server.client()
+    full = c.completions.create(model="qwen", prompt="class A:", max_tokens=16, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    r = c.completions.create(model="qwen", prompt="class A:", max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.find(stop)]
+    _check_report(r.model_dump(), finish_cut=True)
+
+
+def test_prefix_reuse_is_lossless(server, ref):
+    """A chat client sends the whole conversation again: the cached prefix is reused."""
+    _, chat_prompt, run = ref
+    c = server.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    first = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And another one?"}]
+    second = c.chat.completions.create(model="qwen", messages=msgs, max_tokens=8, temperature=0)
+    d = second.model_dump()
+    assert d["dflash"]["reused_prompt_tokens"] >= first.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == d["dflash"]["reused_prompt_tokens"]
+    assert second.choices[0].message.content == run(chat_prompt(msgs), 8).text  # no cache: same text
+    _check_report(d)
+
+
+def test_sampling_with_seed_is_reproducible(server):
+    c = server.client()
+    kw = dict(model="qwen", prompt="import os", max_tokens=12, temperature=0.9, top_p=0.95,
+              extra_body={"top_k": 50, "min_p": 0.02})
+    a = c.completions.create(seed=7, **kw)
+    b = c.completions.create(seed=7, **kw)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.model_dump()["dflash"]["mode"] == "dflash"  # sampling options stay on the DFlash path
+
+
+def test_logprobs_fall_back_to_plain_decoding_and_say_so(server):
+    c = server.client()
+    base = _chat(c, "Hello there", n=8)
+    r = _chat(c, "Hello there", n=8, logprobs=True, top_logprobs=3)
+    d = r.model_dump()
+    assert d["dflash"]["mode"] == "off" and "logprobs" in d["dflash"]["fallback"]
+    assert r.choices[0].message.content == base.choices[0].message.content  # greedy either way
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 8 and "".join(e.token for e in lp) == base.choices[0].message.content
+    for e in lp:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy picks the top one
+    cr = c.completions.create(model="qwen", prompt="x = 1", max_tokens=4, temperature=0, logprobs=2)
+    assert len(cr.choices[0].logprobs.tokens) == 4
+    assert all(len(t) == 2 for t in cr.choices[0].logprobs.top_logprobs)
+
+
+def test_penalties_are_applied_not_ignored(server):
+    c = server.client()
+    base = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0)
+    pen = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
+                               frequency_penalty=2.0, presence_penalty=2.0)
+    d = pen.model_dump()
+    assert d["dflash"]["mode"] == "off" and "frequency_penalty" in d["dflash"]["fallback"]
+    base_tokens = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
+                                       logprobs=0).choices[0].logprobs.tokens
+    pen_tokens = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
+                                      logprobs=0, frequency_penalty=2.0,
+                                      presence_penalty=2.0).choices[0].logprobs.tokens
+    assert pen_tokens != base_tokens
+    # a strong presence penalty makes a repeat rarer than without it
+    assert len(set(pen_tokens)) > len(set(base_tokens))
+    assert pen.choices[0].text != base.choices[0].text
+    # logit_bias forces a token
+    tok_id = 300
+    r = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=3, temperature=0,
+                             logit_bias={str(tok_id): 100}, logprobs=0)
+    assert "logit_bias" in r.model_dump()["dflash"]["fallback"]
+    assert r.usage.completion_tokens == 3 and len(set(r.choices[0].logprobs.tokens)) == 1
+
+
+def test_eight_parallel_streams(server):
+    c = server.client()
+    prompts = ["alpha", "beta gamma", "delta", "epsilon zeta eta"]
+    expect = {p: c.completions.create(model="qwen", prompt=p, max_tokens=10, temperature=0).choices[0].text
+              for p in prompts}
+    out, errors = {}, []
+
+    def worker(i):
+        try:
+            p = prompts[i % len(prompts)]
+            s = c.completions.create(model="qwen", prompt=p, max_tokens=10, temperature=0, stream=True,
+                                     stream_options={"include_usage": True})
+            chunks = list(s)
+            out[i] = (p, "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(out) == 8
+    for p, text, usage in out.values():
+        assert text == expect[p] and usage.completion_tokens == 10
+
+
+def test_switching_models(server):
+    c = server.client()
+    r = c.completions.create(model="llama", prompt="hello", max_tokens=5, temperature=0)
+    assert r.model == "llama" and r.usage.completion_tokens == 5
+    assert r.model_dump()["dflash"]["mode"] == "dflash"
+    assert httpx.get(server.url + "/health").json()["model"] == "llama"
+    r2 = c.completions.create(model="qwen", prompt="hello", max_tokens=5, temperature=0)
+    assert r2.model == "qwen"
+    m = httpx.get(server.url + "/metrics").json()["models"]
+    assert m["llama"]["requests"] >= 1 and m["qwen"]["requests"] >= 1
+    assert m["qwen"]["completion_tokens"] > 0 and m["qwen"]["cycles"] > 0
+
+
+# -- raw HTTP -------------------------------------------------------------------------------
+
+def _err(r, status):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert isinstance(e["message"], str) and e["message"] and "type" in e and "code" in e and "param" in e
+    return e
+
+
+def test_bad_requests(server):
+    u = server.url + "/v1"
+    post = lambda path, **kw: httpx.post(u + path, timeout=60, **kw)  # noqa: E731
+    msgs = [{"role": "user", "content": "hi"}]
+    _err(post("/chat/completions", content=b"{not json"), 400)
+    _err(post("/chat/completions", content=b"\xff\xfe"), 400)
+    _err(post("/chat/completions", json=[1, 2]), 400)
+    _err(post("/chat/completions", json={"model": "qwen"}), 400)  # no messages
+    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "temperature": "hot"}), 400)
+    assert e["param"] == "temperature"
+    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "tools": []}), 400)
+    assert e["param"] == "tools" and e["code"] == "unsupported_parameter"  # never silently ignored
+    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "n": 2}), 400)
+    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "top_p": 0}), 400)
+    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "max_tokens": 0}), 400)
+    _err(post("/completions", json={"model": "qwen", "prompt": ["a", "b"]}), 400)
+    _err(post("/completions", json={"model": "qwen", "prompt": [1, 10**6]}), 400)
+    _err(post("/completions", json={"model": "qwen", "prompt": ""}), 400)
+    e = _err(post("/chat/completions", json={"model": "nope", "messages": msgs}), 404)
+    assert e["code"] == "model_not_found"
+    _err(post("/chat/completions", json={"model": "qwen-drafter", "messages": msgs}), 404)  # not a target
+    e = _err(post("/completions", json={"model": "qwen", "prompt": [5] * 5000}), 400)
+    assert e["code"] == "context_length_exceeded"
+    _err(httpx.get(u + "/nowhere"), 404)
+    # still serving
+    r = post("/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sse_wire_format(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                            "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_disconnect_cancels_generation(server):
+    before = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    body = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        it = r.iter_lines()
+        got = [ln for ln in (next(it) for _ in range(6)) if ln.startswith("data: ")]
+        assert got  # mid-stream: leave now
+    # the worker notices, stops, and serves the next request
+    r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    after = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completion_tokens"] - before["completion_tokens"] < 3000 - 100
+    # a non-streaming client that gives up waiting cancels its generation too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4000},
+                   timeout=httpx.Timeout(60, read=0.5))
+    r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    last = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    assert last["cancelled"] == after["cancelled"] + 1
+    assert last["completion_tokens"] - after["completion_tokens"] < 4000 - 100
+
+
+def test_fuzz_never_500(server, ref):
+    rng = random.Random(1234)
+    msgs = [{"role": "user", "content": "hi"}]
+    junk = [None, True, -1, 0, 1.5, 1e308, -1e308, "x", "", [], {}, [None], {"a": 1}, [[[]]], "\u0000",
+            "\ud800", 2**70, -(2**70)]
+    fields = {
+        "model": junk, "messages": junk + [[{"role": "robot", "content": "x"}], [{"content": "x"}],
+                                           [{"role": "user"}], [{"role": "user", "content": 5}],
+                                           [{"role": "user", "content": [{"type": "image_url"}]}]],
+        "prompt": [None, True, 1.5, {}, [1.5], [True], [[1, 2], [3]], [-1], [10**9], ["a", "b"], [[]]],
+        "max_tokens": [0, -5, 1.5, "3", True, [], -(2**64)],
+        "temperature": [-0.1, "0", 1e9, [], True, 1e-40], "top_p": [0, -1, 1.01, "1", {}], "top_k": [-1, 2.5, "5"],
+        "min_p": [-0.1, 1, 1.5, "0"], "seed": [-1, 2**64, 1.5, "7"], "stop": [5, [1], [None], ["a"] * 40, {}],
+        "stream": ["yes", 1, [], 2], "n": [0, 2, "1", -1],
+        "logprobs": [7, -1, "true", 1.5], "top_logprobs": [-1, 50, "3"],
+        "frequency_penalty": [-3, 3, "x"], "presence_penalty": [5, "y"], "logit_bias": [{"a": 1}, {"1": 500}, [],
+                                                                                      {"1": "x"}, {"99999": 1}],
+        "stream_options": [{"include_usage": "yes"}, {"x": 1}, 5], "tools": [[]], "bogus": [1],
+        "echo": [True, "no"], "best_of": [2, 0],
+    }
+    raw_bodies = [b"", b"{", b"null", b"[]", b'"s"', b"12", b"\xff\xfe\xfd", b'{"a":' * 50, b"[" * 100000,
+                  b'{"model": "qwen", "messages": NaN}', b'{"prompt": "x", "max_tokens": Infinity}']
+    statuses = []
+    http = httpx.Client(base_url=server.url, timeout=60)
+    for i in range(240):
+        path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+        if i % 12 == 0:
+            content = rng.choice(raw_bodies)
+        else:
+            body = {"model": "qwen", "max_tokens": 2}
+            body["messages" if i % 2 else "prompt"] = msgs if i % 2 else "hello"
+            # one or more fields set to something invalid for this endpoint
+            # (messages on /v1/completions or prompt on chat: an unsupported field)
+            for k in rng.sample(sorted(fields), rng.randint(1, 3)):
+                body[k] = rng.choice(fields[k])
+            content = json.dumps(body, allow_nan=True).encode()
+        r = http.post(path, content=content,
+                      headers={"content-type": rng.choice(["application/json", "text/plain", "x/y"])})
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (content[:200], r.text)
+        if r.status_code != 200:
+            _err(r, r.status_code)
+    assert statuses.count(200) <= len(statuses) // 10  # the fuzz is mostly malformed requests
+    assert len(statuses) >= 200
+    http.close()
+    # and the server still answers correctly
+    _, chat_prompt, run = ref
+    r = _chat(server.client(), "Tell me about the sea.", n=20)
+    expect = run(chat_prompt([{"role": "system", "content": SYSTEM},
+                              {"role": "user", "content": "Tell me about the sea."}]), 20)
+    assert r.choices[0].message.content == expect.text
+
+
+# -- a second server: API key, CORS, a queue of one ---------------------------------------
+
+@pytest.fixture(scope="module")
+def locked(models):
+    s = Server(models[1], "--queue-size", "1", "--api-key", "sekret", "--cors", "http://app.example", model=None)
+    yield s
+    s.stop()
+
+
+def test_api_key(locked):
+    with pytest.raises(openai.AuthenticationError):
+        locked.client("wrong").models.list()
+    _err(httpx.get(locked.url + "/v1/models"), 401)
+    _err(httpx.post(locked.url + "/v1/completions", json={"prompt": "x"}), 401)
+    assert httpx.get(locked.url + "/health").status_code == 200  # liveness needs no key
+    assert [m.id for m in locked.client("sekret").models.list()]
+
+
+def test_cors(locked):
+    r = httpx.options(locked.url + "/v1/chat/completions",
+                      headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.options(locked.url + "/v1/chat/completions",
+                      headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_model_loads_on_first_use(locked):
+    assert httpx.get(locked.url + "/health").json()["model"] is None  # no --model: nothing loaded yet
+    r = locked.client("sekret").completions.create(model="llama", prompt="hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert httpx.get(locked.url + "/health").json()["model"] == "llama"  # and it stays
+    # a request that names no model gets the settings' default model
+    r = httpx.post(locked.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers={"Authorization": "Bearer sekret"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "qwen"
+
+
+def test_queue_full_is_429(locked):
+    h = {"Authorization": "Bearer sekret"}
+    long = {"model": "qwen", "prompt": "for i in", "max_tokens": 3000, "stream": True}
+    queued = {}
+
+    def wait_in_queue():
+        queued["r"] = httpx.post(locked.url + "/v1/completions", headers=h, timeout=120,
+                                 json={"model": "qwen", "prompt": "ok", "max_tokens": 2})
+
+    with httpx.stream("POST", locked.url + "/v1/completions", json=long, headers=h, timeout=60) as r:
+        it = r.iter_lines()
+        assert next(ln for ln in it if ln.startswith("data: "))  # the worker is busy with this one
+        t = threading.Thread(target=wait_in_queue)
+        t.start()
+        while httpx.get(locked.url + "/health").json()["queued"] < 1:
+            time.sleep(0.05)
+        e = _err(httpx.post(locked.url + "/v1/completions", headers=h, timeout=60,
+                            json={"model": "qwen", "prompt": "ok", "max_tokens": 2}), 429)
+        assert e["code"] == "queue_full"
+    # leaving the stream frees the worker for the queued request
+    t.join()
+    assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 2
+
+
+def test_eos_ends_the_stream(server, ref):
+    tok = ref[0]
+    eos = str(sorted(tok.eos_token_ids)[0])
+    c = server.client()
+    r = _chat(c, "Stop now", n=8, logit_bias={eos: 100})  # the model's first token is EOS
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.usage.completion_tokens == 0
+    chunks = list(_chat(c, "Stop now", n=8, logit_bias={eos: 100}, stream=True))
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None, "stop"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""

@@ -1,0 +1,296 @@
+"""Settings file: round trip, atomic and locked writes, corrupt and unknown
+content, validation messages, the `mlx-dflash settings` command."""
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from mlx_dflash.settings import (GlobalSettings, ModelSettings, SettingsError, SettingsStore, atomic_write,
+                                 parse_value, verify_modes)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    empty = tmp_path / "embedded"
+    empty.mkdir()
+    monkeypatch.setattr("mlx_dflash.loader.models_dir", lambda: empty)
+    return SettingsStore()
+
+
+def test_home_env_and_defaults(store, tmp_path):
+    assert store.path == tmp_path / "home" / "settings.json"
+    assert not store.path.exists()
+    assert store.model("any/model") == ModelSettings()
+    assert store.globals() == GlobalSettings()
+
+
+def test_round_trip(store, tmp_path):
+    store.set_model("org/a", block_size=4, temperature=0.7, **{"dflash.enabled": False, "drafter.quant_bits": 4})
+    store.set_model("org/a", system_prompt="be brief", top_k=20)
+    store.set_model("b", verify_mode="off", max_context=1024, drafter=str(tmp_path / "nowhere"))
+    store.set_global(port=9001, model_dirs=[str(tmp_path / "m")], default_model="org/a", api_key="k")
+    fresh = SettingsStore(store.path)
+    a = fresh.model("org/a")
+    assert (a.block_size, a.temperature, a.dflash_enabled, a.drafter_quant_bits, a.system_prompt, a.top_k) == \
+        (4, 0.7, False, 4, "be brief", 20)
+    assert a.top_p == ModelSettings().top_p  # unset keys keep their defaults
+    assert fresh.model("b").verify_mode == "off" and fresh.model("b").max_context == 1024
+    g = fresh.globals()
+    assert (g.port, g.model_dirs, g.default_model, g.api_key) == (9001, [str(tmp_path / "m")], "org/a", "k")
+    raw = json.loads(store.path.read_text())
+    assert raw["version"] == 1
+    # only what the user set is stored, under the user-facing names
+    assert set(raw["models"]["org/a"]) == {"block_size", "temperature", "dflash.enabled", "drafter.quant_bits",
+                                           "system_prompt", "top_k"}
+    fresh.reset_model("org/a", "top_k")
+    assert "top_k" not in SettingsStore(store.path).explicit("org/a")
+    fresh.reset_model("org/a")
+    assert SettingsStore(store.path).model("org/a") == ModelSettings()
+    fresh.reset_global("port")
+    assert SettingsStore(store.path).globals().port == GlobalSettings().port
+
+
+def test_generation_kwargs_fit_stream_generate():
+    import inspect
+
+    from mlx_dflash.generate import VERIFY_MODES, stream_generate
+
+    kw = ModelSettings(block_size=3, temperature=0.5).generation_kwargs()
+    params = inspect.signature(stream_generate).parameters
+    assert set(kw) <= set(params)
+    assert kw["block_size"] == 3 and kw["temperature"] == 0.5 and kw["verify_mode"] == "dflash"
+    assert ModelSettings(dflash_enabled=False).generation_kwargs()["verify_mode"] == "off"
+    adaptive = ModelSettings(verify_mode="adaptive").generation_kwargs()["verify_mode"]
+    assert adaptive == ("adaptive" if "adaptive" in VERIFY_MODES else "dflash")
+    assert "adaptive" in verify_modes()
+
+
+def test_interrupted_write_keeps_old_file(store, monkeypatch):
+    store.set_model("m", top_k=3)
+    before = store.path.read_text()
+
+    def boom(*a):
+        raise OSError("disk full")
+
+    for target in ("os.fsync", "os.replace"):
+        with monkeypatch.context() as m:
+            m.setattr(target, boom)
+            with pytest.raises(OSError):
+                store.set_model("m", top_k=9)
+        assert store.path.read_text() == before
+        assert store.model("m").top_k == 3
+        assert [p.name for p in store.path.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_atomic_write_interrupted_midway(tmp_path, monkeypatch):
+    p = tmp_path / "f.json"
+    p.write_text("old")
+
+    class Half:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def write(self, s):
+            self.f.write(s[: len(s) // 2])
+            raise KeyboardInterrupt  # killed halfway through
+
+    real = os.fdopen
+    monkeypatch.setattr("os.fdopen", lambda *a, **k: Half(real(*a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(p, "new content")
+    assert p.read_text() == "old"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_corrupt_file(store, capsys):
+    store.path.parent.mkdir(parents=True)
+    bad = '{"version": 1, "models": {"m": {"top_k": 3}'  # truncated
+    store.path.write_text(bad)
+    with pytest.raises(SettingsError) as e:
+        store.model("m")
+    msg = str(e.value)
+    assert str(store.path) in msg and "\n" not in msg and "line 1" in msg
+    assert store.path.read_text() == bad  # reading never touches it
+    with pytest.raises(SettingsError):
+        store.globals()
+    # the next write keeps the bad file as a backup and starts afresh
+    store.set_model("m", top_k=5)
+    backups = list(store.path.parent.glob("settings.json.corrupt-*"))
+    assert len(backups) == 1 and backups[0].read_text() == bad
+    assert store.model("m").top_k == 5
+    assert "corrupt" in capsys.readouterr().err
+    store.path.write_text("[")  # corrupt again, within the same second: a second backup
+    store.set_model("m", top_k=6)
+    assert sorted(p.read_text() for p in store.path.parent.glob("settings.json.corrupt-*")) == ["[", bad]
+
+
+@pytest.mark.parametrize("content", ['[1, 2]', '{"version": "one"}', '{"models": []}'])
+def test_wrong_shape_is_corrupt(store, content):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(content)
+    with pytest.raises(SettingsError, match="corrupt"):
+        store.model("m")
+
+
+def test_unknown_and_bad_keys_warn_and_survive(store, capsys):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(json.dumps({
+        "version": 1, "extra": {"x": 1},
+        "global": {"port": 8100, "theme": "dark"},
+        "models": {"m": {"top_k": 7, "speed": "fast", "block_size": "many", "temperature": 2}},
+    }))
+    s = store.model("m")
+    assert s.top_k == 7 and s.temperature == 2.0
+    assert s.block_size == ModelSettings().block_size  # bad value: default, not a crash
+    assert store.globals().port == 8100
+    err = capsys.readouterr().err
+    assert "speed" in err and "block_size" in err and "extra" in err and "theme" in err
+    store.model("m")
+    assert capsys.readouterr().err == ""  # warned once per store, not on every read
+    store.set_model("m", top_p=0.9)
+    raw = json.loads(store.path.read_text())
+    assert raw["models"]["m"]["speed"] == "fast" and raw["global"]["theme"] == "dark" and raw["extra"] == {"x": 1}
+
+
+def test_invalid_value_in_file_falls_back_to_defaults(store, capsys):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(json.dumps({"version": 1, "models": {"m": {"verify_mode": "turbo", "top_k": 4}}}))
+    assert store.model("m") == ModelSettings()
+    assert "turbo" in capsys.readouterr().err
+
+
+VALIDATION = [
+    ({"verify_mode": "turbo"}, "unknown verify mode 'turbo'; valid: " + ", ".join(verify_modes())),
+    ({"block_size": 0}, "block_size must be >= 1"),
+    ({"block_size": "x"}, "block_size must be an integer"),
+    ({"drafter_quant_bits": 3}, "drafter.quant_bits must be none, 4 or 8"),
+    ({"drafter_quant_group_size": 48}, "drafter.quant_group_size must be 32, 64 or 128"),
+    ({"drafter_activation_dtype": "int8"}, "unknown drafter.activation_dtype 'int8'"),
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"top_p": 0}, "top_p must be in (0, 1]"),
+    ({"top_k": -2}, "top_k must be >= 0"),
+    ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_context": 0}, "max_context must be >= 1"),
+    ({"dflash_enabled": "maybe"}, "dflash.enabled must be true or false"),
+    ({"block_size": None}, "block_size cannot be empty"),
+    ({"speed": 3}, "unknown model setting 'speed'; valid: dflash.enabled, drafter, block_size"),
+]
+
+
+@pytest.mark.parametrize("changes,message", VALIDATION)
+def test_validation_messages(store, changes, message):
+    store.set_model("m", top_k=1)
+    before = store.path.read_text()
+    with pytest.raises(SettingsError) as e:
+        store.set_model("m", **changes)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert store.path.read_text() == before  # nothing written
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"port": 0}, "port must be in 1..65535"),
+    ({"port": "http"}, "port must be an integer"),
+    ({"host": ""}, "host cannot be empty"),
+    ({"colour": "red"}, "unknown global setting 'colour'"),
+])
+def test_global_validation_messages(store, changes, message):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        store.set_global(**changes)
+
+
+def test_parse_value():
+    assert parse_value("dflash_enabled", "off") is False and parse_value("dflash_enabled", "Yes") is True
+    assert parse_value("block_size", " 4 ") == 4 and parse_value("temperature", "0.5") == 0.5
+    assert parse_value("drafter_quant_bits", "none") is None and parse_value("drafter", "null") is None
+    assert parse_value("model_dirs", "/a, /b") == ["/a", "/b"]
+    assert parse_value("system_prompt", "hi there") == "hi there"
+
+
+def test_lock_timeout_is_one_line(store):
+    from filelock import FileLock
+
+    store.set_model("m", top_k=1)
+    slow = SettingsStore(store.path, lock_timeout=0.05)
+    with FileLock(str(store.path) + ".lock"):
+        with pytest.raises(SettingsError, match="locked by another process"):
+            slow.set_model("m", top_k=2)
+    assert slow.model("m").top_k == 1
+
+
+def _writer(path, who, n):
+    store = SettingsStore(path)
+    for i in range(n):
+        store.set_model(f"{who}-{i}", top_k=i + 1)  # a new key each time: any lost update shows
+        store.set_model(who, max_tokens=i + 1)
+
+
+def test_two_processes_lose_nothing(tmp_path):
+    path = tmp_path / "settings.json"
+    n = 25
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(path), w, n)) for w in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    raw = json.loads(path.read_text())["models"]
+    for w in ("a", "b"):
+        assert raw[w] == {"max_tokens": n}
+        assert all(raw[f"{w}-{i}"] == {"top_k": i + 1} for i in range(n))
+    assert len(raw) == 2 * n + 2
+
+
+def _cli(*argv):
+    from app.cli import main
+
+    return main(list(argv))
+
+
+def test_settings_cli(store, capsys):
+    assert _cli("settings", "set", "org/m", "block_size", "3") == 0
+    assert _cli("settings", "set", "org/m", "dflash.enabled", "off") == 0
+    assert _cli("settings", "set", "port", "8123") == 0
+    capsys.readouterr()
+    assert _cli("settings", "get", "org/m", "block_size") == 0
+    assert capsys.readouterr().out.strip() == "3"
+    assert _cli("settings", "get", "port") == 0
+    assert capsys.readouterr().out.strip() == "8123"
+    assert _cli("settings", "get", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["models"]["org/m"] == {"block_size": 3, "dflash.enabled": False} and out["global"]["port"] == 8123
+    assert _cli("settings", "reset", "org/m", "block_size") == 0
+    assert store.model("org/m").block_size == ModelSettings().block_size and not store.model("org/m").dflash_enabled
+    # user errors: one line, exit 2, nothing changed
+    before = store.path.read_text()
+    for argv in (("settings", "set", "org/m", "verify_mode", "turbo"), ("settings", "set", "block_size", "4"),
+                 ("settings", "set", "org/m", "nope", "1"), ("settings", "reset")):
+        capsys.readouterr()
+        assert _cli(*argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err
+    assert store.path.read_text() == before
+    assert _cli("settings", "reset", "--yes") == 0
+    assert json.loads(store.path.read_text())["models"] == {}
+
+
+def test_settings_cli_corrupt_file(store, capsys):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text("{oops")
+    assert _cli("settings", "get") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(store.path) in err
+    assert _cli("settings", "reset", "--yes") == 0
+    assert [p.read_text() for p in Path(store.path.parent).glob("settings.json.corrupt-*")] == ["{oops"]
