@@ -69,5 +69,7 @@ def main(argv=None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m app.cli`: use the module commands import, not __main__
+    from app.cli import main as _main
+
+    sys.exit(_main())

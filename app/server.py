@@ -507,7 +507,7 @@ class Worker:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_logits_processors
 
-        from mlx_dflash.generate import GenerationStats, _Emitter
+        from mlx_dflash.generate import GenerationStats, Emitter
         from mlx_dflash.sampling import SamplingParams, probs, sample
 
         sp = SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"], kw["seed"])
@@ -529,7 +529,7 @@ class Worker:
             return sample(probs(logprobs, sp))
 
         stats = GenerationStats(mode="off", fallback=reason, prompt_tokens=n_prompt, block_size=1)
-        emit = _Emitter(tok, kw["stop"], kw["max_tokens"], stats)
+        emit = Emitter(tok, kw["stop"], kw["max_tokens"], stats)
         n_top = req.n_logprobs() or 0
         tic = time.perf_counter()
         steps = generate_step(mx.array(ids), lm.model, max_tokens=kw["max_tokens"] + 1, sampler=sampler,

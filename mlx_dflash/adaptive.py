@@ -373,11 +373,11 @@ class AdaptiveWidth:
         """Recent tokens per second (accepted + bonus over modelled cycle cost),
         relative to plain decoding."""
         tok, cost = cyc.accepted + 1, self.cost(self._dw or 1, cyc.width - 1)
-        if self._rt is None:
-            self._rt, self._rc = tok, cost
-        else:
-            self._rt += self.RATE_ALPHA * (tok - self._rt)
-            self._rc += self.RATE_ALPHA * (cost - self._rc)
+        if self._rt is None:  # start from the plan's expectation: a few hard first tokens
+            w = self.plan()[0]  # are no evidence that drafting does not pay
+            self._rt, self._rc = self.expected(self.p)[w - 1], self.cost(w, w - 1)
+        self._rt += self.RATE_ALPHA * (tok - self._rt)
+        self._rc += self.RATE_ALPHA * (cost - self._rc)
         return self._rt / self._rc * self.cost(1, 0)
 
     # -- the hooks ---------------------------------------------------------------

@@ -117,7 +117,7 @@ def _notice(msg: str) -> None:
     print(f"mlx-dflash: {msg}", file=sys.stderr)
 
 
-class _Emitter:
+class Emitter:
     """Token bookkeeping shared by every mode: EOS, stop strings (also across a
     block), max tokens, and text held back while it may begin a stop string."""
 
@@ -269,7 +269,7 @@ def stream_generate(
     stats.reused_tokens = common
     pc.tokens = list(ids[:common])
 
-    emit = _Emitter(tokenizer, stop, max_tokens, stats)
+    emit = Emitter(tokenizer, stop, max_tokens, stats)
     tic = time.perf_counter()
 
     # -- prefill, chunked like mlx-lm so the first logits match it bit for bit --

@@ -29,7 +29,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this, logits / T overflows float32; sampling's T -> 0 limit is argmax
+        return self.temperature < 1e-5
 
 
 def probs(logits: mx.array, sp: SamplingParams) -> mx.array:

@@ -115,7 +115,9 @@ def main(argv=None) -> int:
         proc.wait(30)
 
     med = statistics.median
-    print(f"model: {model}; follow-up prompt {rows['reuse'][0]['usage']['prompt_tokens']} tokens; "
+    f = rows["reuse"][0]["dflash"]
+    print(f"model: {model}; decoding: {f['mode']}{' (' + f['fallback'] + ')' if f['fallback'] else ''}, "
+          f"verify width {f['verify_width']}; follow-up prompt {rows['reuse'][0]['usage']['prompt_tokens']} tokens; "
           f"{args.repeats} repeats, medians\n")
     print("| follow-up request | client TTFT (ms) | server ttft_ms | prompt_ms | prefilled tokens | reused tokens |")
     print("|---|---|---|---|---|---|")
