@@ -23,6 +23,7 @@ from typing import Optional
 
 from rich.markup import escape
 from rich.text import Text
+from textual.css.query import NoMatches
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -514,7 +515,11 @@ class ChatApp(App):
             parts.append(f"[b red]{escape(self.status)}[/]" if self.status.startswith("error:") else escape(self.status))
         if self.colours:
             parts.append(f"[{DRAFT_STYLE}]■ draft[/] [{TARGET_STYLE}]■ target[/]")
-        self.query_one("#status", Static).update(" · ".join(parts))
+        try:
+            bar = self.query_one("#status", Static)
+        except NoMatches:  # the app is shutting down mid-answer: no screen to update
+            return
+        bar.update(" · ".join(parts))
 
     def drafter_label(self) -> str:
         d = self.loaded.drafter if self.loaded is not None else None
