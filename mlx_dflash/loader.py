@@ -15,9 +15,9 @@ from .target import Target
 
 def models_dir() -> Path:
     """The embedded models: `models/` in a checkout, `mlx_dflash_models` when installed."""
-    here = Path(__file__).resolve().parent.parent / "models"
-    if here.is_dir():
-        return here
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").exists() and (root / "models").is_dir():  # a checkout
+        return root / "models"
     import mlx_dflash_models
 
     return Path(mlx_dflash_models.__path__[0])
