@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
+
+from mlx_dflash.settings import atomic_write  # one crash-safe writer for settings and history
 
 VERSION = 1
 
@@ -53,24 +54,6 @@ class Chat:
         msgs = [Message(m["role"], m["content"], m.get("spans"), m.get("stats")) for m in d["messages"]]
         return cls(id=d["id"], title=d.get("title", ""), model=d.get("model"), system=d.get("system", ""),
                    created=float(d.get("created", 0)), updated=float(d.get("updated", 0)), messages=msgs)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """tmp file in the same folder + fsync + rename: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class HistoryStore:

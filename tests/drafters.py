@@ -1,4 +1,5 @@
-"""Test drafters with the `propose` interface of mlx_dflash.drafter.Drafter."""
+"""Test drafters with the `propose` interface of mlx_dflash.drafter.Drafter, and
+the mlx-lm reference they are checked against."""
 
 import random
 
@@ -58,3 +59,15 @@ class FixedDrafter(OracleDrafter):
     def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
         self.proposed += 1
         return Proposal(self.tokens[: width - 1], None, 0.0, [1.0] * (width - 1))
+
+
+def reference_tokens(model, tok, prompt, max_tokens=24):
+    """Token ids of mlx-lm's own `stream_generate` (EOS excluded): the reference."""
+    import mlx_lm
+
+    out = []
+    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens):
+        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out

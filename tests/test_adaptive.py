@@ -6,7 +6,7 @@ import json
 import mlx_lm
 import pytest
 
-from drafters import OracleDrafter
+from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import adaptive, generate, load, stream_generate
 from mlx_dflash.adaptive import AdaptiveWidth, Costs
 from mlx_dflash.drafter import Proposal
@@ -22,14 +22,6 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
     monkeypatch.setattr(adaptive, "_MEMO", {})
 
-
-def _ref(model, tok, prompt, max_tokens):
-    out = []
-    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens):
-        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
 
 
 def _cycles(model, tok, prompt, drafter, **kw):
@@ -50,7 +42,7 @@ def test_adaptive_greedy_equals_mlx_lm(pairs, version):
     vocab = model.args.vocab_size
     widths = set()
     for i, prompt in enumerate(PROMPTS):
-        ref = _ref(model, tok, prompt, 32)
+        ref = reference_tokens(model, tok, prompt, 32)
         for w in (5, 8):
             r = generate(model, tok, prompt, drafter, max_tokens=32, block_size=w, verify_mode="adaptive")
             assert r.token_ids == ref, (prompt, w)
@@ -70,7 +62,7 @@ def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
     prompt, n = PROMPTS[0], 120
-    ref = _ref(model, tok, prompt, n)
+    ref = reference_tokens(model, tok, prompt, n)
     o = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size, noise=1.0)
     ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=n, block_size=5, verify_mode="adaptive")
     assert ids == ref

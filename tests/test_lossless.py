@@ -3,7 +3,7 @@
 import mlx_lm
 import pytest
 
-from drafters import OracleDrafter
+from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import generate, load
 
 PROMPTS = [
@@ -19,14 +19,6 @@ WIDTHS = [1, 2, 3, 5, 8, 16]
 MAX = 24
 
 
-def _ref(model, tok, prompt, max_tokens=MAX):
-    out = []
-    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens):
-        if r.finish_reason == "stop" and r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
-
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
@@ -34,7 +26,7 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     checked = 0
     for prompt in PROMPTS:
-        ref = _ref(model, tok, prompt)
+        ref = reference_tokens(model, tok, prompt)
         for w in WIDTHS:
             r = generate(model, tok, prompt, drafter, max_tokens=MAX, block_size=w)
             assert r.token_ids == ref, (prompt, w)
@@ -51,7 +43,7 @@ def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
     vocab = model.args.vocab_size
     acc = {w: [0, 0] for w in WIDTHS}
     for i, prompt in enumerate(PROMPTS):
-        ref = _ref(model, tok, prompt)
+        ref = reference_tokens(model, tok, prompt)
         n_prompt = len(tok.encode(prompt))
         for w in WIDTHS:
             o = OracleDrafter(n_prompt, ref, vocab, noise=0.3, seed=i * 31 + w)
@@ -70,7 +62,7 @@ def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
     for w in [2, 3, 5, 8]:
         n = 1 + 4 * w  # the prefill token + 4 full cycles
         prompt = PROMPTS[w]
-        ref = _ref(model, tok, prompt, n)
+        ref = reference_tokens(model, tok, prompt, n)
         assert len(ref) == n
         p = len(tok.encode(prompt))
         r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab), max_tokens=n, block_size=w)
@@ -86,7 +78,7 @@ def test_eos_inside_accepted_run(pairs):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
     prompt = PROMPTS[0]
-    full = _ref(model, tok, prompt, 40)
+    full = reference_tokens(model, tok, prompt, 40)
     p = len(tok.encode(prompt))
     for cut in range(5, 20):
         eos = full[cut]
@@ -94,7 +86,7 @@ def test_eos_inside_accepted_run(pairs):
             continue
         tok.eos_token_ids = {eos}
         try:
-            ref = _ref(model, tok, prompt, 40)
+            ref = reference_tokens(model, tok, prompt, 40)
             assert ref == full[:cut]
             for w in [3, 5, 8]:
                 r = generate(model, tok, prompt, OracleDrafter(p, full, 512), max_tokens=40, block_size=w)
@@ -110,7 +102,7 @@ def test_stop_string_across_block_boundary(pairs):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
     prompt = PROMPTS[3]
-    full = _ref(model, tok, prompt, 40)
+    full = reference_tokens(model, tok, prompt, 40)
     p = len(tok.encode(prompt))
     text = tok.decode(full)
     straddled = 0
@@ -135,7 +127,7 @@ def test_verify_mode_off_is_plain_decoding(pairs):
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     for prompt in PROMPTS[:5]:
         r = generate(model, tok, prompt, drafter, max_tokens=MAX, verify_mode="off")
-        assert r.token_ids == _ref(model, tok, prompt)
+        assert r.token_ids == reference_tokens(model, tok, prompt)
         assert r.stats.mode == "off" and r.stats.drafted == 0
 
 
@@ -152,7 +144,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     pc = PromptCache(target=[NoTrim() for _ in model.layers])
     r = generate(model, tok, PROMPTS[1], drafter, max_tokens=MAX, prompt_cache=pc)
-    assert r.token_ids == _ref(model, tok, PROMPTS[1])
+    assert r.token_ids == reference_tokens(model, tok, PROMPTS[1])
     assert r.stats.mode == "off" and "cannot be trimmed" in r.stats.fallback
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "plain decoding" in err[0]
@@ -167,10 +159,10 @@ def test_prompt_cache_reuse_is_lossless(pairs):
     conv = PROMPTS[0]
     for turn in range(3):
         r = generate(model, tok, conv, drafter, max_tokens=12, prompt_cache=pc)
-        assert r.token_ids == _ref(model, tok, conv, 12)
+        assert r.token_ids == reference_tokens(model, tok, conv, 12)
         if turn:
             assert r.stats.reused_tokens > 0
         conv = conv + r.text + PROMPTS[turn + 1]
     # a diverging prompt trims back to the shared prefix and stays exact
     r = generate(model, tok, PROMPTS[5], drafter, max_tokens=12, prompt_cache=pc)
-    assert r.token_ids == _ref(model, tok, PROMPTS[5], 12)
+    assert r.token_ids == reference_tokens(model, tok, PROMPTS[5], 12)
