@@ -176,10 +176,12 @@ def _encode(tokenizer: TokenizerWrapper, prompt) -> List[int]:
     return list(prompt)
 
 
+def _lazy_pick(logits: mx.array, sp: SamplingParams) -> mx.array:
+    return mx.argmax(logits, axis=-1) if sp.greedy else sample(probs(logits, sp))
+
+
 def _pick(logits: mx.array, sp: SamplingParams) -> int:
-    if sp.greedy:
-        return int(mx.argmax(logits, axis=-1).item())
-    return int(sample(probs(logits, sp)).item())
+    return int(_lazy_pick(logits, sp).item())
 
 
 def stream_generate(
@@ -296,22 +298,12 @@ def stream_generate(
     yield resp
     if emit.done:
         return
+    if mode == "off":
+        yield from _plain(target, pc, token, sp, emit, stats, gen_tic)
+        return
 
     while True:
         remaining = max_tokens - len(emit.tokens)
-        if mode == "off":
-            t0 = time.perf_counter()
-            logits, _ = target(mx.array([[token]]), pc.target)
-            pc.tokens.append(token)
-            token = _pick(logits[0, -1], sp)
-            cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0)
-            stats.add(cyc)
-            stats.generation_time = time.perf_counter() - gen_tic
-            resp = emit.push(token, False, cyc)
-            yield resp
-            if emit.done:
-                return
-            continue
 
         ww = policy.width() if policy else w  # 1: a plain step that still feeds the drafter context
         ww = max(1, min(ww, remaining))  # never draft past max_tokens
@@ -363,6 +355,34 @@ def stream_generate(
         yield from resps
         if emit.done:
             return
+
+
+def _plain(target, pc, token, sp, emit, stats, gen_tic):
+    """Plain decoding, pipelined like mlx-lm: the step that consumes token n is
+    queued on its lazy value before it is read back, so building the graph
+    overlaps the compute (the step of the last token emitted is wasted when a stop
+    comes, as in mlx-lm). `token` has been emitted; its KV row is not cached yet."""
+    logits, _ = target(mx.array([[token]]), pc.target)
+    pc.tokens.append(token)
+    y = _lazy_pick(logits[0, -1], sp)
+    mx.async_eval(y)
+    while True:
+        t0 = time.perf_counter()
+        nxt = None
+        if len(emit.tokens) + 1 < emit.max_tokens:  # y may not be the last token: queue its step
+            logits, _ = target(y.reshape(1, 1), pc.target)
+            nxt = _lazy_pick(logits[0, -1], sp)
+            mx.async_eval(nxt)
+        tok = int(y.item())
+        if nxt is not None:  # its KV row went in with the queued step: the cache and
+            pc.tokens.append(tok)  # pc.tokens agree at every yield, even if the caller stops
+        cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0)
+        stats.add(cyc)
+        stats.generation_time = time.perf_counter() - gen_tic
+        yield emit.push(tok, False, cyc)
+        if emit.done or nxt is None:
+            return
+        y = nxt
 
 
 @dataclass

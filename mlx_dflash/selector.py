@@ -86,28 +86,38 @@ class PathSelector(nn.Module):
         ids = top_k_ids(logits, min(self.top_k, logits.shape[-1]))
         return ids, mx.take_along_axis(logits, ids, axis=-1)
 
-    def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None):
-        """Walk the lattice from the anchor. Returns (tokens: list[int] of length P, q).
+    def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None,
+                with_conf: bool = False):
+        """Walk the lattice from the anchor. Returns (tokens: list[int] of length P, q),
+        plus conf (the drafter's own probability of each pick) when `with_conf`.
 
         q is None when greedy; at temperature > 0 it is the proposal actually
         sampled from, dense [P, V] float32 (zero outside each row's candidates).
+        Everything the walk reads comes back in one evaluation.
         """
         P, V = logits.shape
         if P == 0:
-            return [], (None if temperature <= 0 else mx.zeros((0, V), mx.float32))
+            out = ([], (None if temperature <= 0 else mx.zeros((0, V), mx.float32)))
+            return out + ([],) if with_conf else out
         ids, u = self.candidates(logits)
         S = self.lattice(anchor, ids, u, h, embed)
+        # the candidates' softmax probabilities, for the adaptive width's confidence
+        cp = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ids, axis=-1) if with_conf else ids
         if temperature <= 0:
-            S, ids = np.array(S), np.array(ids)  # one eval
-            tokens, i = [], 0  # row 0 of S[0] already holds the anchor's scores
+            mx.eval(S, ids, cp)
+            S, idn, cpn = np.array(S), np.array(ids), np.array(cp)
+            picks, tokens, i = [], [], 0  # row 0 of S[0] already holds the anchor's scores
             for t in range(P):
                 i = int(S[t, i].argmax())
-                tokens.append(int(ids[t, i]))
+                picks.append(i)
+                tokens.append(int(idn[t, i]))
+            if with_conf:
+                return tokens, None, [float(cpn[t, i]) for t, i in enumerate(picks)]
             return tokens, None
         probs = mx.softmax(S / temperature, axis=-1)  # [P, K, K]
         r = mx.random.uniform(shape=(P,), key=key)
-        mx.eval(probs, ids, r)
-        pn, idn, rn = np.array(probs), np.array(ids), np.array(r)
+        mx.eval(probs, ids, r, cp)
+        pn, idn, rn, cpn = np.array(probs), np.array(ids), np.array(r), np.array(cp)
         picks, tokens, i = [], [], 0
         for t in range(P):
             c = np.cumsum(pn[t, i], dtype=np.float64)
@@ -117,4 +127,6 @@ class PathSelector(nn.Module):
         # q row t = the softmax row we sampled from: that of the pick at t-1 (the anchor row 0 at t = 0).
         used = mx.array([0] + picks[:-1])
         q = mx.put_along_axis(mx.zeros((P, V), mx.float32), ids, probs[mx.arange(P), used], axis=-1)
+        if with_conf:
+            return tokens, q, [float(cpn[t, i]) for t, i in enumerate(picks)]
         return tokens, q

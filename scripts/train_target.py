@@ -72,6 +72,7 @@ PRESETS = {
         title="mlx-dflash classic autoregressive draft model"),
 }
 SEQ = 512
+VAL_SEQ = 512  # fixed, so val losses stay comparable when --seq changes
 P_GSM = 0.45  # share of training sequences drawn from the GSM8K chat stream
 
 
@@ -265,12 +266,12 @@ class Sampler:
 
 def val_batches(name: str, bs: int, n: int):
     arr = np.load(DATA / f"{name}.npy")
-    k = min(n * bs, (arr.size - 1) // SEQ)
-    windows = np.stack([arr[i * SEQ:i * SEQ + SEQ + 1] for i in range(k)]).astype(np.int32)
+    k = min(n * bs, (arr.size - 1) // VAL_SEQ)
+    windows = np.stack([arr[i * VAL_SEQ:(i + 1) * VAL_SEQ + 1] for i in range(k)]).astype(np.int32)
     return [windows[i:i + bs] for i in range(0, k, bs)]
 
 
-def _ckpt_save(run: Path, model, opt, step, sampler, tokens, elapsed):
+def _ckpt_save(run: Path, model, opt, step, sampler, tokens, elapsed, phase):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -281,7 +282,7 @@ def _ckpt_save(run: Path, model, opt, step, sampler, tokens, elapsed):
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     (tmp / "state.json").write_text(json.dumps({
-        "step": step, "tokens": tokens, "elapsed": elapsed,
+        "step": step, "tokens": tokens, "elapsed": elapsed, "phase": phase,
         "rng": sampler.rng.bit_generator.state}))
     final = run / "ckpt"
     old = run / "ckpt.old"
@@ -314,9 +315,12 @@ def cmd_train(args, bench: bool = False):
     steps, warmup, lr = args.steps, args.warmup, args.lr or P["lr"]
     bs = args.batch or P["batch"]
     budget = args.time_budget * 60 if args.time_budget else float("inf")
+    phase = {"step0": 0, "elapsed0": 0.0}  # where the current lr schedule started
 
     def lr_at(step: int, elapsed: float) -> float:
-        """Linear warmup (steps), then cosine to 5% over progress = max(step/steps, time/budget)."""
+        """Linear warmup (steps), then cosine to 5% over progress = max(step/steps, time/budget),
+        both counted from the start of the current phase."""
+        step, elapsed = step - phase["step0"], elapsed - phase["elapsed0"]
         if step < warmup:
             return lr * (0.01 + 0.99 * step / warmup)
         q = min(1.0, max(step / steps, elapsed / budget))
@@ -333,7 +337,10 @@ def cmd_train(args, bench: bool = False):
         opt.state = tree_unflatten(list(mx.load(str(run / "ckpt" / "optimizer.safetensors")).items()))
         sampler.rng.bit_generator.state = st["rng"]
         step, tokens, elapsed0 = st["step"], st["tokens"], st["elapsed"]
-        print(f"resumed from step {step} ({tokens} tokens)", flush=True)
+        phase.update(st.get("phase", {}))
+        if args.new_phase:  # a warm restart: a fresh warmup + cosine, steps/budget counted from here
+            phase.update(step0=step, elapsed0=elapsed0)
+        print(f"resumed from step {step} ({tokens} tokens); phase {phase}", flush=True)
         if not bench and (run / "train_log.jsonl").exists():  # drop records past the checkpoint
             keep = [l for l in (run / "train_log.jsonl").read_text().splitlines()
                     if l.strip() and json.loads(l)["step"] <= step]
@@ -365,7 +372,7 @@ def cmd_train(args, bench: bool = False):
     def eval_loss(batch):
         return loss_fn(model, batch[:, :-1], batch[:, 1:])
 
-    vals = {"gsm_dev": val_batches("gsm_dev", bs, 3), "code_val": val_batches("code_val", bs, 3)}
+    vals = {"gsm_dev": val_batches("gsm_dev", 8, 3), "code_val": val_batches("code_val", 8, 3)}
 
     def evaluate():
         return {k: float(np.mean([eval_loss(mx.array(b)).item() for b in bl])) for k, bl in vals.items()}
@@ -376,9 +383,10 @@ def cmd_train(args, bench: bool = False):
     t_win, tok_win = time.time(), 0
     run_steps = args.bench_steps if bench else steps
     losses = []
+    run_steps += phase["step0"] if not bench else 0
     while step < run_steps:
         el = elapsed0 + time.time() - t_start
-        if not bench and el >= budget:
+        if not bench and el - phase["elapsed0"] >= budget:
             print(f"time budget of {args.time_budget} min reached at step {step}", flush=True)
             break
         cur_lr = lr_at(step, el)
@@ -396,7 +404,7 @@ def cmd_train(args, bench: bool = False):
                   f"dt {dt:.2f}s", flush=True)
             t_win = time.time()
             continue
-        last_step = step == steps or (elapsed0 + time.time() - t_start) >= budget
+        last_step = step == run_steps or (elapsed0 + time.time() - t_start - phase["elapsed0"]) >= budget
         if step % args.log_every == 0 or last_step:
             now = time.time()
             rec = {"step": step, "loss": float(np.mean(losses)), "lr": cur_lr,
@@ -410,7 +418,7 @@ def cmd_train(args, bench: bool = False):
             print(json.dumps(rec), flush=True)
             losses, t_win, tok_win = [], time.time(), 0
         if time.time() - t_last_ckpt > args.ckpt_minutes * 60 or last_step:
-            _ckpt_save(run, model, opt, step, sampler, tokens, elapsed0 + time.time() - t_start)
+            _ckpt_save(run, model, opt, step, sampler, tokens, elapsed0 + time.time() - t_start, phase)
             t_last_ckpt = time.time()
     if bench:
         n = len(losses)
@@ -696,6 +704,11 @@ def main():
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--new-phase", action="store_true",
+                    help="with --resume: keep weights and AdamW state, restart the lr schedule "
+                         "(warmup + cosine over --steps / --time-budget counted from the checkpoint)")
+    ap.add_argument("--seq", type=int, default=SEQ, help="training sequence length")
+    ap.add_argument("--p-gsm", type=float, default=P_GSM, help="share of sequences from GSM8K chat")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="minutes of training (all resumes together); the cosine follows the larger "
                          "of step/steps and time/budget, and training stops when either is reached")
@@ -708,6 +721,7 @@ def main():
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
     ap.add_argument("--repro-cmd", default=None, help="train command line to print in the card")
     args = ap.parse_args()
+    globals().update(SEQ=args.seq, P_GSM=args.p_gsm)
     {"prepare": cmd_prepare, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
      "export": cmd_export, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
 

@@ -64,6 +64,8 @@ def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     prompt, n = PROMPTS[0], 120
     ref = reference_tokens(model, tok, prompt, n)
     o = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size, noise=1.0)
+    # a fixed cost curve (c(5) = 2): how soon it falls back must not hang on this machine's load
+    adaptive.remember(model, o, Costs(0.01, {w: 1 + 0.25 * (w - 1) for w in range(1, 6)}, {w: 0.0 for w in range(1, 6)}))
     ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=n, block_size=5, verify_mode="adaptive")
     assert ids == ref
     assert st.accepted == 0 and st.plain_cycles > 0

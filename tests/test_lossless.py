@@ -4,7 +4,7 @@ import mlx_lm
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import generate, load
+from mlx_dflash import generate, load, stream_generate
 
 PROMPTS = [
     "def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
@@ -166,3 +166,34 @@ def test_prompt_cache_reuse_is_lossless(pairs):
     # a diverging prompt trims back to the shared prefix and stays exact
     r = generate(model, tok, PROMPTS[5], drafter, max_tokens=12, prompt_cache=pc)
     assert r.token_ids == reference_tokens(model, tok, PROMPTS[5], 12)
+
+
+def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
+    """Verify mode off runs pipelined (the next step is queued before a token is read):
+    after a max-tokens stop, a stop string, or a caller that walks away mid-stream,
+    the cached rows still match the cached tokens, so the next turn stays exact."""
+    from mlx_dflash.generate import PromptCache
+
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    pc = PromptCache()
+    conv = PROMPTS[0]
+    for turn, how in enumerate(["max", "walk-away", "stop", "max"]):
+        ref = reference_tokens(model, tok, conv, 12)
+        if how == "walk-away":
+            out = []
+            for r in stream_generate(model, tok, conv, max_tokens=12, prompt_cache=pc):
+                out.append(r.token)
+                if len(out) == 5:
+                    break
+            assert out == ref[:5]
+            text = tok.decode(out)
+        else:
+            stop = [tok.decode(ref[:8])[-3:]] if how == "stop" else None
+            r = generate(model, tok, conv, max_tokens=12, prompt_cache=pc, stop=stop)
+            assert r.token_ids == ref[: len(r.token_ids)]
+            assert len(r.token_ids) == 12 if how == "max" else r.finish_reason == "stop"
+            assert r.stats.mode == "off" and (turn == 0 or r.stats.reused_tokens > 0)
+            text = r.text
+        assert pc.target[0].offset == len(pc.tokens)  # a row per cached token, no stray one
+        conv = conv + text + PROMPTS[turn + 1]

@@ -70,6 +70,16 @@ def test_greedy_walk_equals_brute_force(P, K, seed):
     assert q is None and tokens == list(paths[0])
 
 
+@pytest.mark.parametrize("T", [0.0, 0.8])
+def test_conf_is_the_drafter_probability_of_each_pick(T):
+    sel, embed, logits, h = setup(4, 4, 5, scale=3.0)
+    tokens, q, conf = sel.propose(logits, h, 3, embed, temperature=T, key=mx.random.key(1), with_conf=True)
+    p = np.array(mx.softmax(logits.astype(mx.float32), axis=-1))
+    assert conf == pytest.approx([p[t, tok] for t, tok in enumerate(tokens)], rel=1e-5)
+    plain = sel.propose(logits, h, 3, embed, temperature=T, key=mx.random.key(1))
+    assert plain[0] == tokens  # asking for conf changes nothing else
+
+
 def test_walk_is_not_just_top1():
     """Guard for the test above: with a live successor side the path differs from top-1 somewhere."""
     differs = 0
