@@ -381,6 +381,14 @@ class AdaptiveWidth:
         return self._rt / self._rc * self.cost(1, 0)
 
     # -- the hooks ---------------------------------------------------------------
+    def plain_steps(self) -> int:
+        """Plain steps due before the next re-probe (0 when drafting): the loop
+        runs them as one pipelined burst, observing each."""
+        if self.state == "fallback" and self.wait > 0:
+            self._dw, self._conf = None, None  # what width() does for a plain step
+            return self.wait
+        return 0
+
     def width(self) -> int:
         self._dw, self._conf = None, None
         if self.state == "fallback" and self.wait > 0:

@@ -305,6 +305,15 @@ def stream_generate(
     while True:
         remaining = max_tokens - len(emit.tokens)
 
+        if policy and policy.plain_steps() > 1:  # a fallback burst: plain steps, pipelined
+            def seen(cyc):
+                policy.observe(cyc)
+                stats.adaptive = policy.summary()
+            token, new_feats = yield from _plain(target, pc, token, sp, emit, stats, gen_tic, capture,
+                                                 policy.plain_steps(), new_feats, seen)
+            if token is None:
+                return
+            continue
         ww = policy.width() if policy else w  # 1: a plain step that still feeds the drafter context
         ww = max(1, min(ww, remaining))  # never draft past max_tokens
         t0 = time.perf_counter()
@@ -357,31 +366,45 @@ def stream_generate(
             return
 
 
-def _plain(target, pc, token, sp, emit, stats, gen_tic):
+def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, feats=None, on_cycle=None):
     """Plain decoding, pipelined like mlx-lm: the step that consumes token n is
     queued on its lazy value before it is read back, so building the graph
-    overlaps the compute (the step of the last token emitted is wasted when a stop
-    comes, as in mlx-lm). `token` has been emitted; its KV row is not cached yet."""
-    logits, _ = target(mx.array([[token]]), pc.target)
+    overlaps the compute (when a stop comes, the queued step is wasted, as in mlx-lm).
+
+    `token` has been emitted; its KV row is not cached yet. With `steps`, stops
+    after that many tokens (an adaptive fallback burst) and returns (the last
+    token, emitted but not fed: the next anchor, or None when generation is over;
+    the captured features of every row fed, appended to `feats`)."""
+    def feed(tok):
+        logits, f = target(tok.reshape(1, 1), pc.target, capture)
+        nxt = _lazy_pick(logits[0, -1], sp)
+        mx.async_eval(nxt, *([f] if f is not None else []))
+        return nxt, f
+
+    y, f = feed(mx.array(token))
     pc.tokens.append(token)
-    y = _lazy_pick(logits[0, -1], sp)
-    mx.async_eval(y)
+    feats = [feats, f] if feats is not None else [f]
+    n = 0
     while True:
         t0 = time.perf_counter()
         nxt = None
-        if len(emit.tokens) + 1 < emit.max_tokens:  # y may not be the last token: queue its step
-            logits, _ = target(y.reshape(1, 1), pc.target)
-            nxt = _lazy_pick(logits[0, -1], sp)
-            mx.async_eval(nxt)
+        if len(emit.tokens) + 1 < emit.max_tokens and (steps is None or n + 1 < steps):
+            nxt, f = feed(y)  # y may not be the last token: queue its step now
         tok = int(y.item())
         if nxt is not None:  # its KV row went in with the queued step: the cache and
             pc.tokens.append(tok)  # pc.tokens agree at every yield, even if the caller stops
+            feats.append(f)
+        n += 1
         cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0)
         stats.add(cyc)
+        if on_cycle:
+            on_cycle(cyc)
         stats.generation_time = time.perf_counter() - gen_tic
         yield emit.push(tok, False, cyc)
         if emit.done or nxt is None:
-            return
+            feats = [x for x in feats if x is not None]
+            cat = mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None)
+            return (None if emit.done else tok), cat
         y = nxt
 
 

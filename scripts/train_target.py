@@ -595,6 +595,21 @@ def cmd_card(args):
         samples.append(f"**Python** (raw prompt, greedy)\n\n```python\n{r['prompt']}{r['output']}\n```\n"
                        f"(loop: {r['loop']})\n")
     pre = "--preset " + args.preset
+    # training phases (warm restarts): end step, sequence length, GSM8K share, peak lr, batch
+    phases = [dict(zip(("end", "seq", "p_gsm", "lr", "batch"), map(float, ph.split(","))))
+              for ph in (args.phase or [f"{steps},{SEQ},{P_GSM},{args.lr or P['lr']},{args.batch or P['batch']}"])]
+    ph_rows, gsm_tok, code_tok, prev_step, prev_tok = [], 0.0, 0.0, 0, 0
+    for i, ph in enumerate(phases):
+        end = int(ph["end"]) if ph["end"] > 0 else steps
+        tok_end = next((r["tokens"] for r in log if r["step"] >= end), last["tokens"])
+        n = tok_end - prev_tok
+        gsm_tok += n * ph["p_gsm"]
+        code_tok += n * (1 - ph["p_gsm"])
+        ph_rows.append(f"| {i + 1} | {prev_step}-{end} | {n:,} | {int(ph['batch'])}×{int(ph['seq'])} | "
+                       f"{ph['p_gsm']:.0%} | {ph['lr']:g} |")
+        prev_step, prev_tok = end, tok_end
+    phase_table = ("| phase | steps | tokens | batch × seq | GSM8K share | peak lr |\n|---|---|---|---|---|---|\n"
+                   + "\n".join(ph_rows))
     lines = f"""# {P['title']}
 
 A tiny Qwen3-architecture (`model_type: qwen3`, mlx-lm format) causal language
@@ -634,16 +649,18 @@ appends `<|im_start|>assistant\\n`). `eos_token_id` in config.json = {cfg['eos_t
   dev split** (regenerated deterministically by `write_gsm8k_dev()` into `runs/data/gsm8k_dev.jsonl`):
   never trained on, not used for the tokenizer.
 * Documents are packed with `<|endoftext|>` separators into one token stream per source;
-  each training sequence ({SEQ}+1 tokens) is a random window from the GSM8K stream with
-  probability {P_GSM} and from the stdlib stream otherwise, so GSM8K chat is ~{int(P_GSM*100)}% of
-  training tokens (≈{last['tokens']*P_GSM/stats['gsm_train']:.0f} epochs of it; ≈{last['tokens']*(1-P_GSM)/stats['code_train']:.1f} of the stdlib).
+  each training sequence (seq+1 tokens) is a random window from the GSM8K stream with
+  the phase's GSM8K share as probability and from the stdlib stream otherwise (phases
+  under Training): ≈{gsm_tok/stats['gsm_train']:.1f} epochs of GSM8K chat and ≈{code_tok/stats['code_train']:.1f} of the stdlib in all.
 
 ## Training
 
-float32, AdamW (β=(0.9, 0.95), weight decay 0.1), peak lr {PRESETS[args.preset]['lr'] if not args.lr else args.lr},
-linear warmup then cosine decay to 5% of peak, grad-norm clip 1.0, batch
-{PRESETS[args.preset]['batch']}×{SEQ} tokens, `mx.compile`d step, mlx {__import__('mlx.core').core.__version__} on CPU with OpenBLAS
-(2 shared x86-64 cores).
+float32, AdamW (β=(0.9, 0.95), weight decay 0.1), linear warmup then cosine decay to 5% of
+the phase's peak lr, grad-norm clip 1.0, `mx.compile`d step, mlx {__import__('mlx.core').core.__version__} on CPU
+with OpenBLAS (2 shared x86-64 cores). A later phase is a warm restart from the previous
+phase's last checkpoint (weights and AdamW state kept; `train --resume --new-phase`).
+
+{phase_table}
 
 * steps: **{steps}**, tokens seen: **{last['tokens']:,}**, wall time {last['elapsed']/60:.0f} min,
   median throughput {tps:.0f} tokens/s
@@ -652,7 +669,7 @@ linear warmup then cosine decay to 5% of peak, grad-norm clip 1.0, batch
   held-out stdlib **{lastval['val_code_val']:.3f}** (nats/token)
 * full metrics: `train_log.jsonl` (step, loss, lr, grad_norm, tokens, tokens_per_s, elapsed, val_*;
   `loss` is the mean over the {args.log_every} steps since the previous record; val_* = mean loss on
-  3 batches of {SEQ}-token windows of the GSM8K dev chats / held-out stdlib files)
+  3 batches of {VAL_SEQ}-token windows of the GSM8K dev chats / held-out stdlib files)
 {args.note + chr(10) if args.note else ''}
 {curve}
 ## Quality check
@@ -719,7 +736,9 @@ def main():
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
-    ap.add_argument("--repro-cmd", default=None, help="train command line to print in the card")
+    ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
+    ap.add_argument("--phase", action="append", default=None,
+                    help="card: one training phase as END_STEP,SEQ,P_GSM,PEAK_LR,BATCH (repeat; END_STEP 0: the last step)")
     args = ap.parse_args()
     globals().update(SEQ=args.seq, P_GSM=args.p_gsm)
     {"prepare": cmd_prepare, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,

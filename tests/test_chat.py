@@ -150,19 +150,21 @@ def test_settings_panel_validates_saves_and_applies(backend, tmp_path):
             # a bad value: inline message, nothing saved, the panel stays open
             scr.query_one("#f-block_size").value = "abc"
             scr.query_one("#f-top_p").value = "2"
+            err = lambda k: str(scr.query_one(f"#err-{k}").render())  # noqa: E731
+            await pilot.pause()  # the fields' Changed events (which hide old messages) come first
             await pilot.click("#save")
-            await pilot.pause()
+            await until(pilot, lambda: "integer" in err("block_size"), "the inline message")
             assert app.screen is scr
-            assert "integer" in str(scr.query_one("#err-block_size").render())
             assert scr.query_one("#err-block_size").display
             scr.query_one("#f-block_size").value = "99"  # above the drafter's trained block size
+            await pilot.pause()
             await pilot.click("#save")
-            await pilot.pause()
-            assert "at most 16" in str(scr.query_one("#err-block_size").render())
+            await until(pilot, lambda: "at most 16" in err("block_size"), "the inline message")
             scr.query_one("#f-block_size").value = "3"
-            await pilot.press("ctrl+s")  # top_p = 2 is refused by the settings store
             await pilot.pause()
-            assert app.screen is scr and "top_p" in str(scr.query_one("#err-top_p").render())
+            await pilot.press("ctrl+s")  # top_p = 2 is refused by the settings store
+            await until(pilot, lambda: "top_p" in err("top_p"), "the store's message")
+            assert app.screen is scr
             assert not scr.query_one("#err-block_size").display
             assert backend.store.model("target").block_size == 5
             # good values: saved through the model manager, applied to the next message
