@@ -9,8 +9,9 @@ the drafts to verify, so as to maximise expected emitted tokens per second:
 c(w) (verify cost) and d(w) (draft cost) are measured once per model and
 machine at start-up (`measure_costs`, cached as JSON) and then rescaled by what
 the loop actually observes (context grows, the machine gets busier). a_i, the
-chance that draft i is accepted given drafts < i were, comes from the drafter's
-own probability of the draft, calibrated by recent acceptance.
+chance that draft i is accepted given drafts < i were, comes from the selector's
+path score of the draft (softmax over its candidates; DFlash 1: the drafter's
+probability), calibrated by recent acceptance.
 
 When recent cycles emit fewer tokens per unit of cost than plain decoding would
 (prose, long context, a drafter that does not fit), the policy falls back to
@@ -319,7 +320,7 @@ class AdaptiveWidth:
         self.probes = 0
         self.widths: Dict[int, int] = {}  # verify width -> cycles
         self._dw: Optional[int] = None  # draft width of the current cycle (None: plain)
-        self._conf = None  # the drafter's probabilities of this cycle's drafts
+        self._conf = None  # this cycle's per-draft confidences (Proposal.conf)
         self._refresh()
 
     @classmethod

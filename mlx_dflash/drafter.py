@@ -273,7 +273,7 @@ class Proposal:
     tokens: list  # the drafts d_1 .. d_{w-1}
     q: Optional[mx.array] = None  # [n, V] proposal rows when sampled; None: deterministic
     t_select: float = 0.0  # seconds spent in the path selector
-    conf: Optional[list] = None  # the drafter's probability of each draft (for adaptive width)
+    conf: Optional[list] = None  # per draft: DFlash 2 path score as a probability, DFlash 1 softmax (adaptive width)
 
 
 # -- loading, saving, validation ------------------------------------------------

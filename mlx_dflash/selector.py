@@ -89,7 +89,8 @@ class PathSelector(nn.Module):
     def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None,
                 with_conf: bool = False):
         """Walk the lattice from the anchor. Returns (tokens: list[int] of length P, q),
-        plus conf (the drafter's own probability of each pick) when `with_conf`.
+        plus conf when `with_conf`: each pick's path score as a probability,
+        softmax over the candidates of S_t(prev, .) (the adaptive width calibrates it).
 
         q is None when greedy; at temperature > 0 it is the proposal actually
         sampled from, dense [P, V] float32 (zero outside each row's candidates).
@@ -101,23 +102,29 @@ class PathSelector(nn.Module):
             return out + ([],) if with_conf else out
         ids, u = self.candidates(logits)
         S = self.lattice(anchor, ids, u, h, embed)
-        # the candidates' softmax probabilities, for the adaptive width's confidence
-        cp = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ids, axis=-1) if with_conf else ids
+
+        def conf(Sn, picks):
+            out, prev = [], 0
+            for t, i in enumerate(picks):
+                row = Sn[t, prev].astype(np.float64)
+                e = np.exp(row - row.max())
+                out.append(float(e[i] / e.sum()))
+                prev = i
+            return out
+
         if temperature <= 0:
-            mx.eval(S, ids, cp)
-            S, idn, cpn = np.array(S), np.array(ids), np.array(cp)
+            mx.eval(S, ids)
+            Sn, idn = np.array(S), np.array(ids)
             picks, tokens, i = [], [], 0  # row 0 of S[0] already holds the anchor's scores
             for t in range(P):
-                i = int(S[t, i].argmax())
+                i = int(Sn[t, i].argmax())
                 picks.append(i)
                 tokens.append(int(idn[t, i]))
-            if with_conf:
-                return tokens, None, [float(cpn[t, i]) for t, i in enumerate(picks)]
-            return tokens, None
+            return (tokens, None, conf(Sn, picks)) if with_conf else (tokens, None)
         probs = mx.softmax(S / temperature, axis=-1)  # [P, K, K]
         r = mx.random.uniform(shape=(P,), key=key)
-        mx.eval(probs, ids, r, cp)
-        pn, idn, rn, cpn = np.array(probs), np.array(ids), np.array(r), np.array(cp)
+        mx.eval(probs, ids, r, S)
+        pn, idn, rn = np.array(probs), np.array(ids), np.array(r)
         picks, tokens, i = [], [], 0
         for t in range(P):
             c = np.cumsum(pn[t, i], dtype=np.float64)
@@ -127,6 +134,4 @@ class PathSelector(nn.Module):
         # q row t = the softmax row we sampled from: that of the pick at t-1 (the anchor row 0 at t = 0).
         used = mx.array([0] + picks[:-1])
         q = mx.put_along_axis(mx.zeros((P, V), mx.float32), ids, probs[mx.arange(P), used], axis=-1)
-        if with_conf:
-            return tokens, q, [float(cpn[t, i]) for t, i in enumerate(picks)]
-        return tokens, q
+        return (tokens, q, conf(np.array(S), picks)) if with_conf else (tokens, q)

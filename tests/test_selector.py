@@ -71,11 +71,18 @@ def test_greedy_walk_equals_brute_force(P, K, seed):
 
 
 @pytest.mark.parametrize("T", [0.0, 0.8])
-def test_conf_is_the_drafter_probability_of_each_pick(T):
+def test_conf_is_the_path_score_of_each_pick(T):
+    """conf_t = softmax over the candidates of S_t(previous pick, .), at the pick."""
     sel, embed, logits, h = setup(4, 4, 5, scale=3.0)
     tokens, q, conf = sel.propose(logits, h, 3, embed, temperature=T, key=mx.random.key(1), with_conf=True)
-    p = np.array(mx.softmax(logits.astype(mx.float32), axis=-1))
-    assert conf == pytest.approx([p[t, tok] for t, tok in enumerate(tokens)], rel=1e-5)
+    want = []
+    for t, tok in enumerate(tokens):
+        cand = np.array(top_k_ids(logits, 4))[t]
+        prev = 3 if t == 0 else tokens[t - 1]
+        s = np.array([np_score(sel, embed, prev, b, t, logits, h) for b in cand], np.float64)
+        p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        want.append(p[list(cand).index(tok)])
+    assert conf == pytest.approx(want, rel=1e-4)
     plain = sel.propose(logits, h, 3, embed, temperature=T, key=mx.random.key(1))
     assert plain[0] == tokens  # asking for conf changes nothing else
 
