@@ -595,6 +595,8 @@ def cmd_card(args):
         samples.append(f"**Python** (raw prompt, greedy)\n\n```python\n{r['prompt']}{r['output']}\n```\n"
                        f"(loop: {r['loop']})\n")
     pre = "--preset " + args.preset
+    loop_txt = " and".join(f" on {s[k]['loop_rate']:.0%} of the {name} prompts"
+                           for k, name in (("gsm8k", "GSM8K dev"), ("python", "Python")) if k in s)
     # training phases (warm restarts): end step, sequence length, GSM8K share, peak lr, batch
     phases = [dict(zip(("end", "seq", "p_gsm", "lr", "batch"), map(float, ph.split(","))))
               for ph in (args.phase or [f"{steps},{SEQ},{P_GSM},{args.lr or P['lr']},{args.batch or P['batch']}"])]
@@ -615,9 +617,9 @@ def cmd_card(args):
 A tiny Qwen3-architecture (`model_type: qwen3`, mlx-lm format) causal language
 model trained from scratch on CPU for mlx-dflash, so the project ships a
 self-contained model {'pair' if args.preset == 'target' else 'family'} with no download. It is a heavily
-under-trained toy (a few million tokens on 2 shared CPU cores): it has learned the *format* of
+under-trained toy ({last['tokens']/1e6:.1f}M tokens on 2 shared CPU cores): it has learned the *format* of
 GSM8K answers (`<<calc>>` lines ending in `#### N`, then `<|im_end|>`) and the layout of Python
-source, but its content is wrong and it loops a lot (see Quality check). Weights: `model.safetensors` (bfloat16, tied
+source, but its content is mostly wrong and greedy decoding still loops{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
 embeddings), tokenizer shared by `models/target` and `models/draft-ar`.
 
 ## Architecture
