@@ -198,14 +198,12 @@ def check_model(s: ModelSettings) -> None:
     if s.drafter_activation_dtype not in ACTIVATION_DTYPES:
         raise SettingsError(f"unknown drafter.activation_dtype '{s.drafter_activation_dtype}'; "
                             f"valid: {', '.join(ACTIVATION_DTYPES)}")
-    if s.temperature < 0:
-        raise SettingsError(f"temperature must be >= 0, got {s.temperature}")
-    if not 0 < s.top_p <= 1:
-        raise SettingsError(f"top_p must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise SettingsError(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    if not 0 <= s.min_p <= 1:
-        raise SettingsError(f"min_p must be in [0, 1], got {s.min_p}")
+    from .sampling import SamplingParams  # here: reading settings should not need mlx
+
+    try:  # the engine's own checks, so settings never hold values generation refuses
+        SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     if s.max_tokens < 1:
         raise SettingsError(f"max_tokens must be >= 1, got {s.max_tokens}")
     if s.max_context < 1:

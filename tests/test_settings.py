@@ -180,7 +180,8 @@ VALIDATION = [
     ({"temperature": -1}, "temperature must be >= 0"),
     ({"top_p": 0}, "top_p must be in (0, 1]"),
     ({"top_k": -2}, "top_k must be >= 0"),
-    ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+    ({"min_p": 1.5}, "min_p must be in [0, 1)"),
+    ({"min_p": 1.0}, "min_p must be in [0, 1)"),  # generation refuses it, so settings do too
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"max_context": 0}, "max_context must be >= 1"),
     ({"dflash_enabled": "maybe"}, "dflash.enabled must be true or false"),
