@@ -157,8 +157,10 @@ def test_settings_panel_validates_saves_and_applies(backend, tmp_path):
             assert app.screen is scr
             assert scr.query_one("#err-block_size").display
             scr.query_one("#f-block_size").value = "99"  # above the drafter's trained block size
-            await pilot.pause()
-            await pilot.click("#save")
+            await until(pilot, lambda: not scr.query_one("#err-block_size").display, "the edit to hide it")
+            # the key, not a click: the shown messages moved the button, and a click under
+            # load can land where it was (CI saw that once)
+            await pilot.press("ctrl+s")
             await until(pilot, lambda: "at most 16" in err("block_size"), "the inline message")
             scr.query_one("#f-block_size").value = "3"
             await pilot.pause()
