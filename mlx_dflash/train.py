@@ -367,16 +367,20 @@ class Dataset:
     stats: dict = field(default_factory=dict)
 
 
-def build_dataset(sources: dict, seq_len: int, sep: int, holdout: float) -> Dataset:
-    """sources: name -> examples. The last `holdout` share of each source's rows is held out."""
+def build_dataset(sources: dict, seq_len: int, sep: int, holdout: float, max_val_rows: int = 48) -> Dataset:
+    """sources: name -> examples. A `holdout` share of each source's rows (at most
+    `max_val_rows`), evenly spaced through it, is held out: prompt files are often sorted
+    by kind (all GSM8K, then all code), and a tail split measured only the last kind."""
     tr, tre, va, vae, stats = [], [], [], [], {}
     for name, ex in sources.items():
         t, m = pack_rows(ex, seq_len, sep)
         if len(t) == 0:
             continue
-        nv = max(1, int(round(len(t) * holdout))) if len(t) > 1 else 0
-        tr.append(t[: len(t) - nv]), tre.append(m[: len(t) - nv])
-        va.append(t[len(t) - nv:]), vae.append(m[len(t) - nv:])
+        nv = min(max_val_rows, max(1, int(round(len(t) * holdout)))) if len(t) > 1 else 0
+        held = np.zeros(len(t), dtype=bool)
+        held[((np.arange(nv) + 0.5) * len(t) / max(nv, 1)).astype(int)] = True
+        tr.append(t[~held]), tre.append(m[~held])
+        va.append(t[held]), vae.append(m[held])
         stats[name] = {"examples": len(ex), "rows": int(len(t)), "held_out_rows": int(nv),
                        "tokens": int(t.size), "anchor_tokens": int(m.sum())}
     if not tr or sum(len(t) for t in tr) == 0:

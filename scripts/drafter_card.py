@@ -77,7 +77,7 @@ def main(argv=None):
           "problems as ChatML chat, windows of the same stdlib files). The GSM8K dev split (the last 473 problems) "
           "was never used. "
           f"On-policy share: {op['tokens'] / tot:.0%} of the tokens, {op['anchor_tokens'] / anc:.0%} of the anchor "
-          "positions. The last 5% of each source's rows are held out for the metrics below.", "",
+          "positions. 5% of each source's rows (at most 48, evenly spaced through it) are held out for the metrics below.", "",
           "## Training", "",
           f"* {tr[-1]['step'] if tr else 0} steps of {tc['batch']} rows x {tc['anchors']} anchors (blocks "
           f"`[token_p, MASK x {c.block_size - 1}]` that see the target features of the rows before p); wall time "

@@ -462,10 +462,21 @@ def repeated_ngram_loop(ids, window=64, n=8):
     return False
 
 
+def stuck_in_loop(ids, finished, window=48, max_period=24):
+    """True iff the output never ended (hit max tokens) and its last `window` tokens are
+    one cycle of at most `max_period` tokens repeated exactly: decoding that fell into a
+    loop and would never stop. (The 8-gram measure above also counts the repeated phrases
+    of a finished GSM8K answer, which gold answers have too.)"""
+    t = list(ids[-window:])
+    if finished or len(t) < window:
+        return False
+    return any(all(t[i] == t[i + p] for i in range(len(t) - p)) for p in range(1, max_period + 1))
+
+
 def cmd_evaluate(args):
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.generate import generate
+    from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     P = PRESETS[args.preset]
@@ -487,11 +498,20 @@ def cmd_evaluate(args):
                   "def _quote(s):", "    def __repr__(self):"]
     chat_example = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
+    def greedy_ids(prompt):  # -> (generated ids, ended by eos)
+        ids, finish = [], None
+        for r in stream_generate(model, tok, prompt, max_tokens=args.max_tokens, sampler=greedy):
+            finish = r.finish_reason
+            if finish != "stop":  # the eos token is not part of the output
+                ids.append(r.token)
+        return ids, finish == "stop"
+
     def dump():  # written after every prompt, so a slow/killed run still leaves partial results
         summ = {}
         for k, rs in results.items():
             if rs:
                 summ[k] = {"n": len(rs), "loop_rate": float(np.mean([r["loop"] for r in rs])),
+                           "stuck_rate": float(np.mean([r["stuck"] for r in rs])),
                            "mean_tokens": float(np.mean([r["n_tokens"] for r in rs]))}
         if results["gsm8k"]:
             summ["gsm8k"]["has_final_rate"] = float(np.mean([r["has_final"] for r in results["gsm8k"]]))
@@ -514,20 +534,21 @@ def cmd_evaluate(args):
         if kind == "gsm":
             r = item
             p = tok.apply_chat_template(r["messages"], add_generation_prompt=True)
-            text = generate(model, tok, p, max_tokens=args.max_tokens, sampler=greedy)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids, ended = greedy_ids(p)
+            text = tok.decode(ids)
             gold = r["answer"].split("####")[-1].strip()
             pred = text.split("####")[-1].strip().split("\n")[0].strip() if "####" in text else None
             results["gsm8k"].append({"question": r["messages"][0]["content"], "output": text,
                                      "n_tokens": len(ids), "has_final": "####" in text,
                                      "correct": pred == gold, "gold": gold,
-                                     "loop": repeated_ngram_loop(ids), "s": time.time() - t0})
+                                     "loop": repeated_ngram_loop(ids), "ended": ended,
+                                     "stuck": stuck_in_loop(ids, ended), "s": time.time() - t0})
         else:
-            ids_p = tok.encode(item, add_special_tokens=False)
-            text = generate(model, tok, ids_p, max_tokens=args.max_tokens, sampler=greedy)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids, ended = greedy_ids(tok.encode(item, add_special_tokens=False))
+            text = tok.decode(ids)
             results["python"].append({"prompt": item, "output": text, "n_tokens": len(ids),
-                                      "loop": repeated_ngram_loop(ids), "s": time.time() - t0})
+                                      "loop": repeated_ngram_loop(ids), "ended": ended,
+                                      "stuck": stuck_in_loop(ids, ended), "s": time.time() - t0})
         summ = dump()
     print(json.dumps(summ, indent=2))
     for r in results["gsm8k"][:3] + results["python"][:3]:
@@ -571,13 +592,14 @@ def cmd_card(args):
     _dev = [json.loads(l) for l in write_gsm8k_dev().read_text().splitlines()]
     gold_loop = float(np.mean([repeated_ngram_loop(_tk.encode(d["answer"]).ids) for d in _dev]))
     rows = []
+    stuck = lambda g: f"{g['stuck_rate']:.0%}" if "stuck_rate" in g else "n/a"  # noqa: E731  (older evals)
     if "gsm8k" in s:
         g = s["gsm8k"]
-        rows.append(f"| GSM8K dev (chat) | {g['n']} | {g['loop_rate']:.0%} | {g['mean_tokens']:.0f} | "
+        rows.append(f"| GSM8K dev (chat) | {g['n']} | {stuck(g)} | {g['loop_rate']:.0%} | {g['mean_tokens']:.0f} | "
                     f"ends with `#### N`: {g['has_final_rate']:.0%}, exact answer: {g['accuracy']:.0%} |")
     if "python" in s:
         g = s["python"]
-        rows.append(f"| Python (raw) | {g['n']} | {g['loop_rate']:.0%} | {g['mean_tokens']:.0f} | |")
+        rows.append(f"| Python (raw) | {g['n']} | {stuck(g)} | {g['loop_rate']:.0%} | {g['mean_tokens']:.0f} | |")
     partial = "" if ev.get("complete", True) else (
         "\n**Partial:** the evaluation was still running (CPU starved by other jobs) when this card "
         "was written; rerun `evaluate` then `card` to complete it.\n")
@@ -590,12 +612,12 @@ def cmd_card(args):
     samples = []
     for r in ev["results"]["gsm8k"][:3]:
         samples.append(f"**GSM8K dev** (chat template, greedy) -- question: {r['question']}\n\n"
-                       f"```text\n{r['output']}\n```\n(gold: {r['gold']}, loop: {r['loop']})\n")
+                       f"```text\n{r['output']}\n```\n(gold: {r['gold']}, stuck: {r.get('stuck')}, 8-gram repeat: {r['loop']})\n")
     for r in ev["results"]["python"][:3]:
         samples.append(f"**Python** (raw prompt, greedy)\n\n```python\n{r['prompt']}{r['output']}\n```\n"
-                       f"(loop: {r['loop']})\n")
+                       f"(stuck: {r.get('stuck')}, 8-gram repeat: {r['loop']})\n")
     pre = "--preset " + args.preset
-    loop_txt = " and".join(f" on {s[k]['loop_rate']:.0%} of the {name} prompts"
+    loop_txt = " and".join(f" on {stuck(s[k])} of the {name} prompts"
                            for k, name in (("gsm8k", "GSM8K dev"), ("python", "Python")) if k in s)
     # training phases (warm restarts): end step, sequence length, GSM8K share, peak lr, batch
     phases = [dict(zip(("end", "seq", "p_gsm", "lr", "batch"), map(float, ph.split(","))))
@@ -619,7 +641,7 @@ model trained from scratch on CPU for mlx-dflash, so the project ships a
 self-contained model {'pair' if args.preset == 'target' else 'family'} with no download. It is a heavily
 under-trained toy ({last['tokens']/1e6:.1f}M tokens on 2 shared CPU cores): it has learned the *format* of
 GSM8K answers (`<<calc>>` lines ending in `#### N`, then `<|im_end|>`) and the layout of Python
-source, but its content is mostly wrong and greedy decoding still loops{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
+source, but its content is mostly wrong, and greedy decoding falls into an endless loop{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
 embeddings), tokenizer shared by `models/target` and `models/draft-ar`.
 
 ## Architecture
@@ -676,16 +698,19 @@ phase's last checkpoint (weights and AdamW state kept; `train --resume --new-pha
 {curve}
 ## Quality check
 
-Greedy decoding with `mlx_lm.generate` (max {ev['max_tokens']} new tokens) on the first
+Greedy decoding with `mlx_lm.stream_generate` (max {ev['max_tokens']} new tokens) on the first
 {args.n_gsm} GSM8K dev questions (chat template) and 10 raw Python prompts (`evaluate`, results in
 `{P['run']}/eval.json`).
 {partial}
-**Repetition rate** := share of outputs whose last 64 generated tokens (or all of them if
-fewer) contain some token 8-gram at least twice (a degenerate loop). For reference, the gold
-GSM8K dev answers score {gold_loop:.1%} on the same measure.
+**Stuck rate** := share of outputs that never end (max new tokens reached, no `<|im_end|>`)
+and whose last 48 tokens are one cycle of at most 24 tokens repeated exactly: decoding
+fell into a loop. **8-gram repeat rate** := share of outputs whose last 64 generated tokens
+(or all of them if fewer) contain some token 8-gram at least twice; stricter, it also counts
+the repeated phrases of a finished answer (the gold GSM8K dev answers score {gold_loop:.1%}).
+Raw Python prompts have no natural end, so every Python output runs to the limit.
 
-| set | n | repetition rate | mean new tokens | other |
-|---|---|---|---|---|
+| set | n | stuck rate | 8-gram repeat rate | mean new tokens | other |
+|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 ### Sample outputs

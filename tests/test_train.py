@@ -149,6 +149,17 @@ def _log(out):
     return [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+def test_holdout_rows_are_spread_over_the_source():
+    # a source sorted by kind (100 rows of 1s, then 100 of 2s): both kinds are held out,
+    # no row is both trained on and held out, and the cap holds
+    ex = [([1] * 8, [1] * 8)] * 100 + [([2] * 8, [1] * 8)] * 100
+    ds = T.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.1)
+    kinds = {int(r[0]) for r in ds.val_tokens}
+    assert kinds == {1, 2} and len(ds.val_tokens) == 20 and len(ds.tokens) == 180
+    capped = T.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.5, max_val_rows=7)
+    assert len(capped.val_tokens) == 7 and len(capped.tokens) == 193
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_training_lowers_loss_and_resume_continues(target, corpus, tmp_path, version):
     tpath, model, _ = target
