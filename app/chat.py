@@ -216,6 +216,35 @@ class UserBubble(Static):
         self.text = text
 
 
+def _intraword_star(state, silent: bool) -> bool:
+    """`*` between two letters or digits is literal (GFM already does this for `_`):
+    `12*5=60` is arithmetic in a model's answer, not the start of emphasis."""
+    s, p = state.src, state.pos
+    if s[p] != "*" or p == 0 or p + 1 >= state.posMax or not (s[p - 1].isalnum() and s[p + 1].isalnum()):
+        return False
+    if not silent:
+        state.pending += "*"
+    state.pos += 1
+    return True
+
+
+def _hard_breaks(state) -> None:
+    # a model's line breaks are its own: keep them (Markdown joins the lines of a paragraph)
+    for t in state.tokens:
+        for c in t.children or ():
+            if c.type == "softbreak":
+                c.type = "hardbreak"
+
+
+def answer_parser():
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("gfm-like")  # what Textual's Markdown uses by default
+    md.inline.ruler.before("emphasis", "intraword_star", _intraword_star)
+    md.core.ruler.push("hard_breaks", _hard_breaks)
+    return md
+
+
 class AnswerBubble(Vertical):
     """An answer: Markdown (highlighted code) or, with token colours on, each
     token coloured by where it came from; a summary line under it."""
@@ -227,7 +256,7 @@ class AnswerBubble(Vertical):
         self.updates = 0  # token batches shown (streaming)
 
     def compose(self) -> ComposeResult:
-        yield Markdown(self.text if not self.colours else "", classes="md")
+        yield Markdown(self.text if not self.colours else "", classes="md", parser_factory=answer_parser)
         yield Static(spans_text(self.spans) if self.colours else "", classes="spans")
         yield Static(summary_line(self.stats, self.mask_timings), classes="summary")
 

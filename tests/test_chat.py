@@ -364,6 +364,35 @@ def test_load_error_shows_in_status(backend, tmp_path):
     run(go())
 
 
+def test_answer_shows_the_models_text_as_written():
+    """Markdown would join an answer's lines and read `12*5 ... 12*5` as emphasis;
+    the bubble keeps both, streamed or whole, and still renders real Markdown."""
+    from textual.app import App
+    from textual.widgets import Markdown
+
+    text = "12*5 = <<12*5=60>>60 cakes\nSo **60** in all\n\n```python\nx = 2*3\n```\n"
+
+    class Host(App):
+        def compose(self):
+            yield AnswerBubble(text)
+            yield AnswerBubble()
+
+    async def go():
+        app = Host()
+        async with app.run_test(size=SIZE) as pilot:
+            whole, streamed = app.query(AnswerBubble)
+            for i in range(0, len(text), 7):  # token-sized pieces
+                await streamed.add(text[i:i + 7], [])
+            await pilot.pause()
+            for bubble in (whole, streamed):
+                blocks = [type(b).__name__ for b in bubble.query_one(Markdown).children]
+                para = str(bubble.query_one(Markdown).children[0].render())
+                assert para == "12*5 = <<12*5=60>>60 cakes\nSo 60 in all", para  # bold rendered, not shown as **
+                assert blocks[:2] == ["MarkdownParagraph", "MarkdownFence"], blocks
+
+    run(go())
+
+
 # -- snapshots (fixed size; wall-clock numbers masked) ------------------------------------
 
 
