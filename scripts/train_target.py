@@ -7,6 +7,8 @@ Sub-commands (run from the repository root, with PYTHONPATH=. so that
   python scripts/train_target.py prepare                     # tokenizer + token streams -> runs/data/
   python scripts/train_target.py bench  --preset target      # tokens/s of a few steps
   python scripts/train_target.py train  --preset target --steps N [--resume]
+  python scripts/train_target.py train  --preset target --resume --new-phase --ul-data RESPONSES.jsonl
+                                          # + unlikelihood on the model's own greedy loops
   python scripts/train_target.py export --preset target      # -> models/target/
   python scripts/train_target.py evaluate --preset target    # generations, repetition rate
   python scripts/train_target.py card   --preset target      # README.md model card + loss curve
@@ -368,6 +370,28 @@ def cmd_train(args, bench: bool = False):
         opt.update(model, grads)
         return loss, gnorm
 
+    ul_data = None
+    if args.ul_data:  # MLE on the training text + unlikelihood on the model's own loops
+        ul_data = unlikelihood_rows(args.ul_data, cfg["pad_token_id"], args.ul_len, args.ul_ngram)
+        print(f"unlikelihood: {len(ul_data[0])} looping responses, "
+              f"{int(ul_data[1].sum())} penalized tokens, weight {args.ul_weight}", flush=True)
+        if not len(ul_data[0]):
+            raise SystemExit("--ul-data: no response fell into a loop; nothing to train on")
+        ul_rng = np.random.default_rng(args.seed + 1)
+
+        def mixed_loss(m, x, y, ux, uy, um):
+            ce = loss_fn(m, x, y)
+            ul = unlikelihood_loss(m(ux).astype(mx.float32), uy, um)
+            return ce + args.ul_weight * ul, (ce, ul)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def ul_step(batch, ub, um):
+            (_, (ce, ul)), grads = nn.value_and_grad(model, mixed_loss)(
+                model, batch[:, :-1], batch[:, 1:], ub[:, :-1], ub[:, 1:], um)
+            grads, gnorm = optim.clip_grad_norm(grads, 1.0)
+            opt.update(model, grads)
+            return ce, gnorm, ul
+
     # not mx.compile'd: a compiled closure would freeze the weights it first saw as constants
     def eval_loss(batch):
         return loss_fn(model, batch[:, :-1], batch[:, 1:])
@@ -382,7 +406,7 @@ def cmd_train(args, bench: bool = False):
     t_last_ckpt = t_start
     t_win, tok_win = time.time(), 0
     run_steps = args.bench_steps if bench else steps
-    losses = []
+    losses, ul_losses = [], []
     run_steps += phase["step0"] if not bench else 0
     while step < run_steps:
         el = elapsed0 + time.time() - t_start
@@ -392,7 +416,12 @@ def cmd_train(args, bench: bool = False):
         cur_lr = lr_at(step, el)
         opt.learning_rate = mx.array(cur_lr, dtype=mx.float32)
         b = mx.array(sampler.batch(bs))
-        loss, gnorm = train_step(b)
+        if ul_data is None:
+            loss, gnorm = train_step(b)
+        else:
+            pick = ul_rng.integers(0, len(ul_data[0]), size=args.ul_batch)
+            loss, gnorm, ul = ul_step(b, mx.array(ul_data[0][pick]), mx.array(ul_data[1][pick]))
+            ul_losses.append(ul.item())
         mx.eval(loss, gnorm, state)
         step += 1
         tokens += bs * SEQ
@@ -411,12 +440,14 @@ def cmd_train(args, bench: bool = False):
                    "grad_norm": float(gnorm.item()), "tokens": tokens,
                    "tokens_per_s": tok_win / (now - t_win), "elapsed": elapsed0 + now - t_start,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
+            if ul_losses:
+                rec["ul_loss"] = float(np.mean(ul_losses))
             if step % args.eval_every == 0 or last_step:
                 rec.update({f"val_{k}": v for k, v in evaluate().items()})
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)
-            losses, t_win, tok_win = [], time.time(), 0
+            losses, ul_losses, t_win, tok_win = [], [], time.time(), 0
         if time.time() - t_last_ckpt > args.ckpt_minutes * 60 or last_step:
             _ckpt_save(run, model, opt, step, sampler, tokens, elapsed0 + time.time() - t_start, phase)
             t_last_ckpt = time.time()
@@ -436,7 +467,7 @@ def cmd_export(args):
     from mlx.utils import tree_flatten
 
     P = PRESETS[args.preset]
-    run, out = ROOT / P["run"], ROOT / P["out"]
+    run, out = ROOT / P["run"], ROOT / (args.out or P["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((run / "config.json").read_text())
     model = build_model(cfg)
@@ -471,6 +502,76 @@ def stuck_in_loop(ids, finished, window=48, max_period=24):
     if finished or len(t) < window:
         return False
     return any(all(t[i] == t[i + p] for i in range(len(t) - p)) for p in range(1, max_period + 1))
+
+
+def loop_region(ids, max_period=24, min_len=48):
+    """(start, period) of the exact periodic tail of `ids` -- the loop a response fell into --
+    or None when its tail is not one cycle of at most `max_period` tokens repeated over at
+    least `min_len` tokens. The earliest start over all periods wins."""
+    n, best = len(ids), None
+    for p in range(1, max_period + 1):
+        j = n - p  # ids[i] == ids[i + p] for every i >= j
+        while j > 0 and ids[j - 1] == ids[j - 1 + p]:
+            j -= 1
+        if n - j >= max(min_len, 2 * p) and (best is None or j < best[0]):
+            best = (j, p)
+    return best
+
+
+def repeat_positions(ids, n):
+    """Indices t at which ids[t-n+1..t] is an n-gram seen earlier in ids."""
+    seen, out = set(), []
+    for t in range(n - 1, len(ids)):
+        g = tuple(ids[t - n + 1:t + 1])
+        if g in seen:
+            out.append(t)
+        seen.add(g)
+    return out
+
+
+def unlikelihood_rows(paths, pad_id, max_len, ngram=0):
+    """Sequence-level unlikelihood data (Welleck et al. 2019, "Neural text generation with
+    unlikelihood training"): the model's own greedy responses that never ended and fell into
+    a loop. Each row is (prompt + response ids, mask over next-token targets): the mask marks
+    every token that repeats an earlier cycle of the loop, whose probability the loss pushes
+    down; with `ngram` > 0 also every token that completes a repeated n-gram of the response
+    (near-loops whose cycles differ a little). Rows are cut to `max_len` tokens (the first
+    penalized token kept in view) and padded."""
+    xs, ms = [], []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("finish") != "length":
+                continue
+            resp, off = r["response"], len(r["prompt"])
+            marked = set(repeat_positions(resp, ngram)) if ngram else set()
+            loop = loop_region(resp)
+            if loop is not None:
+                marked.update(range(loop[0] + loop[1], len(resp)))  # the tokens that copy the cycle
+            if not marked:
+                continue
+            ids = r["prompt"] + resp
+            start = off + min(marked)
+            cut = max(0, min(start - max_len // 2, len(ids) - max_len - 1))
+            ids = ids[cut:cut + max_len + 1]
+            mask = [0.0] * (len(ids) - 1)
+            for t in marked:
+                if 1 <= off + t - cut < len(ids):
+                    mask[off + t - cut - 1] = 1.0  # target position t-1 predicts ids[t]
+            pad = max_len + 1 - len(ids)
+            xs.append(ids + [pad_id] * pad)
+            ms.append(mask + [0.0] * pad)
+    return np.array(xs, dtype=np.int32).reshape(-1, max_len + 1), np.array(ms, dtype=np.float32).reshape(-1, max_len)
+
+
+def unlikelihood_loss(logits, y, mask):
+    """mean over masked targets of -log(1 - p(target))."""
+    import mlx.core as mx
+
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = mx.exp(mx.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
+    ul = -mx.log(mx.maximum(1.0 - p, 1e-5))
+    return (ul * mask).sum() / mx.maximum(mask.sum(), 1.0)
 
 
 def cmd_evaluate(args):
@@ -756,12 +857,21 @@ def main():
     ap.add_argument("--time-budget", type=float, default=None,
                     help="minutes of training (all resumes together); the cosine follows the larger "
                          "of step/steps and time/budget, and training stops when either is reached")
+    ap.add_argument("--ul-data", action="append", default=None,
+                    help="train: a response cache (train-drafter --generate-only) of this model's own "
+                         "greedy outputs; adds sequence-level unlikelihood on the loops they fell into (repeat)")
+    ap.add_argument("--ul-weight", type=float, default=1.0)
+    ap.add_argument("--ul-batch", type=int, default=8)
+    ap.add_argument("--ul-ngram", type=int, default=0,
+                    help="also penalize every token completing a repeated N-gram of an unfinished response")
+    ap.add_argument("--ul-len", type=int, default=256, help="unlikelihood rows are cut/padded to this length")
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--bench-steps", type=int, default=8)
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. models/target)")
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
     ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
     ap.add_argument("--phase", action="append", default=None,
