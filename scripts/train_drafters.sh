@@ -3,7 +3,9 @@
 # (models/dflash1, models/dflash2) for models/target, and their benchmark.
 # An honest ablation: both drafters share the layers, block size, data, step
 # cap, time budget, seed and initial weights (DFlash 2 starts as the DFlash 1
-# function). The defaults are the shipped run's (session 3, models/*/README.md).
+# function). The defaults are the shipped run's (session 4, models/*/README.md;
+# there DFlash 2 stopped on the time budget and was continued with --resume
+# --time-budget 60 to DFlash 1's 3000 steps: the same step budget).
 #
 #   bash scripts/train_drafters.sh            # everything
 #   STAGE=train bash scripts/train_drafters.sh # from a stage: data | gen | train | export | bench

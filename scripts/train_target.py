@@ -718,8 +718,8 @@ def cmd_card(args):
         samples.append(f"**Python** (raw prompt, greedy)\n\n```python\n{r['prompt']}{r['output']}\n```\n"
                        f"(stuck: {r.get('stuck')}, 8-gram repeat: {r['loop']})\n")
     pre = "--preset " + args.preset
-    loop_txt = " and".join(f" on {stuck(s[k])} of the {name} prompts"
-                           for k, name in (("gsm8k", "GSM8K dev"), ("python", "Python")) if k in s)
+    loop_txt = " and".join(f" on {round(s[k]['stuck_rate'] * s[k]['n'])} of {s[k]['n']} {name} prompts"
+                           for k, name in (("gsm8k", "GSM8K dev"), ("python", "Python")) if "stuck_rate" in s.get(k, {}))
     # training phases (warm restarts): end step, sequence length, GSM8K share, peak lr, batch
     phases = [dict(zip(("end", "seq", "p_gsm", "lr", "batch"), map(float, ph.split(","))))
               for ph in (args.phase or [f"{steps},{SEQ},{P_GSM},{args.lr or P['lr']},{args.batch or P['batch']}"])]
@@ -742,7 +742,7 @@ model trained from scratch on CPU for mlx-dflash, so the project ships a
 self-contained model {'pair' if args.preset == 'target' else 'family'} with no download. It is a heavily
 under-trained toy ({last['tokens']/1e6:.1f}M tokens on 2 shared CPU cores): it has learned the *format* of
 GSM8K answers (`<<calc>>` lines ending in `#### N`, then `<|im_end|>`) and the layout of Python
-source, but its content is mostly wrong, and greedy decoding falls into an endless loop{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
+source, but its content is mostly wrong, and greedy decoding fell into an endless loop{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
 embeddings), tokenizer shared by `models/target` and `models/draft-ar`.
 
 ## Architecture

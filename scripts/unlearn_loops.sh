@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Phases 4 and 5 of the embedded target (session 4): sequence-level unlikelihood
+# Phase 4 of the embedded target (session 4): sequence-level unlikelihood
 # (Welleck et al. 2019) on the loops its own greedy decoding falls into, mixed
-# with the usual next-token loss on the training text. Each round penalizes the
+# with the usual next-token loss on the training text. A round penalizes the
 # model's own looping responses to training prompts (never the GSM8K dev split):
-#   round 1: the phase-3 target's responses made by scripts/train_drafters.sh
-#            (stage gen, session 3): exact loops only;
-#   round 2: fresh responses of the round-1 model to other training prompts, plus
-#            round 1's: exact loops and every token completing a repeated 8-gram.
+#   round 1 (shipped): the phase-3 target's responses made by
+#            scripts/train_drafters.sh (stage gen, session 3): exact loops only;
+#   round 2 (ROUNDS=2; tried, not shipped: models/target/README.md): fresh
+#            responses of the round-1 model to other training prompts, plus round
+#            1's: exact loops and every token completing a repeated 8-gram.
 # Starts from the phase-3 checkpoint in runs/target/ckpt; ends with models/target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,10 @@ COMMON=(--preset target --resume --new-phase --steps 100000 --warmup 10 --seq 25
 
 # round 1 (phase 4)
 $PY scripts/train_target.py train "${COMMON[@]}" --lr 3e-4 --time-budget 25 --ul-data "$R1"
+if [[ ${ROUNDS:-1} == 1 ]]; then
+  $PY scripts/train_target.py export --preset target
+  exit 0
+fi
 $PY scripts/train_target.py export --preset target --out "$RUN/r1"
 
 # round 2 data: prompts the phase-3 responses did not cover (GSM8K 2017-2616, code
