@@ -498,10 +498,7 @@ def stuck_in_loop(ids, finished, window=48, max_period=24):
     one cycle of at most `max_period` tokens repeated exactly: decoding that fell into a
     loop and would never stop. (The 8-gram measure above also counts the repeated phrases
     of a finished GSM8K answer, which gold answers have too.)"""
-    t = list(ids[-window:])
-    if finished or len(t) < window:
-        return False
-    return any(all(t[i] == t[i + p] for i in range(len(t) - p)) for p in range(1, max_period + 1))
+    return not finished and loop_region(list(ids), max_period, window) is not None
 
 
 def loop_region(ids, max_period=24, min_len=48):
