@@ -99,15 +99,14 @@ def test_shipped_target_does_not_loop_on_dev_prompts(tmp_path):
     """The embedded target's greedy answers to the first 24 GSM8K dev questions each
     end, or at least are not one cycle repeated (its model card measures 100)."""
     from mlx_lm import load
-    from mlx_lm.generate import batch_generate
 
+    from mlx_dflash import train as T
     from mlx_dflash.loader import models_dir
 
     model, tok = load(str(models_dir() / "target"))
     dev = [json.loads(l) for l in TT.write_gsm8k_dev(tmp_path / "dev.jsonl").read_text().splitlines()]
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in dev[:24]]
-    out = batch_generate(model, tok, prompts, max_tokens=160, return_token_ids=True)
-    eos = set(tok.eos_token_ids)
-    stuck = [i for i, ids in enumerate(out.token_ids)
-             if TT.stuck_in_loop([t for t in ids if t not in eos], finished=len(ids) < 160 or ids[-1] in eos)]
-    assert len(out.token_ids) == 24 and stuck == []
+    # the batched greedy generation that makes on-policy (and unlikelihood) data
+    outs = T._batched_generator(model, tok, T.TrainConfig(out=str(tmp_path), gen_max_tokens=160))(prompts)
+    stuck = [i for i, (ids, finish) in enumerate(outs) if TT.stuck_in_loop(ids, finish == "stop")]
+    assert len(outs) == 24 and stuck == []
