@@ -1,0 +1,26 @@
+"""`mlx-dflash serve`: a local OpenAI-compatible server (FastAPI on uvicorn).
+
+One worker thread owns the loaded model and its PromptCache (the engine runs
+one generation at a time); HTTP handlers validate a request, put it on a
+bounded queue (429 when full) and relay the worker's events, as SSE or as one
+JSON body. Every response carries `usage`, llama.cpp-style `timings` and a
+`dflash` object. No option is ignored: those the DFlash path cannot honour
+(logprobs, penalties, logit_bias) run on plain decoding, which applies them,
+and `dflash.mode` / `dflash.fallback` say so; anything else unknown is a 400.
+
+    mlx-dflash serve [--model M] [--host H] [--port P] [--api-key K]
+                     [--cors ORIGIN ...] [--queue-size N]
+
+Modules: errors (OpenAI-format errors), schemas (request bodies), worker (the
+generation thread, the catalog), app (the FastAPI app, shared routes),
+openai_api (chat/completions), cli (arguments, start-up).
+"""
+
+import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
+
+from .app import create_app
+from .cli import add_parser, run
+from .errors import APIError
+from .worker import ManagerCatalog, Worker
+
+__all__ = ["create_app", "add_parser", "run", "APIError", "ManagerCatalog", "Worker"]

@@ -1,0 +1,181 @@
+"""The FastAPI app: errors, auth, request parsing, model ids, and the routes
+shared by every API (health, models, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import mlx_dflash
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import APIError, _bad, _line
+from .schemas import _validation_message
+from .worker import Job, ManagerCatalog, Worker
+
+MAX_BODY = 64 << 20  # bytes; far above any context this runs
+
+
+@dataclass
+class ServerContext:
+    """What every API module needs from the app (each module's `register(app, ctx)`)."""
+
+    worker: Worker
+    auth: Callable  # FastAPI dependency: the API key check
+    parse: Callable  # async (request, pydantic class) -> validated body
+    model_id: Callable  # async (requested name or None) -> served model id
+    next_event: Callable  # async (job, request, poll=True) -> the worker's next event or None
+
+
+def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
+               model: Optional[str] = None, store=None) -> FastAPI:
+    """The FastAPI app. `catalog` (default: the model manager's) provides
+    targets(), default(), settings(id) and load(id) -> LoadedModel. `model`,
+    when given, is loaded at startup and is the default for requests that
+    name none."""
+    from contextlib import asynccontextmanager
+
+    catalog = catalog or ManagerCatalog(store)
+    worker = Worker(catalog, queue_size)
+    known: Dict[str, dict] = {}
+
+    def refresh() -> Dict[str, dict]:
+        try:
+            found = {m["id"]: m for m in catalog.targets()}
+        except ValueError as e:  # e.g. a corrupt settings file: the server's problem, not the client's
+            raise APIError(503, f"cannot list models: {_line(e)}", code="model_catalog_unavailable") from None
+        known.clear()
+        known.update(found)
+        return known
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        if model is not None:  # load now so the first request does not wait for it
+            loop = asyncio.get_running_loop()
+            worker.submit(Job("warm", model, None, loop))
+        yield
+        worker.stop()
+
+    app = FastAPI(title="mlx-dflash", version=mlx_dflash.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e):
+        return _bad(f"invalid request: {e.errors()[0].get('msg', '')}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        traceback.print_exception(e, file=sys.stderr)
+        return APIError(500, f"internal error: {type(e).__name__}").response()
+
+    async def auth(request: Request):
+        if api_key is None:
+            return
+        h = request.headers.get("authorization", "")
+        scheme, _, token = h.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != api_key:
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def parse(request: Request, cls):
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise APIError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):  # includes UnicodeDecodeError
+            raise _bad("the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise _bad("the request body must be a JSON object")
+        try:  # JSON may escape lone surrogates, which no tokenizer accepts
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad("the request contains invalid Unicode (an unpaired surrogate)") from None
+        except (ValueError, RecursionError):
+            raise _bad("the request body is not valid JSON") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise _validation_message(e) from None
+        except (ValueError, RecursionError) as e:
+            raise _bad(_line(e) or "invalid request") from None
+
+    async def model_id(name: Optional[str]) -> str:
+        from starlette.concurrency import run_in_threadpool
+
+        if name is None:
+            if model is not None:
+                return model
+            try:
+                return await run_in_threadpool(catalog.default)
+            except ValueError as e:
+                raise APIError(404, f"no default model: {_line(e)}", "model", "model_not_found") from None
+        if name in known or name == model or name in await run_in_threadpool(refresh):
+            return name
+        raise APIError(404, f"model '{name}' does not exist; GET /v1/models lists the models", "model",
+                       "model_not_found")
+
+    async def next_event(job: Job, request: Request, poll: bool = True):
+        """The worker's next event; a client that left (checked a few times a
+        second while tokens flow, and while waiting) cancels the job."""
+        while True:
+            now = time.monotonic()
+            if poll and now - job.checked > 0.2:
+                job.checked = now
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    return None
+            try:
+                return await asyncio.wait_for(job.events.get(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    ctx = ServerContext(worker, auth, parse, model_id, next_event)
+    app.state.ctx = ctx
+    from . import openai_api
+
+    openai_api.register(app, ctx)
+
+    @app.get("/health")
+    async def health():
+        lm = worker.lm
+        return {"status": "ok", "model": lm.id if lm is not None else None,
+                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        from starlette.concurrency import run_in_threadpool
+
+        ms = await run_in_threadpool(refresh)
+        return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": 0,
+                                            "owned_by": m.get("owned_by", "mlx-dflash"),
+                                            "drafters": m.get("drafters", [])} for m in ms.values()]}
+
+    @app.get("/metrics", dependencies=[Depends(auth)])
+    async def metrics():
+        return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None}
+
+    return app

@@ -1,0 +1,165 @@
+"""OpenAI's /v1/chat/completions and /v1/completions: JSON bodies and SSE streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import List, Optional
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .schemas import ChatRequest, CompletionRequest
+from .worker import Job
+
+
+
+# -- response bodies -----------------------------------------------------------------------
+
+def _report(stats, end: dict) -> dict:
+    """usage + llama.cpp `timings` + `dflash`, from the engine's GenerationStats."""
+    s = stats
+    prompt_n = s.prompt_tokens - s.reused_tokens
+    return {
+        "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generation_tokens,
+                  "total_tokens": s.prompt_tokens + s.generation_tokens,
+                  "prompt_tokens_details": {"cached_tokens": s.reused_tokens}},
+        "timings": {"cache_n": s.reused_tokens, "prompt_n": prompt_n, "prompt_ms": s.prompt_time * 1000,
+                    "prompt_per_token_ms": s.prompt_time * 1000 / prompt_n if prompt_n else 0.0,
+                    "prompt_per_second": s.prompt_tps,
+                    "predicted_n": s.generation_tokens, "predicted_ms": s.generation_time * 1000,
+                    "predicted_per_token_ms": 1000 / s.generation_tps if s.generation_tps else 0.0,
+                    "predicted_per_second": s.generation_tps,
+                    "draft_n": s.drafted, "draft_n_accepted": s.accepted},
+        "dflash": {"tau": s.tau, "cycles": s.cycles, "verify_width": s.block_size, "mode": s.mode,
+                   "fallback": s.fallback, "acceptance_rate": s.acceptance_rate,
+                   "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
+                   "queue_ms": end["queue_ms"]},
+    }
+
+
+def _lp_block(kind: str, entries: List[dict]) -> Optional[dict]:
+    if kind == "chat":
+        return {"content": entries}
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": _offsets(entries)}
+
+
+def _offsets(entries):
+    out, n = [], 0
+    for e in entries:
+        out.append(n)
+        n += len(e["token"])
+    return out
+
+
+def register(app, ctx) -> None:
+    """Add the two OpenAI endpoints. `ctx` (app.ServerContext) gives the worker,
+    auth, request parsing, model-id resolution and the event relay."""
+    worker, model_id, next_event, parse, auth = ctx.worker, ctx.model_id, ctx.next_event, ctx.parse, ctx.auth
+
+    async def complete(request: Request, kind: str, req):
+        mid = await model_id(req.model)
+        job = Job(kind, mid, req, asyncio.get_running_loop())
+        worker.submit(job)
+        try:
+            ev = await next_event(job, request)
+        except BaseException:
+            job.cancel.set()
+            raise
+        if ev is None:
+            return JSONResponse({}, status_code=499)
+        if ev[0] == "error":
+            return ev[1].response()
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(sse(job, request, req, kind, rid, created, mid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, lps = [], []
+        try:
+            while True:
+                ev = await next_event(job, request)
+                if ev is None:
+                    return JSONResponse({}, status_code=499)
+                if ev[0] == "error":
+                    return ev[1].response()
+                if ev[0] == "token":
+                    text.append(ev[1])
+                    if ev[3] is not None:
+                        lps.append(ev[3])
+                    continue
+                end = ev[1]
+                break
+        finally:
+            job.cancel.set()  # no-op once done; stops the worker if this handler was cancelled
+        lp = _lp_block(kind, lps) if req.n_logprobs() is not None else None
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                      "logprobs": lp, "finish_reason": end["finish_reason"]}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": "".join(text), "logprobs": lp, "finish_reason": end["finish_reason"]}
+            obj = "text_completion"
+        body = {"id": rid, "object": obj, "created": created, "model": mid, "choices": [choice],
+                **_report(end["stats"], end)}
+        return JSONResponse(body)
+
+    async def sse(job, request, req, kind, rid, created, mid):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        want_lp = req.n_logprobs() is not None
+
+        def chunk(delta_text=None, finish=None, lp=None, role=False, extra=None):
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ""} if role else \
+                    ({} if delta_text is None else {"content": delta_text})
+                ch = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                ch = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": created, "model": mid, "choices": [ch]}
+            if extra:
+                body.update(extra)
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk(role=True)
+            leftover = ""
+            while True:
+                ev = await next_event(job, request, poll=False)
+                if ev is None:
+                    return
+                if ev[0] == "error":  # after the headers: report in-band, as OpenAI does
+                    e = ev[1]
+                    yield f"data: {json.dumps(json.loads(e.response().body))}\n\n"
+                    break
+                if ev[0] == "token":
+                    _, text, token, lp = ev
+                    if token is None:  # EOS: not a token of the text, only flushes it
+                        leftover += text
+                        continue
+                    yield chunk(text, lp=_lp_block(kind, [lp]) if want_lp and lp else None)
+                    continue
+                end = ev[1]
+                rep = _report(end["stats"], end)
+                yield chunk(leftover or None, end["finish_reason"],
+                            extra={"timings": rep["timings"], "dflash": rep["dflash"]})
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    body = {"id": rid, "object": obj, "created": created, "model": mid, "choices": [], **rep}
+                    yield f"data: {json.dumps(body)}\n\n"
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel.set()  # the client left (or we are done): stop generating
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat(request: Request):
+        return await complete(request, "chat", await parse(request, ChatRequest))
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(request: Request):
+        return await complete(request, "completion", await parse(request, CompletionRequest))
+

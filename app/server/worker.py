@@ -1,0 +1,407 @@
+"""The one worker thread that owns the loaded model and its PromptCache (the
+engine runs one generation at a time), the model catalog, and the jobs that
+carry a request's events back to its HTTP handler."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .errors import APIError, _bad, _line
+
+
+# -- models ---------------------------------------------------------------------------------
+
+class ManagerCatalog:
+    """The models the model manager knows (mlx_dflash.manager); ids are its ids."""
+
+    def __init__(self, store=None):
+        from mlx_dflash.settings import SettingsStore
+
+        self.store = store or SettingsStore()
+
+    def targets(self) -> List[dict]:
+        from mlx_dflash.manager import list_targets
+
+        return [{"id": e.id, "owned_by": e.source, "drafters": list(e.compatible_drafters)}
+                for e in list_targets(self.store)]
+
+    def default(self) -> str:
+        from mlx_dflash.manager import resolve
+
+        return resolve(None, self.store).id
+
+    def settings(self, model_id: str):
+        return self.store.model(model_id)
+
+    def load(self, model_id: str):
+        from mlx_dflash.manager import load_model
+
+        return load_model(model_id, self.store)
+
+
+def _context_limit(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+# -- jobs and the worker --------------------------------------------------------------------
+
+@dataclass
+class Job:
+    kind: str  # "chat" | "completion"
+    model_id: str
+    req: Any
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    received: float = field(default_factory=time.perf_counter)
+    checked: float = 0.0  # when the handler last asked whether the client is still there
+
+    def send(self, *ev) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancel.set()
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    fallbacks: int = 0
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cycles: int = 0
+    cycle_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prompt_time: float = 0.0
+    generation_time: float = 0.0
+
+    def add(self, s) -> None:
+        self.prompt_tokens += s.prompt_tokens
+        self.reused_prompt_tokens += s.reused_tokens
+        self.completion_tokens += s.generation_tokens
+        self.cycles += s.cycles
+        self.cycle_tokens += s.cycle_tokens
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.prompt_time += s.prompt_time
+        self.generation_time += s.generation_time
+        self.fallbacks += s.fallback is not None
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(tau=self.cycle_tokens / self.cycles if self.cycles else 0.0,
+                 acceptance=self.accepted / self.drafted if self.drafted else 0.0,
+                 tokens_per_second=self.completion_tokens / self.generation_time if self.generation_time else 0.0,
+                 prompt_tokens_per_second=(self.prompt_tokens - self.reused_prompt_tokens) / self.prompt_time
+                 if self.prompt_time else 0.0)
+        return d
+
+
+class Worker:
+    """The one thread that loads models and generates."""
+
+    def __init__(self, catalog, queue_size: int = 8):
+        self.catalog = catalog
+        self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self.lm = None  # the LoadedModel in use
+        self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
+        self.cache = None  # its PromptCache
+        self.metrics: Dict[str, Counters] = {}
+        self.lock = threading.Lock()  # guards metrics
+        self.thread = threading.Thread(target=self._loop, name="mlx-dflash-worker", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise APIError(429, f"the server is busy ({self.jobs.maxsize} requests queued); retry later",
+                           code="queue_full") from None
+
+    def counters(self, model_id: str) -> Counters:
+        return self.metrics.setdefault(model_id, Counters())
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {m: c.to_dict() for m, c in self.metrics.items()}
+
+    def _loop(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.kind == "warm":
+                try:
+                    self._ensure(job.model_id)
+                except Exception as e:  # the first request will report it to its client
+                    sys.stderr.write(f"mlx-dflash: {getattr(e, 'message', e)}\n")
+                continue
+            if job.cancel.is_set():  # the client left while queued
+                with self.lock:
+                    self.counters(job.model_id).cancelled += 1
+                continue
+            try:
+                self._serve(job)
+            except APIError as e:
+                self._fail(job, e)
+            except ValueError as e:  # the engine's one-line complaint about a request
+                self._fail(job, _bad(_line(e) or "invalid request"))
+            except BaseException as e:  # a bug (or a native panic): report it, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self.cache = None  # the KV cache may be half-written
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {_line(e)}"))
+
+    def _fail(self, job, e: APIError):
+        with self.lock:
+            self.counters(job.model_id).errors += 1
+        job.send("error", e)
+
+    def _ensure(self, model_id: str):
+        if self.lm is not None and self.lm_key == model_id:
+            return self.lm
+        if self.lm is not None:  # one model in memory at a time: drop the old one first
+            import mlx.core as mx
+
+            self.lm = self.cache = self.lm_key = None
+            gc.collect()
+            mx.clear_cache()
+        try:
+            self.lm = self.catalog.load(model_id)
+        except ValueError as e:  # HubError / SettingsError / DrafterError: one line
+            raise APIError(503, f"model '{model_id}' cannot be loaded: {_line(e)}",
+                           "model", "model_unavailable") from None
+        self.cache, self.lm_key = None, model_id
+        with self.lock:
+            self.counters(model_id)  # listed in /metrics from now on
+        return self.lm
+
+    # -- one request ---------------------------------------------------------------------
+    def _serve(self, job: Job):
+        from mlx_dflash import PromptCache
+
+        lm = self._ensure(job.model_id)
+        tok, req = lm.tokenizer, job.req
+        t_start = time.perf_counter()
+        settings = self._settings(lm)
+        ids = self._prompt_ids(job, lm, settings)
+        ctx = _context_limit(lm.model)
+        if ctx is not None and len(ids) >= ctx:
+            raise _bad(f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
+                       "messages" if job.kind == "chat" else "prompt", "context_length_exceeded")
+        kw = settings.generation_kwargs()
+        if lm.drafter is not None:  # as load_model fits it to the drafter
+            kw["block_size"] = min(kw["block_size"], lm.drafter.block_size)
+        for k in ("temperature", "top_p", "top_k", "min_p"):
+            v = getattr(req, k)
+            if v is not None:
+                kw[k] = v
+        if req.limit() is not None:
+            kw["max_tokens"] = req.limit()
+        if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
+            kw["max_tokens"] = max(1, min(kw["max_tokens"], ctx - len(ids)))
+        kw.update(seed=req.seed, stop=req.stops() or None)
+
+        fallback = self._fallback_reason(req)
+        job.send("start", {"prompt_tokens": len(ids)})
+        if fallback:
+            gen = self._plain(lm, ids, kw, req, fallback, tok)
+        else:
+            from mlx_dflash import stream_generate
+
+            if self.cache is None:
+                self.cache = PromptCache()
+            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=self.cache, **kw)
+        eos = set(tok.eos_token_ids)
+        n_lp = req.n_logprobs()
+        r, first, cancelled = None, None, False
+        try:
+            for item in gen:
+                r, lp = item if fallback else (item, None)
+                if first is None:
+                    first = time.perf_counter()
+                if job.cancel.is_set():
+                    cancelled = True
+                    break
+                is_eos = r.finish_reason == "stop" and r.token in eos
+                job.send("token", r.text, None if is_eos else r.token, lp if n_lp is not None and not is_eos else None)
+        except BaseException:
+            if not fallback:
+                self.cache = None
+            raise
+        finally:
+            gen.close()
+        s = r.stats
+        with self.lock:
+            c = self.counters(job.model_id)
+            c.requests += 1
+            c.cancelled += cancelled
+            c.add(s)
+        if cancelled:
+            return
+        job.send("end", {"finish_reason": r.finish_reason, "stats": s,
+                         "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
+
+    def _settings(self, lm):
+        """The model's settings, read per request so edits apply at once; those
+        it was loaded with if the file cannot be read now."""
+        try:
+            return self.catalog.settings(lm.id)
+        except ValueError as e:
+            sys.stderr.write(f"mlx-dflash: {_line(e)}; using the settings {lm.id} was loaded with\n")
+            return lm.settings
+
+    def _prompt_ids(self, job: Job, lm, settings) -> List[int]:
+        tok, req = lm.tokenizer, job.req
+        vocab = _vocab_size(lm)
+        if job.kind == "chat":
+            if not getattr(tok, "chat_template", None):
+                raise _bad(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     **({"name": m.name} if m.name is not None else {})} for m in req.messages]
+            system = settings.system_prompt
+            if system and not any(m["role"] == "system" for m in msgs):
+                msgs.insert(0, {"role": "system", "content": system})
+            try:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja raise_exception(): e.g. roles that must alternate
+                raise _bad(f"the chat template rejected these messages: {_line(e)}",
+                           "messages") from None
+            ids = _encode(tok, text)
+        elif isinstance(req.prompt, str):
+            ids = _encode(tok, req.prompt)
+        else:
+            ids = list(req.prompt)
+            bad = [t for t in ids if vocab is not None and t >= vocab]
+            if bad:
+                raise _bad(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
+        if not ids:
+            raise _bad("the prompt is empty", "prompt")
+        for k in (req.logit_bias or {}):
+            if vocab is not None and int(k) >= vocab:
+                raise _bad(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
+        return ids
+
+    @staticmethod
+    def _fallback_reason(req) -> Optional[str]:
+        """Why this request needs plain decoding (options DFlash's verify step cannot apply)."""
+        why = []
+        if req.n_logprobs() is not None:
+            why.append("logprobs")
+        for k in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, k):
+                why.append(k)
+        if req.repetition_penalty not in (None, 1.0):
+            why.append("repetition_penalty")
+        if req.logit_bias:
+            why.append("logit_bias")
+        return f"{', '.join(why)} requested (plain decoding applies {'them' if len(why) > 1 else 'it'})" \
+            if why else None
+
+    def _plain(self, lm, ids, kw, req, reason, tok):
+        """Plain decoding with logits processors and log-probabilities (mlx-lm's
+        generate_step), sampled with the same rules as the DFlash path. Yields
+        (GenerationResponse, logprobs entry)."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_logits_processors
+
+        from mlx_dflash.generate import GenerationStats, Emitter
+        from mlx_dflash.sampling import SamplingParams, probs, sample
+
+        sp = SamplingParams(kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"], kw["seed"])
+        if kw["seed"] is not None:
+            mx.random.seed(kw["seed"])
+        n_prompt, span = len(ids), len(ids) + kw["max_tokens"] + 1
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        procs = make_logits_processors(bias or None, req.repetition_penalty if req.repetition_penalty != 1.0 else None,
+                                       span)
+        # OpenAI's presence / frequency penalties count generated tokens only
+        gen_only = make_logits_processors(None, None, None, req.presence_penalty or None, span,
+                                          req.frequency_penalty or None, span)
+        for p in gen_only:
+            procs.append(lambda toks, logits, p=p: p(toks[n_prompt:], logits) if toks.size > n_prompt else logits)
+
+        def sampler(logprobs):
+            if sp.greedy:
+                return mx.argmax(logprobs, axis=-1)
+            return sample(probs(logprobs, sp))
+
+        stats = GenerationStats(mode="off", fallback=reason, prompt_tokens=n_prompt, block_size=1)
+        emit = Emitter(tok, kw["stop"], kw["max_tokens"], stats)
+        n_top = req.n_logprobs() or 0
+        tic = time.perf_counter()
+        steps = generate_step(mx.array(ids), lm.model, max_tokens=kw["max_tokens"] + 1, sampler=sampler,
+                              logits_processors=procs or None)
+        try:
+            for i, (token, logprobs) in enumerate(steps):
+                token = int(token)
+                now = time.perf_counter()
+                if i == 0:
+                    stats.prompt_time, gen_tic = now - tic, now
+                else:
+                    stats.cycles += 1
+                    stats.cycle_tokens += 1
+                    stats.generation_time = now - gen_tic
+                lp = _logprob_entry(tok, token, logprobs, n_top) if req.n_logprobs() is not None else None
+                resp = emit.push(token, False)
+                yield resp, lp
+                if emit.done:
+                    return
+        finally:
+            steps.close()
+
+
+def _vocab_size(lm) -> Optional[int]:
+    n = getattr(getattr(lm.model, "args", None), "vocab_size", None)
+    return int(n) if isinstance(n, int) else None
+
+
+def _encode(tok, text: str) -> List[int]:
+    # like the engine: the template may already carry the BOS token
+    bos = tok.bos_token
+    try:
+        return tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+    except (TypeError, ValueError) as e:
+        raise _bad(f"the tokenizer cannot encode this text: {_line(e)}", "prompt") from None
+
+
+def _logprob_entry(tok, token: int, logprobs, n_top: int) -> dict:
+    import mlx.core as mx
+
+    def piece(t):
+        s = tok.decode([t])
+        return {"token": s, "logprob": _finite(float(logprobs[t].item())), "bytes": list(s.encode("utf-8"))}
+
+    e = piece(token)
+    e["top_logprobs"] = []
+    if n_top:
+        top = mx.argsort(-logprobs)[:n_top].tolist()
+        e["top_logprobs"] = [piece(t) for t in top]
+    return e
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf (OpenAI uses -9999.0 likewise)
