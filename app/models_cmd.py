@@ -131,7 +131,7 @@ def _rm(args, store) -> int:
 
 
 def run(args) -> int:
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.manager import settings_store
 
-    store = SettingsStore()
+    store = settings_store()
     return {"list": _list, "show": _show, "pull": _pull, "rm": _rm}[args.models_command](args, store)

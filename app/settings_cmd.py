@@ -73,7 +73,7 @@ def _get(store, a, as_json) -> int:
     if len(a) == 1 and _is_global(store, a[0]):
         _print(getattr(store.globals(), a[0]), as_json)
         return 0
-    view = _model_view(store, a[0])
+    view = _model_view(store, _model(store, a[0])[0])
     if len(a) == 1:
         _print(view, as_json)
         return 0
@@ -85,11 +85,23 @@ def _get(store, a, as_json) -> int:
     return 0
 
 
-def _kind(store, model_id: str):
-    """The kind of the model with this id, None if no such model is installed."""
-    from mlx_dflash.manager import discover
+def _model(store, name: str):
+    """(the listed id of the model `name` refers to, its kind label), or (name, None)
+    when no such model is installed (settings may precede a download)."""
+    from mlx_dflash.hub import HubError
+    from mlx_dflash.manager import discover, find
 
-    return next((e.kind_label for e in discover(store) if e.id == model_id), None)
+    try:
+        e = find(name, discover(store), store)
+    except HubError:
+        e = None
+    return (e.id, e.kind_label) if e is not None else (name, None)
+
+
+def _unknown_key(word: str) -> str:
+    from mlx_dflash.settings import GLOBAL_KEYS, MODEL_KEYS, did_you_mean
+
+    return f"unknown setting '{word}'{did_you_mean(word, [*GLOBAL_KEYS, *MODEL_KEYS])}"
 
 
 def _set(store, a) -> int:
@@ -103,11 +115,13 @@ def _set(store, a) -> int:
         return 0
     if len(a) == 2 and a[0] in MODEL_KEYS:
         raise SettingsError(f"'{a[0]}' is a model setting; name the model: mlx-dflash settings set MODEL {a[0]} {a[1]}")
+    if len(a) == 2:
+        raise SettingsError(f"{_unknown_key(a[0])}; usage: settings set GLOBAL_KEY VALUE or settings set MODEL KEY VALUE")
     if len(a) != 3:
         raise SettingsError("usage: mlx-dflash settings set MODEL KEY VALUE  (or: settings set GLOBAL_KEY VALUE)")
     model_id, key, text = a
     name = model_field(key)
-    kind = _kind(store, model_id)
+    model_id, kind = _model(store, model_id)
     if kind not in (None, "target"):
         raise SettingsError(f"'{model_id}' is a {kind}; settings apply to target models")
     s = store.set_model(model_id, **{name: parse_value(name, text)})
@@ -134,15 +148,15 @@ def _reset(store, a, yes) -> int:
         return 0
     if len(a) > 2:
         raise SettingsError("usage: mlx-dflash settings reset [MODEL] [KEY]")
-    store.reset_model(a[0], a[1] if len(a) == 2 else None)
+    store.reset_model(_model(store, a[0])[0], a[1] if len(a) == 2 else None)
     print(f"{a[0]}: {a[1] + ' reset' if len(a) == 2 else 'all settings reset'}")
     return 0
 
 
 def run(args) -> int:
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.manager import settings_store
 
-    store = SettingsStore()
+    store = settings_store()
     if args.action == "path":
         print(store.path)
         return 0

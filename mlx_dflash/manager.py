@@ -1,14 +1,19 @@
-"""The model manager: find models (embedded, Hugging Face cache, user folders),
-pair targets with drafters by config, load a model with its settings (drafter
-choice, drafter quantization), download and remove models.
+"""The model manager: resolve a model's name, load a model with its settings
+(drafter choice, drafter quantization), check settings against model files,
+download and remove models.
 
 One API for the CLI, the chat UI and the server:
 
     discover(store) -> [ModelEntry]       every model found, drafters included
     list_targets(store) -> [ModelEntry]   what a user can chat with
-    resolve(model_id, store) -> ModelEntry
+    resolve(name, store) -> ModelEntry    one name everywhere: folder, listed id, repo id
+    model_path(name, store) -> str        the same for mlx_dflash.load (load(name, drafter))
+    settings_store() -> SettingsStore     settings with the checks that need model files
     load_model(model_id, store) -> LoadedModel
     pull(repo_id) -> Path;  remove(model_id, store) -> bytes freed
+
+Discovery (reading folders, pairing by config) is in discovery.py, the drafter's
+precision in drafter_precision.py, the settings file and its checks in settings.py.
 """
 
 from __future__ import annotations
@@ -16,52 +21,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .drafter import DrafterConfig, DrafterError, validate
+from .discovery import (DRAFTER_KINDS, KINDS, ModelEntry, _compatible, _dir_size, _entry, _notice,  # noqa: F401
+                        discover, hf_cache_dir, list_targets, pair_problem, read_config, weights_problem)
+from .drafter import DrafterConfig, DrafterError
+from .drafter_precision import param_bytes, quantize_drafter, safe_activation_dtype, set_activation_dtype  # noqa: F401
 from .hub import HubError
 from .settings import ModelSettings, SettingsError, SettingsStore
-
-KINDS = {"target": "target", "dflash1": "DFlash 1 drafter", "dflash2": "DFlash 2 drafter",
-         "draft": "classic draft model"}
-DRAFTER_KINDS = ("dflash2", "dflash1")  # preference order when none is chosen
-TINY_BYTES = 1_500_000_000  # a "draft"-named model under this is a classic draft model
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2,
-                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-@dataclass
-class ModelEntry:
-    id: str
-    path: Path
-    kind: str  # target | dflash1 | dflash2 | draft
-    source: str  # embedded | hf-cache | folder
-    size_bytes: int  # on disk
-    est_memory_bytes: int  # weights as loaded here + KV cache for max_context tokens
-    compatible_drafters: list = field(default_factory=list)  # ids, best first
-    block_size: Optional[int] = None  # drafters: trained block size
-    config: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def kind_label(self) -> str:
-        return KINDS[self.kind]
-
-    @property
-    def is_drafter(self) -> bool:
-        return self.kind != "target"
-
-    def to_dict(self) -> dict:
-        return dict(id=self.id, path=str(self.path), kind=self.kind, source=self.source,
-                    size_bytes=self.size_bytes, est_memory_bytes=self.est_memory_bytes,
-                    compatible_drafters=list(self.compatible_drafters), block_size=self.block_size)
 
 
 @dataclass
@@ -79,262 +50,72 @@ class LoadedModel:
         return self.settings.generation_kwargs()
 
 
-def _notice(msg: str) -> None:
-    print(f"mlx-dflash: {msg}", file=sys.stderr)
+# -- names ------------------------------------------------------------------------------
+# One model name everywhere (every command, the chat, the server, mlx_dflash.load):
+# a folder path, an id as `models list` prints it (case aside), a Hugging Face repo
+# id, or the folder name of a model kept as ORG/NAME elsewhere.
 
 
-# -- reading model folders (configs and safetensors headers only, never weights) ---------
+def _is_repo_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and "\\" not in name
 
 
-def read_config(path: Path) -> Optional[dict]:
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) else None
+def _spelled(name: str) -> str:
+    """The hub cache's own folder name (models--org--name) as a repo id."""
+    if name.startswith("models--") and name.count("--") == 2:
+        return "/".join(name.split("--")[1:])
+    return name
 
 
-def _text_cfg(cfg: dict) -> dict:
-    """Language-model fields (multimodal configs nest them under text_config)."""
-    t = cfg.get("text_config")
-    return {**cfg, **t} if isinstance(t, dict) else cfg
+def _folder(p: Path) -> None:
+    if not p.is_dir():
+        raise HubError(f"model path {p} is a file; pass the folder that holds config.json")
+    if not (p / "config.json").exists():
+        raise HubError(f"{p} has no config.json; not a model folder")
 
 
-def _tensors(path: Path):
-    """(dtype, n_bytes) of every tensor in the folder's safetensors files, from the headers."""
-    for f in sorted(Path(path).glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                if n > 100_000_000:
-                    continue
-                hdr = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
-            continue
-        for k, t in hdr.items():
-            if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t:
-                yield t.get("dtype", "F32"), t["data_offsets"][1] - t["data_offsets"][0]
-
-
-def _cpu() -> bool:
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
-
-
-def _weight_bytes(path: Path) -> tuple:
-    """(bytes as loaded here, bytes per activation). On the CPU backend the loader
-    widens half-precision weights to float32 (see loader.load)."""
-    cpu = _cpu()
-    total, act = 0, 0
-    for dt, nb in _tensors(path):
-        if cpu and dt in ("F16", "BF16"):
-            nb *= 2
-        total += nb
-        if dt in ("F32", "F16", "BF16") and not act:
-            act = 4 if cpu else _DTYPE_BYTES[dt]
-    return total, act or 4
-
-
-def _dir_size(path: Path) -> int:
-    n = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                n += os.stat(os.path.join(root, f)).st_size  # follows HF-cache symlinks to blobs
-            except OSError:
-                pass
-    return n
-
-
-def _kind(cfg: dict, name: str, weight_bytes: int) -> Optional[str]:
-    archs = cfg.get("architectures") or []
-    if "DFlash2DraftModel" in archs:
-        return "dflash2"
-    if "DFlashDraftModel" in archs:
-        return "dflash1"
-    role = (cfg.get("mlx_dflash") or {}).get("role") if isinstance(cfg.get("mlx_dflash"), dict) else None
-    if role == "draft" or name == "draft-ar" or ("draft" in name.lower() and weight_bytes < TINY_BYTES):
-        return "draft"
-    if "model_type" in cfg or "text_config" in cfg:
-        return "target"
-    return None  # not a language model mlx-lm could load
-
-
-def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=None) -> Optional[ModelEntry]:
-    cfg = read_config(path)
-    if cfg is None or not any(Path(path).glob("*.safetensors")):
-        return None
-    wbytes, act = _weight_bytes(path)
-    kind = _kind(cfg, model_id.rsplit("/", 1)[-1], wbytes)
-    if kind is None:
-        return None
-    t = _text_cfg(cfg)
-    block = None
-    if kind in ("dflash1", "dflash2"):
-        dc = cfg.get("dflash_config") or {}
-        block = int(dc.get("block_size", cfg.get("block_size", 16)))
-    try:
-        ctx = store.model(model_id).max_context if kind == "target" else 0
-    except SettingsError:
-        ctx = ModelSettings().max_context
-    heads = t.get("num_attention_heads") or 1
-    kv = t.get("num_key_value_heads") or heads
-    head_dim = t.get("head_dim") or (t.get("hidden_size", 0) // heads)
-    kv_bytes = 2 * int(t.get("num_hidden_layers", 0)) * kv * head_dim * ctx * act
-    return ModelEntry(model_id, Path(path), kind, source, _dir_size(path) if size is None else size,
-                      wbytes + kv_bytes, block_size=block, config=cfg)
-
-
-# -- sources ---------------------------------------------------------------------------
-
-
-def hf_cache_dir() -> Path:
-    """The hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
-    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if env:
-        return Path(env).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
-def _embedded(store):
-    from .loader import models_dir
-
-    try:
-        root = models_dir()
-    except ImportError:  # installed without the data package
-        return
-    for p in sorted(root.iterdir()) if root.is_dir() else ():
-        if p.is_dir():
-            e = _entry(f"embedded/{p.name}", p, "embedded", store)
-            if e:
-                yield e
-
-
-def _folders(store, dirs):
-    for d in dirs:
-        root = Path(d).expanduser()
-        if not root.is_dir():
-            continue
-        if (root / "config.json").exists():  # the folder is itself a model
-            e = _entry(root.name, root, "folder", store)
-            if e:
-                yield e
-            continue
-        for p in sorted(root.iterdir()):
-            if not p.is_dir():
-                continue
-            if (p / "config.json").exists():  # flat: dir/name
-                e = _entry(p.name, p, "folder", store)
-                if e:
-                    yield e
-                continue
-            for q in sorted(p.iterdir()):  # dir/org/name
-                if q.is_dir() and (q / "config.json").exists():
-                    e = _entry(f"{p.name}/{q.name}", q, "folder", store)
-                    if e:
-                        yield e
-
-
-def _hf_repos():
-    from huggingface_hub import scan_cache_dir
-
-    cache = hf_cache_dir()
-    if not cache.is_dir():
-        return []
-    try:
-        info = scan_cache_dir(cache)
-    except Exception as e:  # CacheNotFound, unreadable cache: no models from there
-        _notice(f"cannot scan the Hugging Face cache {cache} ({type(e).__name__})")
-        return []
-    return sorted((r for r in info.repos if r.repo_type == "model"), key=lambda r: r.repo_id)
-
-
-def _hf(store):
-    for repo in _hf_repos():
-        revs = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True)
-        if revs:
-            e = _entry(repo.repo_id, revs[0].snapshot_path, "hf-cache", store, size=revs[0].size_on_disk)
-            if e:
-                yield e
-
-
-# -- pairing ---------------------------------------------------------------------------
-
-
-def pair_problem(target_cfg: dict, drafter_cfg: dict) -> Optional[str]:
-    """Why this drafter cannot serve this target, from the configs alone (None: it fits).
-    The rules are drafter.validate's, applied to config-shaped stand-ins."""
-    try:
-        dc = DrafterConfig.from_dict(drafter_cfg)
-    except DrafterError as e:
-        return str(e)
-    t = _text_cfg(target_cfg)
-    try:
-        tgt = SimpleNamespace(hidden_size=int(t["hidden_size"]), vocab_size=int(t["vocab_size"]),
-                              num_layers=int(t["num_hidden_layers"]))
-    except (KeyError, TypeError, ValueError):
-        return "the target config lacks hidden_size, vocab_size or num_hidden_layers"
-    try:
-        validate(SimpleNamespace(config=dc), tgt)
-    except DrafterError as e:
-        return str(e)
-    return None
-
-
-def discover(store: Optional[SettingsStore] = None) -> list:
-    """Every model found: embedded, user model folders, then the Hugging Face cache
-    (an id found twice keeps its first place). Targets get their compatible drafters."""
-    store = store or SettingsStore()
-    dirs = store.globals().model_dirs
-    out, seen = [], set()
-    for e in [*_embedded(store), *_folders(store, dirs), *_hf(store)]:
-        if e.id not in seen:
-            seen.add(e.id)
-            out.append(e)
-    for t in out:
-        if t.kind == "target":
-            t.compatible_drafters = _compatible(t, out)
-    return out
-
-
-def _compatible(target: ModelEntry, entries: list) -> list:
-    """Ids of the drafters that fit `target`: DFlash 2 first, else in discovery order."""
-    drafters = sorted((d for d in entries if d.kind in DRAFTER_KINDS), key=lambda d: DRAFTER_KINDS.index(d.kind))
-    return [d.id for d in drafters if pair_problem(target.config, d.config) is None]
-
-
-def list_targets(store: Optional[SettingsStore] = None) -> list:
-    """Models a user can chat with or serve (drafters and draft models hidden)."""
-    return [e for e in discover(store) if e.kind == "target"]
-
-
-def _lookup(model_id: str, entries: list, store) -> Optional[ModelEntry]:
-    for e in entries:
-        if e.id == model_id:
-            return e
-    p = Path(model_id).expanduser()
-    if p.is_dir() and (p / "config.json").exists():
+def find(name: str, entries: list, store) -> Optional[ModelEntry]:
+    """The model `name` refers to among `entries` (or a model folder at that path),
+    None if none. Never downloads. Two models that both fit a loose spelling: an
+    error listing them."""
+    p = Path(name).expanduser()
+    if p.exists():
+        _folder(p)
         rp = p.resolve()
         for e in entries:
             if Path(e.path).resolve() == rp:
                 return e
+        check_files(p)  # not listed: maybe unreadable; say which file
         e = _entry(str(p), p, "folder", store)
-        if e and e.kind == "target":
+        if e is None:
+            raise HubError(f"{p} holds no model mlx-dflash can use (not a language model config)")
+        if e.kind == "target":
             e.compatible_drafters = _compatible(e, entries)
         return e
-    return None
+    for e in entries:
+        if e.id == name:
+            return e
+    want = _spelled(name.strip()).lower()
+    hits = [e for e in entries if e.id.lower() == want]
+    if not hits:  # ORG/NAME for a folder listed as NAME, or NAME for one listed as ORG/NAME
+        tail = want.rsplit("/", 1)[-1]
+        hits = [e for e in entries if e.id.lower().rsplit("/", 1)[-1] == tail and ("/" not in e.id or "/" not in want)]
+    if len(hits) > 1:
+        raise SettingsError(f"'{name}' could be {' or '.join(e.id for e in hits)}; use one of these ids")
+    return hits[0] if hits else None
 
 
 def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
-            entries: Optional[list] = None) -> ModelEntry:
-    """A model id (as listed), or a model folder path. None -> the default model
-    (settings `default_model`, else the embedded target)."""
+            entries: Optional[list] = None, download: bool = False) -> ModelEntry:
+    """The model a name refers to (see `find`). None -> the default model (settings
+    `default_model`, else the embedded target). A Hugging Face repo id not on this
+    machine is downloaded when `download` is set, else refused with the command that
+    downloads it."""
     store = store or SettingsStore()
     if model_id is None:
         model_id = store.globals().default_model or "embedded/target"
     entries = discover(store) if entries is None else entries
-    e = _lookup(model_id, entries, store)
+    e = find(model_id, entries, store)
     if e is not None:
         return e
     if model_id == "embedded/target":
@@ -342,39 +123,118 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
 
         raise HubError(f"the embedded default model is missing from {default_pair()[0]}; "
                        "reinstall mlx-dflash or pass a model id (mlx-dflash models list)")
-    hint = (f"download it with `mlx-dflash models pull {model_id}`"
-            if model_id.count("/") == 1 and not model_id.startswith((".", "/", "~"))
+    if _is_repo_id(model_id) and download:
+        from .hub import resolve_path
+
+        path = resolve_path(model_id, "model")  # the hub's cache; one-line error when offline
+        e = _entry(model_id, path, "hf-cache", store)
+        if e is None:
+            raise HubError(f"'{model_id}' holds no model mlx-dflash can use (needs config.json and "
+                           ".safetensors weights)")
+        if e.kind == "target":
+            e.compatible_drafters = _compatible(e, entries)
+        return e
+    hint = (f"download it with `mlx-dflash models pull {model_id}`" if _is_repo_id(model_id)
             else "see `mlx-dflash models list`")
-    raise SettingsError(f"unknown model '{model_id}'; {hint}")
+    raise SettingsError(f"unknown model '{model_id}'{_near(model_id, entries)}; {hint}")
 
 
-def _drafter_cfg(ref: str, entries: list) -> tuple:
-    """(id, path, config) of a drafter named by id or path; config None if it is
-    neither found here nor a local folder (a repo id still to download)."""
-    for e in entries:
-        if e.id == ref:
-            return e.id, e.path, e.config
-    p = Path(ref).expanduser()
-    if p.is_dir():
-        cfg = read_config(p)
-        if cfg is None:
-            raise SettingsError(f"drafter folder {p} has no readable config.json")
-        return ref, p, cfg
-    return ref, None, None
+def _near(name: str, entries: list) -> str:
+    from .settings import did_you_mean
+
+    return did_you_mean(name, [e.id for e in entries], cutoff=0.8)
+
+
+def model_path(name: str, store: Optional[SettingsStore] = None) -> str:
+    """A name as `resolve` takes it -> the folder to load (a repo id not on this
+    machine is returned as is: the loader fetches it)."""
+    if Path(name).expanduser().exists():
+        _folder(Path(name).expanduser())  # a file, a folder without config.json: one line
+        return name
+    store = store or SettingsStore()
+    entries = discover(store)
+    e = find(name, entries, store)
+    if e is not None:
+        return str(e.path)
+    if _is_repo_id(name):
+        return name
+    raise SettingsError(f"unknown model '{name}'{_near(name, entries)}; see `mlx-dflash models list`")
+
+
+def check_files(path) -> None:
+    """A model folder's config.json and weights are readable (headers only), or one
+    line naming the bad file."""
+    path = Path(path)
+    cfg = path / "config.json"
+    try:
+        obj = json.loads(cfg.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HubError(f"{path} has no config.json; not a model folder") from None
+    except json.JSONDecodeError as e:
+        raise HubError(f"{cfg} is not valid JSON (line {e.lineno}); restore it or download the model again") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise HubError(f"{cfg} cannot be read ({type(e).__name__}); restore it or download the model again") from None
+    if not isinstance(obj, dict):
+        raise HubError(f"{cfg} is not a JSON object; restore it or download the model again")
+    why = weights_problem(path)
+    if why:
+        raise HubError(why)
+
+
+def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None,
+         store: Optional[SettingsStore] = None):
+    """`mlx_dflash.load`: loader.load with names. `model` and `drafter` may be
+    folders, Hugging Face repo ids or any id `models list` prints. Returns
+    (model, tokenizer, drafter or None)."""
+    from . import loader
+
+    if model is not None:
+        model = model_path(model, store)
+    if drafter is not None:
+        drafter = model_path(drafter, store)
+    return _load_files(loader.load, model, drafter, dtype=dtype)
+
+
+def _load_files(load_fn, model, drafter, **kw):
+    """Check the local folders first, then load; an error mlx-lm raises on a config it
+    cannot use becomes one line naming the folder."""
+    for p in (model, drafter):
+        if p is not None and Path(p).expanduser().is_dir():
+            check_files(Path(p).expanduser())
+    try:
+        return load_fn(model, drafter, **kw)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a config.json that lacks or mistypes a field
+        where = next((p for p in (model, drafter) if p is not None), "the model")
+        raise HubError(f"cannot load {where}: its config.json does not fit its model type "
+                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except RuntimeError as e:  # mlx's own file errors
+        raise HubError(f"cannot load {model}: {str(e).splitlines()[0]}") from None
+
+
+def _drafter_cfg(ref: str, entries: list, store=None) -> tuple:
+    """(id, path, config) of a drafter named as `find` takes names; an unknown
+    drafter is refused (pull it first)."""
+    e = find(ref, entries, store)
+    if e is not None:
+        return e.id, e.path, e.config
+    hint = (f"download it with `mlx-dflash models pull {ref}`" if _is_repo_id(ref)
+            else "see `mlx-dflash models list`")
+    raise SettingsError(f"unknown drafter '{ref}'{_near(ref, entries)}; {hint}")
 
 
 def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explicit_block: bool = True) -> None:
-    """Checks that need the model files: the drafter is a DFlash drafter that fits
-    the target, and the block size does not exceed the drafter's trained one.
-    Unknown models pass (settings may precede a download); load_model re-checks."""
+    """Checks that need the model files: the drafter is a DFlash drafter found here
+    that fits the target, and the block size does not exceed the drafter's trained
+    one. An unknown target passes (settings may precede a download); load_model re-checks."""
     entries = discover(store)
-    target = _lookup(model_id, entries, store)
+    try:
+        target = find(model_id, entries, store)
+    except HubError:
+        target = None
     if target is not None and target.kind != "target":
         raise SettingsError(f"'{model_id}' is a {target.kind_label}; settings apply to target models")
     if s.drafter:
-        did, _, cfg = _drafter_cfg(s.drafter, entries)
-        if cfg is None:
-            return
+        did, _, cfg = _drafter_cfg(s.drafter, entries, store)
         try:
             dc = DrafterConfig.from_dict(cfg)
         except DrafterError as e:
@@ -394,112 +254,78 @@ def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explic
                             f"'{did}'; use 1..{block}")
 
 
+class FileChecks:
+    """The settings checks that need model files, for SettingsStore(checker=...)."""
+
+    def model(self, store, model_id: str, new: ModelSettings, explicit_block: bool) -> None:
+        check_settings(model_id, new, store, explicit_block)
+
+    def globals(self, store, new, changed: set) -> None:
+        if "default_model" in changed and new.default_model is not None:
+            e = resolve(new.default_model, store)  # unknown: one line with the command that downloads it
+            if e.kind != "target":
+                raise SettingsError(f"default_model: '{e.id}' is a {e.kind_label}; pick a target "
+                                    "from `mlx-dflash models list --targets`")
+
+
+def settings_store(path=None, **kw) -> SettingsStore:
+    """The settings file with every check, model files included (what the CLI, the
+    chat and the server write through)."""
+    return SettingsStore(path, checker=FileChecks(), **kw)
+
+
 # -- loading ---------------------------------------------------------------------------
 
 
-def param_bytes(module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def safe_activation_dtype(requested: str, target_dtype) -> tuple:
-    """The drafter's activation dtype and a notice if the request was overridden.
-
-    Half precision with a 5-bit exponent (float16) overflows on the large hidden
-    states of bf16/fp32-trained targets: inf -> NaN drafts -> acceptance silently
-    zero. So float16 is only kept for a float16 target on a GPU; otherwise the
-    target's own dtype is used."""
-    if requested == "auto":
-        return target_dtype, None
-    want = getattr(mx, requested)
-    if want == mx.float16 and (target_dtype != mx.float16 or _cpu()):
-        why = "on the CPU backend" if _cpu() else f"with a {_dtype_name(target_dtype)} target"
-        return target_dtype, (f"drafter activations in float16 {why} can overflow and zero acceptance; "
-                              f"using {_dtype_name(target_dtype)}")
-    return want, None
-
-
-def _dtype_name(dt) -> str:
-    return str(dt).rsplit(".", 1)[-1]
-
-
-def set_activation_dtype(drafter, dtype) -> None:
-    """Run the drafter in `dtype`: its float parameters, and its inputs (the target's
-    embeddings and features arrive in the target's dtype). No safety check: see
-    safe_activation_dtype."""
-    from .loader import _cast
-
-    _cast(drafter, dtype)
-    base = type(drafter)
-    while getattr(base, "_casts_inputs", False):
-        base = base.__mro__[1]
-
-    class Cast(base):  # per instance: other drafters keep their own dtype
-        _casts_inputs = True
-
-        def __call__(self, block_emb, new_feats, cache, offset=None):
-            if new_feats is not None:
-                new_feats = new_feats.astype(dtype)
-            return super().__call__(block_emb.astype(dtype), new_feats, cache, offset)
-
-    Cast.__name__ = Cast.__qualname__ = base.__name__
-    drafter.__class__ = Cast
-
-
-def quantize_drafter(drafter, bits: int, group_size: int = 64, scale_dtype=None) -> int:
-    """Quantize the drafter's Linear layers in place (those whose input dim is a
-    multiple of group_size); returns how many were quantized.
-
-    Scales and biases take the weights' dtype, or `scale_dtype`: bfloat16 keeps
-    4-bit weights at 4.5 bits each (group 64) even where activations run in
-    float32 (the CPU backend), with a rounding error far below the 4-bit step."""
-    if bits not in (4, 8) or group_size not in (32, 64, 128):
-        raise SettingsError(f"drafter quantization must be 4 or 8 bits, group size 32/64/128 (got {bits}, {group_size})")
-    n = [0]
-
-    def pred(path, m):
-        if not (isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0):
-            return False
-        if scale_dtype is not None:
-            m.weight = m.weight.astype(scale_dtype)
-        n[0] += 1
-        return True
-
-    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=pred)
-    mx.eval(drafter.parameters())
-    return n[0]
-
-
-def _pick_drafter(entry: ModelEntry, s: ModelSettings, entries: list) -> tuple:
+def _pick_drafter(entry: ModelEntry, s: ModelSettings, entries: list, store=None) -> tuple:
     if s.drafter:
-        did, path, _ = _drafter_cfg(s.drafter, entries)
-        return did, str(path) if path is not None else s.drafter
+        did, path, _ = _drafter_cfg(s.drafter, entries, store)
+        return did, str(path)
     if entry.compatible_drafters:
         did = entry.compatible_drafters[0]
         return did, str(next(e.path for e in entries if e.id == did))
     return None, None
 
 
-def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = None) -> LoadedModel:
+def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = None, *,
+               drafter: Optional[str] = None, dflash: Optional[bool] = None,
+               download: bool = False) -> LoadedModel:
     """Load a target and, when DFlash is on, its drafter (the chosen one, else the
-    best compatible one found), quantized and typed as the settings say."""
-    from .loader import _param_dtype, load
+    best compatible one found), quantized and typed as the settings say.
+    `drafter` (a name) overrides the settings' choice; `dflash` forces DFlash on or
+    off; `download` fetches a Hugging Face repo id not on this machine."""
+    from .loader import _param_dtype
+    from .loader import load as load_files
 
     store = store or SettingsStore()
     entries = discover(store)
-    entry = resolve(model_id, store, entries)
+    entry = resolve(model_id, store, entries, download=download)
     if entry.kind != "target":
         raise SettingsError(f"'{entry.id}' is a {entry.kind_label}, not a chat model; "
                             "pick a target from `mlx-dflash models list`")
     s = store.model(entry.id)
     notices = []
     did = dpath = None
-    if s.dflash_enabled and s.verify_mode != "off":
-        did, dpath = _pick_drafter(entry, s, entries)
+    on = (s.dflash_enabled and s.verify_mode != "off") if dflash is None else dflash
+    if dflash is not None:  # a flag overrides the saved choice for this load
+        s = replace(s, dflash_enabled=dflash, verify_mode="dflash" if dflash and s.verify_mode == "off"
+                    else s.verify_mode)
+    if drafter is not None and on:
+        try:
+            d = resolve(drafter, store, entries, download=download)
+        except SettingsError as e:
+            raise SettingsError(str(e).replace("unknown model", "unknown drafter", 1)) from None
+        if d.kind not in DRAFTER_KINDS:
+            raise SettingsError(f"'{d.id}' is a {d.kind_label}, not a DFlash drafter; see `mlx-dflash models list`")
+        why = pair_problem(entry.config, d.config)
+        if why:
+            raise SettingsError(f"drafter '{d.id}' does not fit '{entry.id}': {why}")
+        did, dpath = d.id, str(d.path)
+    elif on:
+        did, dpath = _pick_drafter(entry, s, entries, store)
         if dpath is None:
             notices.append(f"no compatible DFlash drafter found for '{entry.id}'; using plain decoding")
-    model, tok, drafter = load(str(entry.path), dpath)
+    model, tok, drafter = _load_files(load_files, str(entry.path), dpath)
     if drafter is not None:
         tdt = _param_dtype(model)
         act, why = safe_activation_dtype(s.drafter_activation_dtype, tdt)
@@ -517,6 +343,25 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
     for n in notices:
         _notice(n)
     return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices)
+
+
+# -- after loading -----------------------------------------------------------------------
+
+LOW_ACCEPT_DRAFTED = 48  # drafted tokens before judging a drafter (a few cycles' worth)
+LOW_ACCEPT_RATE = 0.03
+
+
+def acceptance_warning(stats, drafter_id: Optional[str] = None) -> Optional[str]:
+    """One line when a drafter that fits the target's shapes accepts almost nothing
+    (a drafter trained for another target, or broken weights): it then only costs
+    time. None otherwise, and before enough drafts to judge."""
+    if stats is None or getattr(stats, "mode", None) == "off" or stats.drafted < LOW_ACCEPT_DRAFTED:
+        return None
+    if stats.accepted / stats.drafted >= LOW_ACCEPT_RATE:
+        return None
+    name = f"drafter '{drafter_id}'" if drafter_id else "the drafter"
+    return (f"{name} accepted {stats.accepted} of {stats.drafted} drafted tokens; it may be trained for "
+            "another target (plain decoding would be faster: verify mode off, or pick another drafter)")
 
 
 # -- download and removal ----------------------------------------------------------------

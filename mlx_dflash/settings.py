@@ -8,14 +8,22 @@ Only keys a user set are stored, so defaults can improve later. The file lives
 in the platformdirs user config dir (`MLX_DFLASH_HOME` overrides). Every write
 is read-modify-write under a file lock (the chat UI and the server may both
 write) and lands atomically (temp file, fsync, rename). Unknown keys are kept
-and warned about; a corrupt file is an error naming it on read, and is moved
-aside as a backup (never overwritten) when the user next writes."""
+and warned about. A file that cannot be read as settings (not UTF-8 JSON, too
+deep, a number too long, the wrong shape) is moved aside to a named backup
+(never overwritten) and the defaults apply, with one line naming both files:
+whatever is in the file, the CLI keeps working.
+
+This module knows nothing of model files: checks that need them (does the
+drafter fit the target, is the default model installed) are passed in as a
+`checker` (mlx_dflash.manager.settings_store() makes a store with them), so
+the dependency runs one way, manager -> settings."""
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -35,7 +43,13 @@ class SettingsError(ValueError):
 
 
 class CorruptSettings(SettingsError):
-    """The settings file exists but is not what this module writes."""
+    """The settings file exists but is not what this module writes, and could not be moved aside."""
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
+    """" (did you mean 'port'?)" for a near miss, else ""."""
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return f" (did you mean '{near[0]}'?)" if near else ""
 
 
 def verify_modes() -> tuple:
@@ -93,6 +107,7 @@ class GlobalSettings:
     port: int = 8000
     api_key: Optional[str] = None
     cors_origins: list = field(default_factory=list)
+    prompt_cache_mb: int = 2048  # server: memory for cached prompt prefixes across requests (0: none)
 
 
 # user-facing key (file, CLI) -> dataclass field
@@ -121,7 +136,7 @@ _TYPES = {  # field -> (type, optional)
     "top_k": (int, False), "min_p": (float, False), "max_tokens": (int, False), "system_prompt": (str, False),
     "max_context": (int, False),
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
-    "api_key": (str, True), "cors_origins": (list, False),
+    "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
 }
 
 
@@ -131,13 +146,15 @@ def model_field(key: str) -> str:
         return MODEL_KEYS[key]
     if key in _FIELD_TO_KEY:
         return key
-    raise SettingsError(f"unknown model setting '{key}'; valid: {', '.join(MODEL_KEYS)}")
+    raise SettingsError(f"unknown model setting '{key}'{did_you_mean(key, MODEL_KEYS)}; "
+                        f"valid: {', '.join(MODEL_KEYS)}")
 
 
 def global_field(key: str) -> str:
     if key in GLOBAL_KEYS:
         return key
-    raise SettingsError(f"unknown global setting '{key}'; valid: {', '.join(GLOBAL_KEYS)}")
+    raise SettingsError(f"unknown global setting '{key}'{did_you_mean(key, GLOBAL_KEYS)}; "
+                        f"valid: {', '.join(GLOBAL_KEYS)}")
 
 
 def parse_value(name: str, text: str):
@@ -154,11 +171,14 @@ def parse_value(name: str, text: str):
         if typ is int:
             return int(t)
         if typ is float:
-            return float(t)
+            v = float(t)
+            if not math.isfinite(v):
+                raise ValueError
+            return v
         if typ is list:
             return [s.strip() for s in t.split(",") if s.strip()]
     except (KeyError, ValueError):
-        want = {bool: "true or false", int: "an integer", float: "a number"}[typ]
+        want = {bool: "true or false", int: "an integer", float: "a finite number"}[typ]
         raise SettingsError(f"{_FIELD_TO_KEY.get(name, name)} must be {want}, got '{text}'") from None
     return text
 
@@ -171,8 +191,14 @@ def _check_type(name: str, v):
         if optional:
             return None
         raise SettingsError(f"{key} cannot be empty")
-    if typ is float and isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
+    if typ is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            f = float(v)  # an int too large for a float overflows
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise SettingsError(f"{key} must be a finite number, got {str(v)[:20]}")
+        return f
     if typ is list and isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
         return list(v)
     if typ is list and isinstance(v, str):
@@ -198,6 +224,9 @@ def check_model(s: ModelSettings) -> None:
     if s.drafter_activation_dtype not in ACTIVATION_DTYPES:
         raise SettingsError(f"unknown drafter.activation_dtype '{s.drafter_activation_dtype}'; "
                             f"valid: {', '.join(ACTIVATION_DTYPES)}")
+    for name in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below
+        if not math.isfinite(getattr(s, name)):
+            raise SettingsError(f"{name} must be a finite number, got {getattr(s, name)}")
     from .sampling import SamplingParams  # here: reading settings should not need mlx
 
     try:  # the engine's own checks, so settings never hold values generation refuses
@@ -211,10 +240,13 @@ def check_model(s: ModelSettings) -> None:
 
 
 def check_global(g: GlobalSettings) -> None:
+    """Checks that need no model files (see `SettingsStore.set_global` for those that do)."""
     if not 0 < g.port < 65536:
         raise SettingsError(f"port must be in 1..65535, got {g.port}")
     if not g.host:
         raise SettingsError("host cannot be empty")
+    if g.prompt_cache_mb < 0:
+        raise SettingsError(f"prompt_cache_mb must be >= 0 (0 turns the prompt cache off), got {g.prompt_cache_mb}")
 
 
 def _warn(msg: str) -> None:
@@ -254,34 +286,105 @@ class SettingsStore:
     every write re-reads the file under the lock, so concurrent writers of
     different keys lose nothing."""
 
-    def __init__(self, path=None, lock_timeout: float = 10.0):
+    def __init__(self, path=None, lock_timeout: float = 10.0, checker=None):
+        """`checker`: checks that need model files, an object with
+        `model(store, model_id, new: ModelSettings, explicit_block: bool)` and
+        `globals(store, new: GlobalSettings, changed: set)`, raising SettingsError."""
         self.path = Path(path).expanduser() if path is not None else home() / FILE_NAME
         self.lock_timeout = lock_timeout
+        self.checker = checker
         self._warned = set()
+        self._locked = False  # this store holds the file lock (inside _update)
 
     # -- file ------------------------------------------------------------------------
+    def _problem(self, data: bytes):
+        """(raw dict, None) for a good settings file, else (None, why it is not one)."""
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            enc = "UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "binary or another encoding"
+            return None, f"not UTF-8 text ({enc})"
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            return None, f"invalid JSON at line {e.lineno}"
+        except RecursionError:
+            return None, "nested too deeply"
+        except ValueError as e:  # an integer with thousands of digits
+            return None, f"unreadable JSON ({str(e).split(':')[0][:60]})"
+        if not isinstance(raw, dict) or not isinstance(raw.get("global", {}), dict) \
+                or not isinstance(raw.get("models", {}), dict):
+            return None, "expected an object with 'global' and 'models'"
+        v = raw.get("version", VERSION)
+        if not isinstance(v, int) or isinstance(v, bool):
+            return None, f"version {str(v)[:20]!r} is not a number"
+        return raw, None
+
+    def _backup_path(self) -> Path:
+        stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+        backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        while backup.exists():  # never overwrite an earlier backup
+            n += 1
+            backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        return backup
+
+    def _move_aside(self, why: str) -> None:
+        """Move the unreadable file to a named backup (under the lock, unless held)."""
+        def move():
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                return  # another process moved it already
+            if self._problem(data)[1] is None:
+                return  # another process fixed it already
+            backup = self._backup_path()
+            try:
+                os.replace(self.path, backup)
+            except OSError as e:
+                raise CorruptSettings(f"settings file {self.path} is unreadable ({why}) and cannot be moved "
+                                      f"aside ({e.strerror}); move or delete it by hand") from None
+            _warn(f"settings file {self.path} was unreadable ({why}); moved it to {backup} and restored "
+                  "the defaults")
+
+        if self._locked:
+            move()
+        else:
+            with self._lock():
+                move()
+
+    def _lock(self):
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.path) + ".lock", timeout=self.lock_timeout)
+
+        class Held:
+            def __enter__(_):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    lock.acquire()
+                except Timeout:
+                    raise SettingsError(f"settings file {self.path} is locked by another process "
+                                        f"({self.path}.lock); try again") from None
+                self._locked = True
+
+            def __exit__(_, *exc):
+                self._locked = False
+                lock.release()
+
+        return Held()
+
     def _read_raw(self) -> dict:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return {"version": VERSION, "global": {}, "models": {}}
         except OSError as e:
             raise SettingsError(f"cannot read settings file {self.path}: {e.strerror}") from None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CorruptSettings(
-                f"settings file {self.path} is corrupt (invalid JSON at line {e.lineno}); fix it by hand, "
-                "or run `mlx-dflash settings reset --yes` (the bad file is kept as a backup)") from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("global", {}), dict) \
-                or not isinstance(raw.get("models", {}), dict):
-            raise CorruptSettings(
-                f"settings file {self.path} is corrupt (expected an object with 'global' and 'models'); "
-                "fix it by hand, or run `mlx-dflash settings reset --yes` (the bad file is kept as a backup)")
+        raw, why = self._problem(data)
+        if why is not None:
+            self._move_aside(why)
+            return self._read_raw()
         v = raw.get("version", VERSION)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise CorruptSettings(f"settings file {self.path} is corrupt (version {v!r} is not a number); fix it "
-                                "by hand, or run `mlx-dflash settings reset --yes` (the bad file is kept as a backup)")
         if v != VERSION:
             self._warn_once(f"version:{v}", f"settings file {self.path} has version {v}; this mlx-dflash "
                                             f"reads version {VERSION}, unknown keys are ignored")
@@ -298,37 +401,16 @@ class SettingsStore:
             _warn(msg)
 
     def _update(self, fn) -> dict:
-        """Read-modify-write under the lock. A corrupt file is copied to a backup, then
-        replaced by one holding only this change."""
-        from filelock import FileLock, Timeout
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.path) + ".lock", timeout=self.lock_timeout)
-        try:
-            with lock:
-                corrupt = False
-                try:
-                    raw = self._read_raw()
-                except CorruptSettings:
-                    corrupt, raw = True, {"version": VERSION, "global": {}, "models": {}}
-                if raw.get("version", VERSION) > VERSION:
-                    raise SettingsError(f"settings file {self.path} has version {raw['version']}, newer than "
-                                        f"this mlx-dflash writes ({VERSION}); upgrade mlx-dflash")
-                raw["version"] = VERSION
-                fn(raw)  # may raise (validation): nothing is written then
-                if corrupt:
-                    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
-                    backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-                    while backup.exists():  # never overwrite an earlier backup
-                        n += 1
-                        backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
-                    shutil.copy2(self.path, backup)
-                    _warn(f"settings file {self.path} was corrupt; kept it as {backup} and started afresh")
-                atomic_write(self.path, json.dumps(raw, indent=2) + "\n")
-                return raw
-        except Timeout:
-            raise SettingsError(f"settings file {self.path} is locked by another process "
-                                f"({self.path}.lock); try again") from None
+        """Read-modify-write under the lock (an unreadable file is moved aside first)."""
+        with self._lock():
+            raw = self._read_raw()
+            if raw.get("version", VERSION) > VERSION:
+                raise SettingsError(f"settings file {self.path} has version {raw['version']}, newer than "
+                                    f"this mlx-dflash writes ({VERSION}); upgrade mlx-dflash")
+            raw["version"] = VERSION
+            fn(raw)  # may raise (validation): nothing is written then
+            atomic_write(self.path, json.dumps(raw, indent=2) + "\n")
+            return raw
 
     # -- models ----------------------------------------------------------------------
     def _model_from(self, raw: dict, model_id: str) -> ModelSettings:
@@ -384,10 +466,8 @@ class SettingsStore:
                 e = {}
             new = ModelSettings(**{**asdict(self._model_from(raw, model_id)), **ch})
             check_model(new)
-            if {"drafter", "block_size", "dflash_enabled"} & set(ch):
-                from .manager import check_settings  # needs model discovery; imported lazily
-
-                check_settings(model_id, new, self, explicit_block="block_size" in ch or "block_size" in e)
+            if self.checker is not None and {"drafter", "block_size", "dflash_enabled"} & set(ch):
+                self.checker.model(self, model_id, new, "block_size" in ch or "block_size" in e)
             for name, v in ch.items():
                 e[_FIELD_TO_KEY[name]] = v
             raw["models"][model_id] = e
@@ -434,7 +514,10 @@ class SettingsStore:
         ch = {global_field(k): _check_type(k, v) for k, v in changes.items()}
 
         def apply(raw):
-            check_global(GlobalSettings(**{**asdict(self._globals_from(raw)), **ch}))
+            new = GlobalSettings(**{**asdict(self._globals_from(raw)), **ch})
+            check_global(new)
+            if self.checker is not None:
+                self.checker.globals(self, new, set(ch))
             raw["global"].update(ch)
 
         return self._globals_from(self._update(apply))
@@ -451,7 +534,7 @@ class SettingsStore:
         return self._globals_from(self._update(apply))
 
     def reset_all(self) -> None:
-        """Start from defaults (a corrupt file is kept as a backup)."""
+        """Start from defaults."""
         def apply(raw):
             raw.clear()
             raw.update(version=VERSION, **{"global": {}, "models": {}})

@@ -13,8 +13,9 @@ import pytest
 
 from mlx_dflash import generate
 from mlx_dflash.hub import HubError
-from mlx_dflash.manager import (discover, list_targets, load_model, pair_problem, param_bytes, pull, remove,
-                                resolve, safe_activation_dtype, set_activation_dtype)
+from mlx_dflash.manager import (acceptance_warning, discover, list_targets, load_model, pair_problem, param_bytes,
+                                pull, remove, resolve, safe_activation_dtype, set_activation_dtype, settings_store,
+                                weights_problem)
 from mlx_dflash.settings import ModelSettings, SettingsError, SettingsStore
 from mlx_dflash.target import Target
 
@@ -77,7 +78,7 @@ def world(tmp_path, monkeypatch, pairs):
     readme.mkdir()
     (readme / "README.md").write_text("hi")
     hf_add(cache, "hforg/no-weights", readme)
-    store = SettingsStore()
+    store = settings_store()  # with the checks that need model files
     store.set_global(model_dirs=[str(mdirs)])
     return dict(store=store, emb=emb, mdirs=mdirs, cache=cache, v1=v1, v2=v2)
 
@@ -157,6 +158,100 @@ def test_resolve(world, tmp_path):
     shutil.rmtree(world["emb"] / "target")
     with pytest.raises(HubError, match="embedded default model is missing"):
         resolve("embedded/target", store)
+
+
+def test_one_name_everywhere(world, tmp_path):
+    """A listed id in any case, the hub cache's folder name, ORG/NAME for a folder
+    listed as NAME and the reverse, a path: the same model for resolve,
+    load_model and mlx_dflash.load."""
+    import mlx_dflash
+
+    store = world["store"]
+    for name, want in [("EMBEDDED/Target", "embedded/target"), ("models--hforg--chat", "hforg/chat"),
+                       ("someorg/flat-target", "flat-target"), ("chat", "hforg/chat"), ("Chat", "hforg/chat"),
+                       ("v1-drafter", "org/v1-drafter"), (str(world["mdirs"] / "flat-target"), "flat-target"),
+                       ("hforg/chat-dflash", "hforg/chat-DFlash")]:
+        assert resolve(name, store).id == want, name
+    copy_model(world["v1"] / "target", world["mdirs"] / "otherorg" / "chat")
+    with pytest.raises(SettingsError, match="'chat' could be otherorg/chat or hforg/chat; use one of these ids"):
+        resolve("chat", store)
+    assert resolve("otherorg/chat", store).id == "otherorg/chat"
+    m, tok, d = mlx_dflash.load("hforg/chat", "embedded/dflash2")  # names from `models list`, offline
+    assert d is not None and d.version == 2
+    lm = load_model("HFORG/CHAT", store, drafter="v1-drafter")
+    assert lm.id == "hforg/chat" and lm.drafter_id == "org/v1-drafter"
+    plain = load_model("hforg/chat", store, dflash=False)
+    assert plain.drafter is None and plain.generation_kwargs()["verify_mode"] == "off"
+    with pytest.raises(SettingsError, match="unknown drafter 'nope'"):
+        load_model("hforg/chat", store, drafter="nope")
+    with pytest.raises(SettingsError, match="unknown model 'no/such'.*models pull no/such"):
+        resolve("no/such", store)
+    with pytest.raises(SettingsError, match="unknown model 'flat-targt' \\(did you mean 'flat-target'\\?\\)"):
+        mlx_dflash.load("flat-targt")
+
+
+@pytest.mark.parametrize("damage,msg", [
+    ("truncate", "model.safetensors is truncated"),
+    ("header", "model.safetensors is truncated or corrupt"),
+    ("config-json", "config.json is not valid JSON"),
+    ("config-list", "config.json is not a JSON object"),
+    ("config-fields", "config.json does not fit its model type"),
+])
+def test_damaged_model_folder_is_one_line_naming_the_file(world, damage, msg):
+    import mlx_dflash
+
+    store = world["store"]
+    d = world["mdirs"] / "flat-target"
+    w, cfg = d / "model.safetensors", d / "config.json"
+    if damage == "truncate":
+        with open(w, "r+b") as f:
+            f.truncate(w.stat().st_size * 2 // 3)
+    elif damage == "header":
+        w.write_bytes(b"\xff" * 64)
+    elif damage == "config-json":
+        cfg.write_text(cfg.read_text()[:-20])
+    elif damage == "config-list":
+        cfg.write_text("[1]")
+    else:
+        c = json.loads(cfg.read_text())
+        del c["hidden_size"], c["num_hidden_layers"]
+        cfg.write_text(json.dumps(c))
+    for load in (lambda: load_model(str(d), store), lambda: mlx_dflash.load(str(d))):
+        with pytest.raises(HubError) as e:
+            load()
+        assert msg in str(e.value) and "\n" not in str(e.value) and str(d) in str(e.value)
+    if damage in ("truncate", "header"):
+        assert msg in weights_problem(d)
+    assert weights_problem(world["v1"] / "target") is None
+
+
+def test_acceptance_warning_rule():
+    from mlx_dflash.generate import GenerationStats
+
+    s = GenerationStats(mode="dflash", cycles=60, drafted=240, accepted=2)
+    why = acceptance_warning(s, "org/d")
+    assert "drafter 'org/d' accepted 2 of 240" in why and "\n" not in why
+    assert acceptance_warning(GenerationStats(mode="dflash", cycles=60, drafted=240, accepted=40), "d") is None
+    assert acceptance_warning(GenerationStats(mode="dflash", cycles=4, drafted=16, accepted=0), "d") is None  # too early
+    assert acceptance_warning(GenerationStats(mode="off", cycles=60, drafted=0, accepted=0), None) is None
+
+
+def test_unknown_drafter_or_default_model_is_refused_when_set(world):
+    store = world["store"]
+    for changes, msg in [({"drafter": "no/such-drafter"}, "unknown drafter 'no/such-drafter'; download it with "
+                                                          "`mlx-dflash models pull no/such-drafter`"),
+                         ({"drafter": "v1-draftr"}, "unknown drafter 'v1-draftr'")]:
+        with pytest.raises(SettingsError) as e:
+            store.set_model("embedded/target", **changes)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SettingsError, match="unknown model 'no/such'; download it"):
+        store.set_global(default_model="no/such")
+    with pytest.raises(SettingsError, match="default_model: 'embedded/dflash2' is a DFlash 2 drafter"):
+        store.set_global(default_model="embedded/dflash2")
+    assert store.globals().default_model is None and not store.explicit("embedded/target")
+    store.set_model("embedded/target", drafter="v1-drafter")  # a loose spelling resolves
+    store.set_global(default_model="hforg/chat")
+    assert resolve(None, store).id == "hforg/chat"
 
 
 def test_settings_checks_against_model_files(world):

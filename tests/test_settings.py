@@ -113,34 +113,65 @@ def test_atomic_write_interrupted_midway(tmp_path, monkeypatch):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["f.json"]
 
 
-def test_corrupt_file(store, capsys):
+BAD_FILES = {
+    "truncated JSON": (b'{"version": 1, "models": {"m": {"top_k": 3}', "invalid JSON at line 1"),
+    "UTF-16": ('{"version": 1, "global": {"port": 9000}}'.encode("utf-16"), "UTF-16"),
+    "not UTF-8": (b'{"version": 1, "global": {"host": "\xff\xfe\x80"}}', "not UTF-8"),
+    "huge integer": (b'{"version": 1, "global": {"port": ' + b"9" * 5000 + b"}}", "unreadable JSON"),
+    "nested deep": (b'{"version": 1, "models": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    "a list": (b"[1, 2]", "expected an object"),
+    "version text": (b'{"version": "one"}', "version 'one' is not a number"),
+    "models a list": (b'{"models": []}', "expected an object"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_unreadable_file_is_moved_aside_and_defaults_apply(store, capsys, name):
+    data, why = BAD_FILES[name]
     store.path.parent.mkdir(parents=True)
-    bad = '{"version": 1, "models": {"m": {"top_k": 3}'  # truncated
-    store.path.write_text(bad)
-    with pytest.raises(SettingsError) as e:
-        store.model("m")
-    msg = str(e.value)
-    assert str(store.path) in msg and "\n" not in msg and "line 1" in msg
-    assert store.path.read_text() == bad  # reading never touches it
-    with pytest.raises(SettingsError):
-        store.globals()
-    # the next write keeps the bad file as a backup and starts afresh
-    store.set_model("m", top_k=5)
+    store.path.write_bytes(data)
+    assert store.model("m") == ModelSettings() and store.globals() == GlobalSettings()
     backups = list(store.path.parent.glob("settings.json.corrupt-*"))
-    assert len(backups) == 1 and backups[0].read_text() == bad
-    assert store.model("m").top_k == 5
-    assert "corrupt" in capsys.readouterr().err
+    assert len(backups) == 1 and backups[0].read_bytes() == data  # nothing lost
+    assert not store.path.exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and why in err and str(store.path) in err and str(backups[0]) in err
+    store.set_model("m", top_k=5)  # and the store works on
+    assert SettingsStore(store.path).model("m").top_k == 5
+    assert capsys.readouterr().err == ""
+
+
+def test_second_bad_file_gets_its_own_backup(store):
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text("{")
+    store.globals()
     store.path.write_text("[")  # corrupt again, within the same second: a second backup
     store.set_model("m", top_k=6)
-    assert sorted(p.read_text() for p in store.path.parent.glob("settings.json.corrupt-*")) == ["[", bad]
+    assert sorted(p.read_text() for p in store.path.parent.glob("settings.json.corrupt-*")) == ["[", "{"]
+    assert store.model("m").top_k == 6
 
 
-@pytest.mark.parametrize("content", ['[1, 2]', '{"version": "one"}', '{"models": []}'])
-def test_wrong_shape_is_corrupt(store, content):
+@pytest.mark.parametrize("entry", [{"global": {"port": 10 ** 400}}, {"models": {"m": {"temperature": 10 ** 400}}},
+                                   {"models": {"m": {"top_p": 1e400}}}, {"models": {"m": {"block_size": 10 ** 30,
+                                                                                      "max_tokens": -10 ** 30}}}])
+def test_huge_numbers_fall_back_to_defaults(store, capsys, entry):
     store.path.parent.mkdir(parents=True)
-    store.path.write_text(content)
-    with pytest.raises(SettingsError, match="corrupt"):
-        store.model("m")
+    store.path.write_text(json.dumps({"version": 1, **entry}).replace("Infinity", "1e400"))
+    assert store.globals() == GlobalSettings()
+    assert store.model("m").temperature == 0.0 and store.model("m").max_tokens == ModelSettings().max_tokens
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_settings_do_not_import_the_manager():
+    """One-way: manager -> settings. The checks that need model files come in as a checker."""
+    import ast
+
+    import mlx_dflash.settings as S
+
+    tree = ast.parse(Path(S.__file__).read_text())
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in mods if m and ("manager" in m or "discovery" in m)}, mods
 
 
 def test_unknown_and_bad_keys_warn_and_survive(store, capsys):
@@ -287,11 +318,24 @@ def test_settings_cli(store, capsys):
     assert json.loads(store.path.read_text())["models"] == {}
 
 
-def test_settings_cli_corrupt_file(store, capsys):
+def test_settings_cli_recovers_from_any_file(store, capsys):
     store.path.parent.mkdir(parents=True)
-    store.path.write_text("{oops")
-    assert _cli("settings", "get") == 2
+    store.path.write_bytes(b"[" * 50_000)
+    assert _cli("settings", "set", "port", "8123") == 0
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(store.path) in err
-    assert _cli("settings", "reset", "--yes") == 0
-    assert [p.read_text() for p in Path(store.path.parent).glob("settings.json.corrupt-*")] == ["{oops"]
+    assert err.count("\n") == 1 and str(store.path) in err and "settings.json.corrupt-" in err
+    assert [p.read_bytes() for p in Path(store.path.parent).glob("settings.json.corrupt-*")] == [b"[" * 50_000]
+    assert store.globals().port == 8123
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (("settings", "set", "portt", "1"), "did you mean 'port'"),
+    (("settings", "set", "org/m", "blok_size", "3"), "did you mean 'block_size'"),
+    (("settings", "get", "org/m", "temprature"), "did you mean 'temperature'"),
+    (("settings", "set", "org/m", "temperature", "nan"), "temperature must be a finite number"),
+])
+def test_settings_cli_suggests(store, capsys, argv, hint):
+    assert _cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and hint in err, err
+    assert not store.path.exists()
