@@ -1,4 +1,6 @@
-"""OpenAI's /v1/chat/completions and /v1/completions: JSON bodies and SSE streams."""
+"""OpenAI's /v1/chat/completions and /v1/completions: JSON bodies and SSE
+streams; tool calls (the worker's "call" events) as `tool_calls`, whole in a
+body, one delta per call in a stream."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .schemas import ChatRequest, CompletionRequest
+from .tools import call_id
 from .worker import Job
 
 
@@ -56,6 +59,11 @@ def _offsets(entries):
     return out
 
 
+def _tool_call(c: dict) -> dict:
+    return {"id": call_id(), "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+
+
 def register(app, ctx) -> None:
     """Add the two OpenAI endpoints. `ctx` (app.ServerContext) gives the worker,
     auth, request parsing, model-id resolution and the event relay."""
@@ -63,7 +71,7 @@ def register(app, ctx) -> None:
 
     async def complete(request: Request, kind: str, req):
         mid = await model_id(req.model)
-        job = Job(kind, mid, req, asyncio.get_running_loop())
+        job = Job(kind, mid, req.gen() if kind == "chat" else req, asyncio.get_running_loop())
         worker.submit(job)
         try:
             ev = await next_event(job, request)
@@ -79,7 +87,7 @@ def register(app, ctx) -> None:
         if req.stream:
             return StreamingResponse(sse(job, request, req, kind, rid, created, mid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, lps = [], []
+        text, lps, calls = [], [], []
         try:
             while True:
                 ev = await next_event(job, request)
@@ -92,14 +100,19 @@ def register(app, ctx) -> None:
                     if ev[3] is not None:
                         lps.append(ev[3])
                     continue
+                if ev[0] == "call":
+                    calls.append(_tool_call(ev[1]))
+                    continue
                 end = ev[1]
                 break
         finally:
             job.cancel.set()  # no-op once done; stops the worker if this handler was cancelled
         lp = _lp_block(kind, lps) if req.n_logprobs() is not None else None
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                      "logprobs": lp, "finish_reason": end["finish_reason"]}
+            msg = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            if calls:
+                msg["tool_calls"] = calls
+            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": end["finish_reason"]}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": "".join(text), "logprobs": lp, "finish_reason": end["finish_reason"]}
@@ -112,10 +125,12 @@ def register(app, ctx) -> None:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lp = req.n_logprobs() is not None
 
-        def chunk(delta_text=None, finish=None, lp=None, role=False, extra=None):
+        def chunk(delta_text=None, finish=None, lp=None, role=False, extra=None, tool_call=None):
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else \
                     ({} if delta_text is None else {"content": delta_text})
+                if tool_call is not None:
+                    delta = {"tool_calls": [tool_call]}
                 ch = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 ch = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
@@ -124,6 +139,7 @@ def register(app, ctx) -> None:
                 body.update(extra)
             return f"data: {json.dumps(body)}\n\n"
 
+        n_calls = 0
         try:
             if kind == "chat":
                 yield chunk(role=True)
@@ -141,7 +157,15 @@ def register(app, ctx) -> None:
                     if token is None:  # EOS: not a token of the text, only flushes it
                         leftover += text
                         continue
-                    yield chunk(text, lp=_lp_block(kind, [lp]) if want_lp and lp else None)
+                    if text or (want_lp and lp):
+                        yield chunk(text, lp=_lp_block(kind, [lp]) if want_lp and lp else None)
+                    continue
+                if ev[0] == "call":
+                    if leftover:
+                        yield chunk(leftover)
+                        leftover = ""
+                    yield chunk(extra=None, tool_call={**_tool_call(ev[1]), "index": n_calls})
+                    n_calls += 1
                     continue
                 end = ev[1]
                 rep = _report(end["stats"], end)

@@ -25,13 +25,90 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, List[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None  # assistant turns that called tools
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _check_msg(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template(self) -> dict:
+        """The dict the chat template takes (developer is the system role to templates)."""
+        from .tools import arguments_dict
+
+        m = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": arguments_dict(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict] = None
+
+
+def refuse_structured(kind: Optional[str], param: str) -> None:
+    """Constrained decoding (json_object / json_schema) does not exist yet: a
+    clear 400, never a silently unconstrained answer."""
+    if kind not in (None, "text"):
+        raise _bad(f"{param} '{kind}' (constrained JSON decoding) is not supported by this server yet; "
+                   "omit it or use 'text' and ask for JSON in the prompt", param, "unsupported_parameter")
 
 
 class StreamOptions(_Strict):
@@ -81,6 +158,25 @@ class ChatRequest(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[List[Tool]] = None
+    tool_choice: Union[Literal["auto", "none", "required"], ToolChoiceFunction, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
+
+    def gen(self):
+        """The request as the worker runs it (app.server.tools.GenRequest)."""
+        from .tools import GenRequest, check_tool_choice
+
+        refuse_structured(self.response_format.type if self.response_format else None, "response_format")
+        tools = [t.template() for t in self.tools] if self.tools else None
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoiceFunction):
+            choice = {"name": choice.function.name}
+        check_tool_choice(tools, choice)
+        return GenRequest(self.model, [m.template() for m in self.messages], tools, choice,
+                          self.parallel_tool_calls is not False, self.limit(), self.temperature, self.top_p,
+                          self.top_k, self.min_p, self.seed, self.stops(), self.stream, self.n_logprobs(),
+                          self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
 
     @model_validator(mode="after")
     def _check_lp(self):

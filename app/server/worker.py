@@ -1,6 +1,8 @@
-"""The one worker thread that owns the loaded model and its PromptCache (the
-engine runs one generation at a time), the model catalog, and the jobs that
-carry a request's events back to its HTTP handler."""
+"""The one worker thread that owns the loaded model and its prompt store
+(mlx_dflash.prompt_store: cached prefixes across requests; the engine runs one
+generation at a time), the model catalog, and the jobs that carry a request's
+events back to its HTTP handler. Tool calls are split from the text here
+(tools.ToolStream), so every API gets the same ("token" | "call" | "end") events."""
 
 from __future__ import annotations
 
@@ -46,6 +48,14 @@ class ManagerCatalog:
         from mlx_dflash.manager import load_model
 
         return load_model(model_id, self.store)
+
+    def prompt_cache_bytes(self) -> int:
+        try:
+            return self.store.globals().prompt_cache_mb << 20
+        except (ValueError, AttributeError):  # unreadable settings: the default budget
+            from mlx_dflash.settings import GlobalSettings
+
+            return GlobalSettings().prompt_cache_mb << 20
 
 
 def _context_limit(model) -> Optional[int]:
@@ -120,9 +130,12 @@ class Worker:
         self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
-        self.cache = None  # its PromptCache
+        self.store = None  # its PromptStore (mlx_dflash.prompt_store)
         self.metrics: Dict[str, Counters] = {}
         self.lock = threading.Lock()  # guards metrics
+        self.closing = False  # shutting down: no new jobs, queued ones answered 503
+        self.current: Optional[Job] = None  # the job being served
+        self.parked = threading.Event()  # set once the thread took the stop sentinel
         self.thread = threading.Thread(target=self._loop, name="mlx-dflash-worker", daemon=True)
 
     def start(self):
@@ -134,7 +147,32 @@ class Worker:
         except queue.Full:
             pass
 
+    def close(self, grace: float) -> None:
+        """First step of a shutdown: refuse new jobs, answer the queued ones 503,
+        let the running one go on for `grace` seconds, then cancel it."""
+        self.closing = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.kind != "warm":
+                self._fail(job, _closing())
+        self.stop()
+        t = threading.Timer(grace, self.halt)
+        t.daemon = True
+        t.start()
+
+    def halt(self) -> None:
+        """Cancel the running job now (shutdown: after the grace period, or a second Ctrl-C)."""
+        self.closing = True
+        job = self.current
+        if job is not None:
+            job.cancel.set()
+
     def submit(self, job: Job) -> None:
+        if self.closing:
+            raise _closing()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -152,7 +190,15 @@ class Worker:
         while True:
             job = self.jobs.get()
             if job is None:
-                return
+                # Park, never return: when this thread exits, MLX's thread-local
+                # compile cache is freed and needs the GIL; at interpreter exit
+                # that aborts the process ("terminate called", rc -6).
+                self.parked.set()
+                threading.Event().wait()
+            if self.closing:
+                if job.kind != "warm":
+                    self._fail(job, _closing())
+                continue
             if job.kind == "warm":
                 try:
                     self._ensure(job.model_id)
@@ -163,6 +209,7 @@ class Worker:
                 with self.lock:
                     self.counters(job.model_id).cancelled += 1
                 continue
+            self.current = job
             try:
                 self._serve(job)
             except APIError as e:
@@ -171,8 +218,10 @@ class Worker:
                 self._fail(job, _bad(_line(e) or "invalid request"))
             except BaseException as e:  # a bug (or a native panic): report it, keep serving
                 traceback.print_exc(file=sys.stderr)
-                self.cache = None  # the KV cache may be half-written
+                self._clear_store()  # a KV cache may be half-written
                 self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {_line(e)}"))
+            finally:
+                self.current = None
 
     def _fail(self, job, e: APIError):
         with self.lock:
@@ -185,28 +234,37 @@ class Worker:
         if self.lm is not None:  # one model in memory at a time: drop the old one first
             import mlx.core as mx
 
-            self.lm = self.cache = self.lm_key = None
+            self._clear_store()
+            self.lm = self.lm_key = None
             gc.collect()
             mx.clear_cache()
         try:
             self.lm = self.catalog.load(model_id)
-        except ValueError as e:  # HubError / SettingsError / DrafterError: one line
-            raise APIError(503, f"model '{model_id}' cannot be loaded: {_line(e)}",
+        except Exception as e:  # HubError / SettingsError / DrafterError, or corrupt files (any error)
+            why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
+            raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
-        self.cache, self.lm_key = None, model_id
+        self.lm_key = model_id
+        self._clear_store()
         with self.lock:
             self.counters(model_id)  # listed in /metrics from now on
         return self.lm
 
     # -- one request ---------------------------------------------------------------------
+    def _clear_store(self):
+        self.store = None
+
     def _serve(self, job: Job):
-        from mlx_dflash import PromptCache
+        from .tools import ToolStream, template_tools
 
         lm = self._ensure(job.model_id)
         tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
-        ids = self._prompt_ids(job, lm, settings)
+        ids, prefix = self._prompt_ids(job, lm, settings)
+        if job.kind == "count":
+            job.send("count", len(ids))
+            return
         ctx = _context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
             raise _bad(f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
@@ -226,17 +284,26 @@ class Worker:
 
         fallback = self._fallback_reason(req)
         job.send("start", {"prompt_tokens": len(ids)})
+        pc = target = None
         if fallback:
             gen = self._plain(lm, ids, kw, req, fallback, tok)
         else:
             from mlx_dflash import stream_generate
+            from mlx_dflash.prompt_store import PromptStore
+            from mlx_dflash.target import Target
 
-            if self.cache is None:
-                self.cache = PromptCache()
-            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=self.cache, **kw)
+            if self.store is None:
+                self.store = PromptStore(_budget(self.catalog))
+            target = Target(lm.model)
+            mc = kw.get("max_context")
+            with_drafter = lm.drafter is not None and kw["verify_mode"] != "off" and not (mc and len(ids) > mc)
+            pc, _ = self.store.take(target, ids, lm.drafter, with_drafter)
+            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, **kw)
+        tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
         eos = set(tok.eos_token_ids)
         n_lp = req.n_logprobs()
-        r, first, cancelled = None, None, False
+        r, first, cancelled, cut = None, None, False, False
+        raw, gen_ids = [], []
         try:
             for item in gen:
                 r, lp = item if fallback else (item, None)
@@ -246,13 +313,27 @@ class Worker:
                     cancelled = True
                     break
                 is_eos = r.finish_reason == "stop" and r.token in eos
-                job.send("token", r.text, None if is_eos else r.token, lp if n_lp is not None and not is_eos else None)
+                raw.append(r.text)
+                if not is_eos:
+                    gen_ids.append(r.token)
+                text, calls = r.text, []
+                if tools is not None:
+                    evs = tools.feed(r.text) + (tools.finish() if r.finish_reason else [])
+                    text = "".join(e[1] for e in evs if e[0] == "text")
+                    calls = [e[1] for e in evs if e[0] == "call"]
+                job.send("token", text, None if is_eos else r.token, lp if n_lp is not None and not is_eos else None)
+                for c in calls:
+                    job.send("call", c)
+                if calls and not req.parallel_tool_calls and not r.finish_reason:
+                    cut = True  # one call asked for: the rest would be dropped, so stop here
+                    break
         except BaseException:
-            if not fallback:
-                self.cache = None
+            pc = None  # may be half-written: not stored
             raise
         finally:
             gen.close()
+            if pc is not None and not (cancelled and r is None):
+                self.store.put(pc, target)
         s = r.stats
         with self.lock:
             c = self.counters(job.model_id)
@@ -260,8 +341,18 @@ class Worker:
             c.cancelled += cancelled
             c.add(s)
         if cancelled:
+            if self.closing:  # stopped by the shutdown, not by the client: say so
+                job.send("error", _closing("the server is shutting down; the generation was stopped"))
             return
-        job.send("end", {"finish_reason": r.finish_reason, "stats": s,
+        finish = r.finish_reason
+        if cut or (finish == "stop" and tools is not None and tools.calls):
+            finish = "tool_calls"
+        stop_seq = None
+        if r.finish_reason == "stop" and r.token not in eos and kw["stop"]:  # which stop string ended it
+            full, n = tok.decode(gen_ids), len("".join(raw))
+            hits = sorted((full.find(x, max(0, n - len(x))), x) for x in kw["stop"] if full.find(x, max(0, n - len(x))) >= 0)
+            stop_seq = hits[0][1] if hits else None
+        job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
 
     def _settings(self, lm):
@@ -273,22 +364,35 @@ class Worker:
             sys.stderr.write(f"mlx-dflash: {_line(e)}; using the settings {lm.id} was loaded with\n")
             return lm.settings
 
-    def _prompt_ids(self, job: Job, lm, settings) -> List[int]:
+    def _prompt_ids(self, job: Job, lm, settings):
+        """(prompt token ids, the text forced after the generation prompt)."""
+        from .tools import forced_prefix, template_tools
+
         tok, req = lm.tokenizer, job.req
         vocab = _vocab_size(lm)
-        if job.kind == "chat":
+        prefix = ""
+        if job.kind in ("chat", "count"):
             if not getattr(tok, "chat_template", None):
                 raise _bad(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     **({"name": m.name} if m.name is not None else {})} for m in req.messages]
+            msgs = [dict(m) for m in req.messages]
             system = settings.system_prompt
             if system and not any(m["role"] == "system" for m in msgs):
                 msgs.insert(0, {"role": "system", "content": system})
+            tools = template_tools(req)
+            if tools and not getattr(tok, "has_tool_calling", False):
+                raise _bad(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
+                           "chat template); send the request without tools", "tools", "tools_unsupported")
+            kw = dict(req.template_kwargs)
+            if tools:
+                kw["tools"] = tools
             try:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
             except Exception as e:  # jinja raise_exception(): e.g. roles that must alternate
                 raise _bad(f"the chat template rejected these messages: {_line(e)}",
                            "messages") from None
+            if tools:
+                prefix = forced_prefix(req, tok)
+                text += prefix
             ids = _encode(tok, text)
         elif isinstance(req.prompt, str):
             ids = _encode(tok, req.prompt)
@@ -302,7 +406,7 @@ class Worker:
         for k in (req.logit_bias or {}):
             if vocab is not None and int(k) >= vocab:
                 raise _bad(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
-        return ids
+        return ids, prefix
 
     @staticmethod
     def _fallback_reason(req) -> Optional[str]:
@@ -372,6 +476,20 @@ class Worker:
                     return
         finally:
             steps.close()
+
+
+def _budget(catalog) -> int:
+    """The prompt store's memory budget in bytes (a catalog may not say: the default)."""
+    f = getattr(catalog, "prompt_cache_bytes", None)
+    if f is not None:
+        return int(f())
+    from mlx_dflash.settings import GlobalSettings
+
+    return GlobalSettings().prompt_cache_mb << 20
+
+
+def _closing(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, code="server_shutting_down")
 
 
 def _vocab_size(lm) -> Optional[int]:

@@ -1,0 +1,159 @@
+"""Prompt cache across requests: several cached prefixes at once (target KV /
+recurrent state + drafter context), LRU under a memory budget, matched to a new
+prompt by the longest common prefix of token ids.
+
+The decode loop works on one `PromptCache` and mutates it. `take` hands out an
+entry the store no longer holds (a deep copy, or the entry itself when the new
+prompt simply continues it), so a generation never changes what is stored;
+`put` gives the finished cache back."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .generate import PromptCache
+from .target import Target
+
+
+def _nbytes(caches) -> int:
+    n = 0
+    for c in caches or ():
+        try:
+            n += int(c.nbytes)
+        except (AttributeError, NotImplementedError):  # a cache type without nbytes: count its arrays
+            n += sum(int(getattr(a, "nbytes", 0)) for a in _arrays(c.state))
+    return n
+
+
+def _arrays(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _arrays(y)
+    elif x is not None:
+        yield x
+
+
+def cache_bytes(pc: PromptCache) -> int:
+    return _nbytes(pc.target) + _nbytes(pc.drafter)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _reach(pc: PromptCache) -> Tuple[int, int]:
+    return len(pc.tokens), (pc.drafter[0].offset if pc.drafter else -1)
+
+
+def _covers(a: PromptCache, b: PromptCache) -> bool:
+    """Whether trimming `a` serves every prompt `b` serves (b's tokens and
+    drafter rows are a prefix of a's)."""
+    (na, da), (nb, db) = _reach(a), _reach(b)
+    return nb <= na and db <= da and _common(b.tokens, a.tokens) == nb
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    reused_tokens: int = 0
+
+
+class PromptStore:
+    """LRU of PromptCache entries bounded by `budget` bytes (0: keep none)."""
+
+    def __init__(self, budget: int):
+        self.budget = max(0, int(budget))
+        self.entries: "OrderedDict[int, Tuple[PromptCache, int]]" = OrderedDict()  # key -> (cache, bytes)
+        self.stats = StoreStats()
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def usable(self, pc: PromptCache, drafter, with_drafter: bool) -> int:
+        """How many of `pc`'s tokens the decode loop can keep: with a drafter,
+        only those its context rows also cover (generate.stream_generate)."""
+        if not with_drafter:
+            return len(pc.tokens)
+        if drafter is None or pc.drafter is None or pc.drafter_id != id(drafter):
+            return 0
+        return min(len(pc.tokens), pc.drafter[0].offset)
+
+    def match(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
+              ) -> Tuple[Optional[int], int]:
+        """(key of the entry sharing the longest reusable prefix with `ids`, its length).
+        Entries that cannot be trimmed count only when all their tokens are a
+        prefix of the prompt; one token is always left for the prompt to process."""
+        best, best_n = None, 0
+        head = ids[:-1]
+        for key, (pc, _) in self.entries.items():
+            keep = self.usable(pc, drafter, with_drafter)
+            if target.can_trim(pc.target):
+                n = _common(pc.tokens[:keep], head)
+            else:
+                n = len(pc.tokens) if keep == len(pc.tokens) and _common(pc.tokens, head) == len(pc.tokens) else 0
+            if n > best_n:
+                best, best_n = key, n
+        return best, best_n
+
+    def take(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
+             ) -> Tuple[PromptCache, int]:
+        """A PromptCache the caller may mutate, holding the best reusable prefix
+        of `ids` (a fresh one when nothing matches), and the matched length."""
+        key, n = self.match(target, ids, drafter, with_drafter)
+        if key is None:
+            self.stats.misses += 1
+            return PromptCache(), 0
+        self.stats.hits += 1
+        self.stats.reused_tokens += n
+        pc, _ = self.entries[key]
+        if len(pc.tokens) == n:  # the prompt continues this entry: the longer one replaces it
+            del self.entries[key]
+            return pc, n
+        self.entries.move_to_end(key)
+        return copy.deepcopy(pc), n
+
+    def put(self, pc: PromptCache, target: Optional[Target] = None) -> None:
+        """Keep `pc` (the caller hands it over). Trimmable entries whose tokens
+        are a prefix of it are dropped (it serves their prompts as well); the
+        least recently used go when over budget."""
+        if not pc.tokens or pc.target is None:
+            return
+        size = cache_bytes(pc)
+        if size > self.budget:
+            return
+        if target is not None and target.can_trim(pc.target):
+            for k in [k for k, (e, _) in self.entries.items()
+                      if e.drafter_id == pc.drafter_id and _covers(pc, e)]:
+                del self.entries[k]
+        self._next += 1
+        self.entries[self._next] = (pc, size)
+        while self.nbytes > self.budget and len(self.entries) > 1:
+            self.entries.popitem(last=False)
+            self.stats.evictions += 1
+
+    def summary(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.nbytes, "budget": self.budget,
+                "tokens": [len(pc.tokens) for pc, _ in self.entries.values()], **self.stats.__dict__}
+
+
+def tokens_of(store: PromptStore) -> List[List[int]]:
+    """The token ids of every entry, least recently used first (tests, /metrics)."""
+    return [list(pc.tokens) for pc, _ in store.entries.values()]
