@@ -1,5 +1,6 @@
 """The FastAPI app: errors, auth, request parsing, model ids, and the routes
-shared by every API (health, models, metrics)."""
+shared by every API (health, models, metrics). Host, Origin, content type and
+body size are checked before any of this (security.Guard)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from .errors import APIError, _bad, _line
 from .schemas import _validation_message
+from .security import MAX_BODY, STATS_KEY, Guard, Policy, make_auth
 from .worker import Job, ManagerCatalog, Worker
-
-MAX_BODY = 64 << 20  # bytes; far above any context this runs
 
 
 @dataclass
@@ -36,11 +38,13 @@ class ServerContext:
 
 
 def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
-               model: Optional[str] = None, store=None) -> FastAPI:
+               model: Optional[str] = None, store=None, allowed_hosts: tuple = (), max_body: int = MAX_BODY,
+               log: bool = False) -> FastAPI:
     """The FastAPI app. `catalog` (default: the model manager's) provides
     targets(), default(), settings(id) and load(id) -> LoadedModel. `model`,
     when given, is loaded at startup and is the default for requests that
-    name none."""
+    name none. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
+    (security.Policy); `log` writes one line per request to stderr."""
     from contextlib import asynccontextmanager
 
     catalog = catalog or ManagerCatalog(store)
@@ -50,8 +54,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     def refresh() -> Dict[str, dict]:
         try:
             found = {m["id"]: m for m in catalog.targets()}
-        except ValueError as e:  # e.g. a corrupt settings file: the server's problem, not the client's
-            raise APIError(503, f"cannot list models: {_line(e)}", code="model_catalog_unavailable") from None
+        except Exception as e:  # a corrupt settings file or model folder: the server's problem, not the client's
+            why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
+            raise APIError(503, f"cannot list models: {why}", code="model_catalog_unavailable") from None
         known.clear()
         known.update(found)
         return known
@@ -68,11 +73,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     app = FastAPI(title="mlx-dflash", version=mlx_dflash.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    if cors:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=log)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -86,24 +87,21 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     async def _validation(request, e):
         return _bad(f"invalid request: {e.errors()[0].get('msg', '')}").response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, e):  # the client left while sending its body: nothing to answer, no error
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _internal(request, e):
         traceback.print_exception(e, file=sys.stderr)
         return APIError(500, f"internal error: {type(e).__name__}").response()
 
-    async def auth(request: Request):
-        if api_key is None:
-            return
-        h = request.headers.get("authorization", "")
-        scheme, _, token = h.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != api_key:
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+    auth = make_auth(api_key)
 
     async def parse(request: Request, cls):
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise APIError(413, f"the request body is over {MAX_BODY >> 20} MiB")
+        raw = await request.body()  # Guard stops reading past max_body
+        if len(raw) > max_body:
+            raise APIError(413, f"the request body is over {max_body >> 20} MiB")
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError):  # includes UnicodeDecodeError
@@ -133,6 +131,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                 return await run_in_threadpool(catalog.default)
             except ValueError as e:
                 raise APIError(404, f"no default model: {_line(e)}", "model", "model_not_found") from None
+            except Exception as e:  # a corrupt model folder (see refresh)
+                raise APIError(503, f"no default model: {type(e).__name__}: {_line(e)}", "model",
+                               "model_catalog_unavailable") from None
         if name in known or name == model or name in await run_in_threadpool(refresh):
             return name
         raise APIError(404, f"model '{name}' does not exist; GET /v1/models lists the models", "model",
@@ -149,33 +150,39 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                     job.cancel.set()
                     return None
             try:
-                return await asyncio.wait_for(job.events.get(), 0.2)
+                ev = await asyncio.wait_for(job.events.get(), 0.2)
             except asyncio.TimeoutError:
-                pass
+                continue
+            if ev[0] == "end":  # for the request's log line
+                request.scope.setdefault("state", {})[STATS_KEY] = ev[1]["stats"]
+            return ev
 
     ctx = ServerContext(worker, auth, parse, model_id, next_event)
     app.state.ctx = ctx
-    from . import openai_api
+    from . import anthropic_api, openai_api, responses_api
 
     openai_api.register(app, ctx)
+    responses_api.register(app, ctx)  # /v1/responses
+    anthropic_api.register(app, ctx)  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/health")
-    async def health():
-        lm = worker.lm
-        return {"status": "ok", "model": lm.id if lm is not None else None,
-                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize}
+    async def health():  # no key needed, so it tells nothing but that the server is up
+        return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         from starlette.concurrency import run_in_threadpool
 
-        ms = await run_in_threadpool(refresh)
+        ms = dict(await run_in_threadpool(refresh))
+        if model is not None and model not in ms:  # `serve --model FOLDER` outside the model folders
+            ms = {model: {"id": model, "owned_by": "local"}, **ms}
         return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": 0,
                                             "owned_by": m.get("owned_by", "mlx-dflash"),
                                             "drafters": m.get("drafters", [])} for m in ms.values()]}
 
     @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics():
-        return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None}
+        return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None,
+                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize}
 
     return app

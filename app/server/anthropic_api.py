@@ -1,0 +1,254 @@
+"""Anthropic's Messages API, /v1/messages and /v1/messages/count_tokens:
+system, content blocks, tool_use / tool_result, stop_sequences, streaming in
+Anthropic's event order, and errors in Anthropic's format. This is what Claude
+Code talks to (ANTHROPIC_BASE_URL=http://127.0.0.1:8000)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Dict, List, Literal, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+
+from . import relay
+from .errors import APIError, _bad
+from .schemas import MAX_STOP, _Strict
+from .tools import GenRequest, check_tool_choice
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+    return JSONResponse(body, status_code=e.status)
+
+
+class Tool(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    input_schema: dict
+    type: Optional[Literal["custom"]] = None
+    cache_control: Optional[dict] = None  # a caching hint: this server caches every prompt prefix anyway
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+
+
+class MessagesRequest(_Strict):
+    model: Optional[str] = None
+    messages: List[dict] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, List[dict], None] = None
+    stop_sequences: Optional[List[str]] = Field(None, max_length=MAX_STOP)
+    stream: bool = False
+    temperature: Optional[float] = Field(None, ge=0, le=1)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    metadata: Optional[dict] = None  # user_id: the caller's metadata, nothing to apply
+    thinking: Optional[Thinking] = None  # passed to the template as enable_thinking
+
+
+class CountRequest(_Strict):
+    model: Optional[str] = None
+    messages: List[dict] = Field(min_length=1)
+    system: Union[str, List[dict], None] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+
+
+# -- Anthropic messages -> template messages ----------------------------------------------
+
+def _text(blocks, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    out = []
+    for j, b in enumerate(blocks or []):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise _bad(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
+        out.append(b["text"])
+    return "".join(out)
+
+
+def _messages(req) -> List[dict]:
+    msgs: List[dict] = []
+    if req.system:
+        msgs.append({"role": "system", "content": _text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        role, content = m.get("role") if isinstance(m, dict) else None, m.get("content") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role must be user or assistant", where)
+        if isinstance(content, str):
+            msgs.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"{where}.content must be a string or a list of blocks", where)
+        text, calls = [], []
+        for j, b in enumerate(content):
+            w = f"{where}.content[{j}]"
+            t = b.get("type") if isinstance(b, dict) else None
+            if t == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif t == "tool_use" and role == "assistant":
+                if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                    raise _bad(f"{w}: tool_use needs id and name", w)
+                calls.append({"id": b["id"], "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input") or {}}})
+            elif t == "tool_result" and role == "user":
+                if text:  # keep the order: text before the result is its own turn
+                    msgs.append({"role": "user", "content": "".join(text)})
+                    text = []
+                out = b.get("content", "")
+                out = _text(out, w) if not isinstance(out, str) else out
+                if b.get("is_error"):
+                    out = "Error: " + out
+                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": out})
+            elif t in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # earlier reasoning: templates drop it too
+            else:
+                raise _bad(f"{w}: block type '{t}' is not supported in a {role} message", w)
+        if role == "assistant" and (text or calls):
+            turn = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                turn["tool_calls"] = calls
+            msgs.append(turn)
+        elif text:
+            msgs.append({"role": role, "content": "".join(text)})
+    return msgs
+
+
+def _gen(req) -> GenRequest:
+    tools = [{"type": "function", "function": {"name": t.name, **({"description": t.description} if t.description else {}),
+                                               "parameters": t.input_schema}} for t in req.tools] if req.tools else None
+    tc = req.tool_choice
+    choice, parallel = "auto", True
+    if tc is not None:
+        choice = {"auto": "auto", "any": "required", "none": "none", "tool": {"name": tc.name}}[tc.type]
+        parallel = not tc.disable_parallel_tool_use
+        if tc.type == "tool" and not tc.name:
+            raise _bad("tool_choice type 'tool' needs a name", "tool_choice")
+    check_tool_choice(tools, choice)
+    kw = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else {}
+    g = GenRequest(req.model, _messages(req), tools, choice, parallel, template_kwargs=kw)
+    if isinstance(req, MessagesRequest):
+        g.max_tokens, g.temperature, g.top_p, g.top_k = req.max_tokens, req.temperature, req.top_p, req.top_k
+        g.stop, g.stream = list(req.stop_sequences or []), req.stream
+    return g
+
+
+def _usage(end: dict) -> dict:
+    s = end["stats"]
+    return {"input_tokens": s.prompt_tokens - s.reused_tokens, "output_tokens": s.generation_tokens,
+            "cache_read_input_tokens": s.reused_tokens, "cache_creation_input_tokens": 0}
+
+
+def _tool_block(c: dict) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": c["name"], "input": c["arguments"]}
+
+
+def register(app, ctx) -> None:
+    async def checked(request: Request, cls):
+        """Auth and body in Anthropic's error format (x-api-key or a bearer token)."""
+        await ctx.auth(request)
+        return await ctx.parse(request, cls)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            req = await checked(request, MessagesRequest)
+            g = _gen(req)
+            job, mid, started = await relay.start(ctx, request, "chat", g, req.model)
+        except APIError as e:
+            return error_response(e)
+        except relay.ClientGone:
+            return JSONResponse({}, status_code=499)
+        mid_ = "msg_" + uuid.uuid4().hex[:24]
+        if req.stream:
+            return StreamingResponse(stream(job, request, mid_, mid, started[1]["prompt_tokens"]), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            out = await relay.collect(ctx, job, request)
+        except APIError as e:
+            return error_response(e)
+        except relay.ClientGone:
+            return JSONResponse({}, status_code=499)
+        content = ([{"type": "text", "text": out.text}] if out.text else []) + [_tool_block(c) for c in out.calls]
+        end = out.end
+        body = {"id": mid_, "type": "message", "role": "assistant", "model": mid, "content": content,
+                "stop_reason": _stop_reason(end), "stop_sequence": end.get("stop_sequence"),
+                "usage": _usage(end), "dflash": relay.stats_fields(end)["dflash"]}
+        return JSONResponse(body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            req = await checked(request, CountRequest)
+            n = await relay.count(ctx, request, _gen(req), req.model)
+        except APIError as e:
+            return error_response(e)
+        except relay.ClientGone:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse({"input_tokens": n})
+
+    async def stream(job, request, msg_id, mid, n_prompt):
+        def ev(kind: str, **data) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        start = {"id": msg_id, "type": "message", "role": "assistant", "model": mid, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
+        yield ev("message_start", message=start)
+        index, open_text = 0, False
+        try:
+            async for kind, v in relay.events(ctx, job, request, poll=False):
+                if kind == "text":
+                    if not open_text:
+                        yield ev("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                        open_text = True
+                    yield ev("content_block_delta", index=index, delta={"type": "text_delta", "text": v})
+                    continue
+                if open_text:
+                    yield ev("content_block_stop", index=index)
+                    index, open_text = index + 1, False
+                if kind == "call":
+                    b = _tool_block(v)
+                    yield ev("content_block_start", index=index, content_block={**b, "input": {}})
+                    yield ev("content_block_delta", index=index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(v["arguments"])})
+                    yield ev("content_block_stop", index=index)
+                    index += 1
+                    continue
+                yield ev("message_delta", delta={"stop_reason": _stop_reason(v), "stop_sequence": v.get("stop_sequence")},
+                         usage=_usage(v), dflash=relay.stats_fields(v)["dflash"])
+                yield ev("message_stop")
+        except relay.ClientGone:
+            return
+        except APIError as e:  # after the headers: Anthropic's in-band error event
+            yield ev("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})
+
+
+def _stop_reason(end: dict) -> str:
+    if end.get("stop_sequence"):
+        return "stop_sequence"
+    return STOP_REASONS.get(end["finish_reason"], "end_turn")
+
+
+__all__ = ["register", "error_response", "MessagesRequest"]

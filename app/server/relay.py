@@ -1,0 +1,101 @@
+"""Running one generation for an API handler: submit the job, wait for its
+start (errors before any output become the API's own error response), then
+either collect everything or iterate the events for a stream."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .errors import APIError
+from .worker import Job
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing more to send."""
+
+
+@dataclass
+class Result:
+    text: str = ""
+    calls: List[dict] = field(default_factory=list)  # {"name", "arguments": dict}, in order
+    end: Optional[dict] = None  # the worker's "end" event (finish_reason, stats, timings)
+
+
+async def start(ctx, request, kind: str, req, model: Optional[str]):
+    """(job, model id, the "start" event) once the worker has begun; raises
+    APIError for anything the worker refused, ClientGone if the client left."""
+    mid = await ctx.model_id(model)
+    job = Job(kind, mid, req, asyncio.get_running_loop())
+    ctx.worker.submit(job)
+    try:
+        ev = await ctx.next_event(job, request)
+    except BaseException:
+        job.cancel.set()
+        raise
+    if ev is None:
+        raise ClientGone()
+    if ev[0] == "error":
+        raise ev[1]
+    return job, mid, ev
+
+
+async def events(ctx, job, request, poll: bool = True):
+    """The job's remaining events: ("text", s), ("call", c), ("end", info);
+    an in-band error raises APIError. Cancels the job when the consumer stops."""
+    try:
+        while True:
+            ev = await ctx.next_event(job, request, poll=poll)
+            if ev is None:
+                raise ClientGone()
+            if ev[0] == "error":
+                raise ev[1]
+            if ev[0] == "token":
+                if ev[1]:
+                    yield "text", ev[1]
+            elif ev[0] == "call":
+                yield "call", ev[1]
+            elif ev[0] == "end":
+                yield "end", ev[1]
+                return
+    finally:
+        job.cancel.set()  # no-op once done; stops the worker if the client left
+
+
+async def collect(ctx, job, request) -> Result:
+    r, text = Result(), []
+    async for kind, v in events(ctx, job, request):
+        if kind == "text":
+            text.append(v)
+        elif kind == "call":
+            r.calls.append(v)
+        else:
+            r.end = v
+    r.text = "".join(text)
+    return r
+
+
+async def count(ctx, request, req, model: Optional[str]) -> int:
+    """Prompt tokens of a chat request, as the worker would render it."""
+    mid = await ctx.model_id(model)
+    job = Job("count", mid, req, asyncio.get_running_loop())
+    ctx.worker.submit(job)
+    ev = await ctx.next_event(job, request)
+    if ev is None:
+        raise ClientGone()
+    if ev[0] == "error":
+        raise ev[1]
+    return ev[1]
+
+
+def stats_fields(end: dict) -> dict:
+    """The `dflash` object and cached-token count every API reports."""
+    from .openai_api import _report
+
+    rep = _report(end["stats"], end)
+    return {"dflash": rep["dflash"], "timings": rep["timings"], "cached": end["stats"].reused_tokens,
+            "prompt": end["stats"].prompt_tokens, "completion": end["stats"].generation_tokens}
+
+
+__all__ = ["APIError", "ClientGone", "Result", "start", "events", "collect", "count", "stats_fields"]
