@@ -1,8 +1,9 @@
-"""DFlash 2 two-tap dynamic grouped depthwise convolution (DFLASH2.md 3.1).
+"""DFlash 2 dynamic grouped depthwise convolution (DFLASH2.md 3.1), K taps (2 in
+every published checkpoint):
 
-    y[b, t, c] = sum_{j in 0,1} (base[side, j, c] + dyn[b, t, side, j, c // G]) * x[b, t - j, c]
+    y[b, t, c] = sum_{j < K} (base[side, j, c] + dyn[b, t, side, j, c // G]) * x[b, t - j, c]
 
-with x[b, t - 1] read as zero at every block start (t % block_size == 0).
+with x[b, t - j] read as zero where it crosses a block start (t % block_size < j).
 
 The op is tiny and memory-bound, so on a GPU it is one fused pass. The pass is
 written once, as KERNEL_BODY below, and wrapped by a two-line prelude for Metal
@@ -63,16 +64,18 @@ def kernel_backend() -> str:
 @mx.compile
 def _conv_ops(x, base, dyn, side, block_size, group_size):
     B, L, H = x.shape
-    G = group_size
+    G, K = group_size, base.shape[1]
     f32 = mx.float32
     x32 = x.astype(f32)
     base, dyn = base.astype(x.dtype).astype(f32), dyn.astype(x.dtype).astype(f32)  # see rounding rule
-    # x[t-1], zero at block starts.
-    prev = mx.concatenate([mx.zeros((B, 1, H), f32), x32[:, :-1]], axis=1)
-    prev = mx.where((mx.arange(L) % block_size != 0)[:, None], prev, 0.0)
     # Broadcast each dynamic coefficient over its G channels without repeating it.
-    k = base[side].reshape(2, H // G, G) + dyn[:, :, side, :, :, None]
-    y = k[:, :, 0] * x32.reshape(B, L, H // G, G) + k[:, :, 1] * prev.reshape(B, L, H // G, G)
+    k = base[side].reshape(K, H // G, G) + dyn[:, :, side, :, :, None]  # [B, L, K, H/G, G]
+    y = k[:, :, 0] * x32.reshape(B, L, H // G, G)
+    pos = mx.arange(L) % block_size
+    for j in range(1, K):  # tap j reads x[t - j], zero where that crosses a block start
+        prev = mx.concatenate([mx.zeros((B, j, H), f32), x32[:, :-j]], axis=1)[:, :L]
+        prev = mx.where((pos >= j)[:, None], prev, 0.0)
+        y = y + k[:, :, j] * prev.reshape(B, L, H // G, G)
     return y.reshape(B, L, H).astype(x.dtype)
 
 
@@ -106,9 +109,10 @@ def _fused(backend: str, side: int, block_size: int, group_size: int):
 
 
 def dynamic_conv(x, base, dyn, side: int, block_size: int, group_size: int) -> mx.array:
-    """x [B, L, H], base [2, 2, H], dyn [B, L, 2, 2, H // G] -> y [B, L, H]."""
+    """x [B, L, H], base [2, K, H], dyn [B, L, 2, K, H // G] -> y [B, L, H].
+    The fused kernels are written for the usual K = 2; other sizes take the ops path."""
     backend = kernel_backend()
-    if backend == "mlx-ops":
+    if backend == "mlx-ops" or base.shape[1] != 2:
         return _conv_ops(x, base, dyn, side, block_size, group_size)
     f = _fused(backend, side, block_size, group_size)
     return f(x, base.astype(x.dtype), dyn.astype(x.dtype))
@@ -119,8 +123,8 @@ class DynamicConv(nn.Module):
 
     def __init__(self, hidden_size: int, group_size: int = 16, kernel_size: int = 2):
         super().__init__()
-        if kernel_size != 2:
-            raise ValueError(f"only conv_kernel_size=2 is supported (got {kernel_size})")
+        if kernel_size < 1:
+            raise ValueError(f"conv_kernel_size must be >= 1 (got {kernel_size})")
         if hidden_size % group_size:
             raise ValueError(f"hidden_size {hidden_size} is not a multiple of conv_group_size {group_size}")
         self.group_size, self.kernel_size = group_size, kernel_size

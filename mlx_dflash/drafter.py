@@ -1,136 +1,47 @@
-"""DFlash (v1) and DFlash 2 drafters: config, model, load/save, validation.
+"""DFlash (v1) and DFlash 2 drafters: model, load/save, validation.
 
 A drafter is a short stack of Qwen3-style layers with the target's hidden size
 and no embedding or head of its own (it borrows the target's). Its context is a
 projection of tapped target-layer outputs; the draft block
-`[anchor, MASK, ...]` attends bidirectionally to itself and to every cached
-context row (DFLASH2.md sections 2 and 3)."""
+`[anchor, MASK, ...]` attends to itself and to the cached context rows
+(DFLASH2.md sections 2 and 3). Per layer, as the config says: full or sliding-window
+attention, bidirectional or causal inside the block (drafter_config.py)."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
 
-from .hub import HubError, resolve_path
-
-ARCH_V1 = "DFlashDraftModel"
-ARCH_V2 = "DFlash2DraftModel"
-
-
-class DrafterError(HubError):
-    """A drafter that cannot be loaded or does not fit its target (one-line message)."""
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    mask_token_id: int
-    target_layer_ids: list
-    block_size: int = 16
-    num_target_layers: Optional[int] = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_position_embeddings: int = 40960
-    version: int = 1
-    conv_group_size: int = 16
-    conv_kernel_size: int = 2
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    selector_codebooks: bool = False  # materialised [V, r] tables (public checkpoints)
-    extra: dict = field(default_factory=dict)  # unknown fields, written back on save
-
-    _QWEN3 = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
-              "max_position_embeddings")
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> "DrafterConfig":
-        archs = cfg.get("architectures") or []
-        if ARCH_V2 in archs:
-            version = 2
-        elif ARCH_V1 in archs:
-            version = 1
-        else:
-            raise DrafterError(f"not a DFlash drafter (architectures={archs}); expected {ARCH_V1} or {ARCH_V2}")
-        dc = cfg.get("dflash_config") or {}
-        try:
-            kw = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                      "num_attention_heads", "vocab_size")}
-            kw["num_key_value_heads"] = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-            kw["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-            kw["mask_token_id"] = int(dc["mask_token_id"])
-            kw["target_layer_ids"] = [int(i) for i in dc["target_layer_ids"]]
-        except KeyError as e:
-            raise DrafterError(f"drafter config is missing {e.args[0]!r}") from None
-        for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings"):
-            if k in cfg:
-                kw[k] = cfg[k]
-        kw["block_size"] = int(dc.get("block_size", cfg.get("block_size", 16)))
-        kw["num_target_layers"] = cfg.get("num_target_layers")
-        kw["version"] = version
-        if version == 2:
-            for k in ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k"):
-                if k in dc:
-                    kw[k] = int(dc[k])
-            kw["selector_codebooks"] = bool(dc.get("selector_codebooks", False))
-        known = set(cls._QWEN3) | {"architectures", "dflash_config", "block_size", "num_target_layers", "model_type"}
-        kw["extra"] = {k: v for k, v in cfg.items() if k not in known}
-        return cls(**kw)
-
-    def to_dict(self) -> dict:
-        cfg = dict(self.extra)
-        cfg.update({k: getattr(self, k) for k in self._QWEN3})
-        cfg["model_type"] = "qwen3"
-        cfg["num_target_layers"] = self.num_target_layers
-        dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.version == 1:
-            cfg["architectures"] = [ARCH_V1]
-            cfg["block_size"] = self.block_size
-        else:
-            cfg["architectures"] = [ARCH_V2]
-            dc.update(block_size=self.block_size, conv_group_size=self.conv_group_size,
-                      conv_kernel_size=self.conv_kernel_size, selector_rank=self.selector_rank,
-                      selector_top_k=self.selector_top_k)
-            if self.selector_codebooks:
-                dc["selector_codebooks"] = True
-        cfg["dflash_config"] = dc
-        return cfg
-
-
-def default_target_layer_ids(num_target_layers: int, n_taps: int) -> list:
-    """Evenly spaced from layer 1 to num_layers - 3 (DFLASH2.md section 2)."""
-    lo, hi = 1, max(1, num_target_layers - 3)
-    if n_taps == 1:
-        return [(lo + hi) // 2]
-    return [round(lo + i * (hi - lo) / (n_taps - 1)) for i in range(n_taps)]
+from .drafter_config import (ARCH_V1, ARCH_V2, FIELDS, DrafterConfig, DrafterError,  # noqa: F401 (re-exported)
+                             build_target_layer_ids, default_target_layer_ids, read_config)
+from .hub import resolve_path
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = c.head_dim**-0.5
-        h = c.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * c.head_dim, h, bias=False)
+        h, bias = c.hidden_size, c.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * c.head_dim, h, bias=bias)
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        self.rope = nn.RoPE(c.head_dim, traditional=False, base=c.rope_theta)
+        self.rope = initialize_rope(c.head_dim, base=c.rope_theta, traditional=False,
+                                    scaling_config=c.rope_scaling,
+                                    max_position_embeddings=c.max_position_embeddings)
+        self.window = c.window(layer)
+        self.causal = c.causal(layer)
 
     def _kv(self, x, offset):
         B, L, _ = x.shape
@@ -138,13 +49,33 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
+    def _visible(self, L: int, n: int, offset: int):
+        """Context rows kept (from lo) and the boolean mask [L, n - lo + L], or None
+        when every row sees everything. Context row p sits at position p, block row
+        i at offset + i; a window W keeps p > offset + i - W (the reference's rule)."""
+        lo = 0 if self.window is None else min(n, max(0, offset - self.window + 1))
+        cut = self.window is not None and n > lo and lo <= offset + L - 1 - self.window
+        if not (self.causal and L > 1) and not cut:
+            return lo, None
+        i = mx.arange(L)[:, None]
+        if self.window is not None:
+            ctx = (lo + mx.arange(n - lo))[None] > offset + i - self.window
+        else:
+            ctx = mx.ones((L, n - lo), dtype=mx.bool_)
+        blk = (mx.arange(L)[None] <= i) if self.causal else mx.ones((L, L), dtype=mx.bool_)
+        return lo, mx.concatenate([ctx, blk], axis=1)
+
     def __call__(self, x, ctx_k, ctx_v, offset, mask=None):
         """x: block rows [B, L, H] at positions offset.. ; ctx_k/v: cached context K/V."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offset)
         k, v = self._kv(x, offset)
-        if ctx_k is not None:
+        if mask is None:
+            lo, mask = self._visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset)
+            if ctx_k is not None and lo:
+                ctx_k, ctx_v = ctx_k[..., lo:, :], ctx_v[..., lo:, :]
+        if ctx_k is not None and ctx_k.shape[2]:
             k = mx.concatenate([ctx_k, k], axis=2)
             v = mx.concatenate([ctx_v, v], axis=2)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -163,9 +94,9 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = DraftAttention(c)
+        self.self_attn = DraftAttention(c, layer)
         self.mlp = DraftMLP(c)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -200,7 +131,7 @@ class Drafter(nn.Module):
         c = config
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.layers = [DraftLayer(c) for _ in range(c.num_hidden_layers)]
+        self.layers = [DraftLayer(c, i) for i in range(c.num_hidden_layers)]
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if c.version == 2:
             from .selector import PathSelector
@@ -225,16 +156,31 @@ class Drafter(nn.Module):
         """Tapped target features [B, n, taps*H] -> context rows [B, n, H]."""
         return self.hidden_norm(self.fc(feats))
 
+    def logits(self, target, h: mx.array) -> mx.array:
+        """Draft logits from final-normed hidden states: the target's head, then the
+        config's output_multiplier and final_logit_softcapping (as the reference)."""
+        out = target.head(h)
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        cap = c.final_logit_softcapping
+        if cap is not None and cap > 0:
+            out = mx.tanh(out / cap) * cap
+        return out
+
     def __call__(self, block_emb, new_feats, cache, offset=None):
         """One parallel draft forward.
 
-        block_emb: embedded block `[anchor, MASK, ...]` [1, w, H];
+        block_emb: the target's (unscaled) embedding of the block `[anchor, MASK, ...]`
+        [1, w, H], multiplied here by the config's input_embedding_scale;
         new_feats: target features of rows not yet in the context [1, n, taps*H] (or None);
         cache: per-layer context K/V (grows by n rows). The block sits at positions
         `offset` (default: the context length, i.e. the anchor's position).
-        Returns the final-normed hidden states [1, w, H] (apply the target head)."""
+        Returns the final-normed hidden states [1, w, H] (apply `logits`)."""
         ctx = self.context(new_feats) if new_feats is not None and new_feats.shape[1] else None
         x = block_emb
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
         w = x.shape[1]
         for layer, c in zip(self.layers, cache):
             if ctx is not None:  # context rows keep their real positions
@@ -250,44 +196,58 @@ class Drafter(nn.Module):
 
 
     def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0) -> "Proposal":
-        """Draft `width - 1` tokens after `anchor` in one parallel forward."""
+        """Draft `width - 1` tokens after `anchor` in one parallel forward. All
+        lazy: nothing is evaluated here; the loop evaluates the drafts with the
+        verify that consumes them (one host sync per cycle). `conf` is lazy too,
+        and computed only by a policy that reads it (verify mode adaptive)."""
         block = mx.array([[anchor] + [self.config.mask_token_id] * (width - 1)])
         h = self(target.embed(block), new_feats, cache)[0, 1:]
-        logits = target.head(h)
+        logits = self.logits(target, h)
         if self.config.version == 1:
-            tokens = mx.argmax(logits, axis=-1)
-            conf = mx.softmax(logits, axis=-1).max(axis=-1)
-            mx.eval(tokens, conf)
-            return Proposal(tokens.tolist(), None, 0.0, conf.tolist())
-        mx.eval(logits, h)  # the draft / select boundary, for the stats
-        t0 = time.perf_counter()
-        drafts, q, conf = self.candidate_selector.propose(
-            logits, h, anchor, target.embed_tokens, temperature=temperature, with_conf=True)
-        return Proposal(drafts, q, time.perf_counter() - t0, conf)
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+            return Proposal(tokens, None, 0.0, mx.softmax(logits, axis=-1).max(axis=-1))
+        tokens, q, conf = self.candidate_selector.walk(logits, h, anchor, target.embed_tokens, temperature)
+        return Proposal(tokens, q, 0.0, conf)
 
 
 @dataclass
 class Proposal:
     """What a drafter proposes for one cycle."""
 
-    tokens: list  # the drafts d_1 .. d_{w-1}
+    tokens: object  # the drafts d_1 .. d_{w-1}: an mx.array [w-1] (lazy) or a list of ids
     q: Optional[mx.array] = None  # [n, V] proposal rows when sampled; None: deterministic
-    t_select: float = 0.0  # seconds spent in the path selector
-    conf: Optional[list] = None  # per draft: DFlash 2 path score as a probability, DFlash 1 softmax (adaptive width)
+    t_select: float = 0.0  # seconds spent in the path selector (0 when it runs lazily with the verify)
+    conf: object = None  # per draft, mx.array or list: DFlash 2 path score as a probability, DFlash 1 softmax
 
 
 # -- loading, saving, validation ------------------------------------------------
 
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
-def load_drafter(path_or_repo: str, dtype=None) -> Drafter:
-    path = resolve_path(path_or_repo, "drafter")
-    config = read_config(path)
+
+def _read_weights(path: Path) -> dict:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DrafterError(f"{path} has no .safetensors weights (only safetensors are loaded)")
     weights = {}
     for f in files:
         weights.update(mx.load(str(f)))
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    for k in _CODEBOOKS:  # an nn.Embedding-style export of the published tables
+        if k + ".weight" in weights and k not in weights:
+            weights[k] = weights.pop(k + ".weight")
+    return weights
+
+
+def load_drafter(path_or_repo: str, dtype=None) -> Drafter:
+    """A drafter folder or repo, in its checkpoint's dtype (or `dtype` when given).
+
+    The DFlash 2 selector layout comes from the weight keys: the published [V, r]
+    `*_codebook` tables, or the project's factorised `*_projection` form."""
+    path = resolve_path(path_or_repo, "drafter")
+    config = read_config(path)
+    weights = _read_weights(path)
+    config.selector_codebooks = config.version == 2 and all(k in weights for k in _CODEBOOKS)
     model = Drafter(config)
     _load_weights(model, weights, path)
     if dtype is not None:
@@ -299,12 +259,13 @@ def load_drafter(path_or_repo: str, dtype=None) -> Drafter:
 def _load_weights(model: Drafter, weights: dict, path) -> None:
     from mlx.utils import tree_flatten
 
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        if any(k.endswith((".scales", ".biases")) for k in unexpected):
+            what += "; a quantized checkpoint: load the float one and quantize with the drafter settings"
         raise DrafterError(f"drafter weights in {path} do not match its config ({what})")
     for k, v in weights.items():
         if v.shape != expected[k].shape:
@@ -312,14 +273,44 @@ def _load_weights(model: Drafter, weights: dict, path) -> None:
     model.load_weights(list(weights.items()))
 
 
-def save_drafter(model: Drafter, out, dtype=None) -> Path:
+def _codebooks(model: Drafter, embed, chunk: int = 8192) -> dict:
+    """The factorised selector as the published [V, r] tables: row a of the
+    predecessor table is W_A E[a] (and likewise B), which is exactly what the
+    factorised form gathers at run time."""
+    sel, V = model.candidate_selector, model.config.vocab_size
+    pred, succ = [], []
+    for s in range(0, V, chunk):
+        e = embed(mx.arange(s, min(V, s + chunk)))
+        pred.append(sel.predecessor_projection(e))
+        succ.append(sel.successor_projection(e))
+        mx.eval(pred[-1], succ[-1])
+    return {_CODEBOOKS[0]: mx.concatenate(pred), _CODEBOOKS[1]: mx.concatenate(succ)}
+
+
+def save_drafter(model: Drafter, out, dtype=None, embed=None, layout: str = "published") -> Path:
+    """Write config.json + model.safetensors.
+
+    layout "published" (default): the z-lab layout the reference runtimes (and
+    vLLM / SGLang through it) load; a factorised DFlash 2 selector is written as
+    [V, r] codebooks, which needs the target's embedding `embed` (e.g.
+    `target.embed_tokens`). layout "factorised": the project's compact form
+    (this project loads both)."""
     from mlx.utils import tree_flatten
 
+    if layout not in ("published", "factorised"):
+        raise DrafterError(f"unknown drafter layout {layout!r} (published or factorised)")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     params = dict(tree_flatten(model.parameters()))
+    if model.version == 2 and layout == "published" and not model.config.selector_codebooks:
+        if embed is None:
+            raise DrafterError("saving a DFlash 2 drafter in the published layout needs the target's embedding "
+                               "(embed=target.embed_tokens) to write the selector codebooks")
+        for k in ("predecessor_projection.weight", "successor_projection.weight"):
+            params.pop("candidate_selector." + k)
+        params.update(_codebooks(model, embed))
     if dtype is not None:
         params = {k: v.astype(dtype) for k, v in params.items()}
+    out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     return out
@@ -359,14 +350,3 @@ def param_counts(model: Drafter) -> dict:
         out[part] += v.size
     out["total"] = sum(out.values())
     return out
-
-
-def read_config(path) -> DrafterConfig:
-    """The DrafterConfig of a drafter folder, without loading weights."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        raise DrafterError(f"{path} has no config.json; not a drafter folder")
-    try:
-        return DrafterConfig.from_dict(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as e:
-        raise DrafterError(f"{cfg_file} is not valid JSON (line {e.lineno}); fix or re-download it") from None

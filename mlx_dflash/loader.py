@@ -68,7 +68,8 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
     if drafter is not None:
         d = load_drafter(drafter)
         validate(d, Target(m))
-        _cast(d, dtype or _param_dtype(m))
+        if _cpu():  # the checkpoint's dtype, widened exactly to float32 on the CPU like the target
+            _cast(d, mx.float32)
     return m, tok, d
 
 

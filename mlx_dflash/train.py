@@ -820,7 +820,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True, l
             if step % cfg.ckpt_every == 0 or last:
                 save_checkpoint(out, drafter, opt, step, rng, elapsed0 + time.time() - t_start)
     bar.close()
-    save_drafter(drafter, out, dtype=mx.bfloat16)
+    save_drafter(drafter, out, dtype=mx.bfloat16, embed=target.embed_tokens)  # the published layout
     plot_loss(log_path, out / "loss.png")
     return out
 

@@ -11,6 +11,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[dev]"
+# Test-only: the z-lab reference (tests/test_reference.py). --no-deps: its pins on
+# torch / datasets / requests are for its other backends, not the MLX model we check against.
+.venv/bin/python -m pip install -q --no-deps dflash==0.1.0
 .venv/bin/mlx-dflash doctor --quick >/dev/null  # builds the BLAS shim once (Linux)
 case "${1:-run}" in
   test) shift; exec .venv/bin/python -m pytest -q "$@" ;;

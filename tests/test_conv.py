@@ -59,17 +59,17 @@ def naive(x, base, dyn, side, bs, G):
     for b in range(B):
         for t in range(L):
             for c in range(H):
-                for j in (0, 1):
-                    if j == 1 and t % bs == 0:
+                for j in range(base.shape[1]):
+                    if t % bs < j:
                         continue
                     y[b, t, c] += (base[side, j, c] + dyn[b, t, side, j, c // G]) * x[b, t - j, c]
     return y
 
 
-def rand_case(rng, B, L, H, G, dtype=np.float32):
+def rand_case(rng, B, L, H, G, dtype=np.float32, K=2):
     x = rng.standard_normal((B, L, H)).astype(dtype)
-    base = rng.standard_normal((2, 2, H)).astype(dtype)
-    dyn = rng.standard_normal((B, L, 2, 2, H // G)).astype(dtype)
+    base = rng.standard_normal((2, K, H)).astype(dtype)
+    dyn = rng.standard_normal((B, L, 2, K, H // G)).astype(dtype)
     return x, base, dyn
 
 
@@ -195,7 +195,27 @@ def test_kernel_sources_are_one_body():
     for prelude in (conv.METAL_PRELUDE, conv.CUDA_PRELUDE):
         assert "elem" in prelude and len(prelude.splitlines()) == 1
     with pytest.raises(ValueError):
-        DynamicConv(64, kernel_size=3)
+        DynamicConv(64, kernel_size=0)
+
+
+@pytest.mark.parametrize("K", [1, 3, 4])
+@pytest.mark.parametrize("side", [0, 1])
+def test_any_kernel_size_matches_naive_loop(K, side):
+    """conv_kernel_size other than 2: tap j reads x[t - j], never across a block start."""
+    for B, L, H, G, bs in SHAPES[:4]:
+        x, base, dyn = rand_case(np.random.default_rng(K * 10 + side), B, L, H, G, K=K)
+        np.testing.assert_allclose(ops(x, base, dyn, side, bs, G), naive(x, base, dyn, side, bs, G),
+                                   rtol=1e-5, atol=1e-5)
+    m = DynamicConv(32, 8, kernel_size=K)
+    a = mx.random.normal((1, 6, 32))
+    assert mx.array_equal(m(a, m.coefficients(a), side, 6), a).item()  # identity init for any K
+
+
+def test_fused_backends_route_other_kernel_sizes_to_ops(monkeypatch):
+    monkeypatch.setattr(conv, "kernel_backend", lambda: "metal")
+    monkeypatch.setattr(conv, "_fused", lambda *a: pytest.fail("K=3 must not reach the 2-tap kernel"))
+    x, base, dyn = rand_case(np.random.default_rng(0), 1, 5, 32, 8, K=3)
+    np.testing.assert_allclose(ops(x, base, dyn, 1, 5, 8), naive(x, base, dyn, 1, 5, 8), rtol=1e-5, atol=1e-5)
 
 
 def test_param_count_h2560():

@@ -8,7 +8,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dflash import generate, load
+from mlx_dflash import generate
+from mlx_dflash.loader import load
 from mlx_dflash.drafter import (ARCH_V2, Drafter, DrafterConfig, DrafterError, load_drafter, param_counts,
                                 save_drafter, validate)
 from mlx_dflash.hub import HubError
@@ -67,7 +68,7 @@ def test_checkpoint_round_trip_v1_v2(pairs, tmp_path):
     for version in (1, 2):
         d = pairs("qwen3", version=version)
         src = load_drafter(str(d / "drafter"))
-        out = save_drafter(src, tmp_path / f"v{version}")
+        out = save_drafter(src, tmp_path / f"v{version}", layout="factorised")
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["architectures"] == ([ARCH_V2] if version == 2 else ["DFlashDraftModel"])
         if version == 2:
@@ -86,16 +87,26 @@ def test_checkpoint_round_trip_v1_v2(pairs, tmp_path):
 
 
 def test_codebook_selector_checkpoint_loads(pairs, tmp_path):
+    """The published selector layout is recognised from the weight keys alone (no
+    config flag), and saving a factorised drafter writes that layout by default."""
     d = pairs("qwen3", version=2)
-    cfg = json.loads((d / "drafter" / "config.json").read_text())
-    cfg["dflash_config"]["selector_codebooks"] = True
-    c = DrafterConfig.from_dict(cfg)
-    m = Drafter(c)
-    shapes = {k: v.shape for k, v in tree_flatten(m.parameters()) if k.startswith("candidate_selector")}
-    assert shapes["candidate_selector.predecessor_codebook"] == (c.vocab_size, c.selector_rank)
-    save_drafter(m, tmp_path / "cb")
-    model, tok, dr = load(str(d / "target"), str(tmp_path / "cb"))
-    assert len(generate(model, tok, "x", dr, max_tokens=8).token_ids) == 8
+    model, tok, src = load(str(d / "target"), str(d / "drafter"))
+    sel = src.candidate_selector
+    sel.successor_projection.weight = mx.random.normal(sel.successor_projection.weight.shape, key=mx.random.key(5))
+    with pytest.raises(DrafterError, match="needs the target's embedding"):
+        save_drafter(src, tmp_path / "nope")
+    out = save_drafter(src, tmp_path / "cb", embed=model.model.embed_tokens)
+    assert "selector_codebooks" not in json.dumps(_cfg(out))
+    w = mx.load(str(out / "model.safetensors"))
+    c = src.config
+    assert w["candidate_selector.predecessor_codebook"].shape == (c.vocab_size, c.selector_rank)
+    assert not any("projection" in k and "hidden" not in k for k in w)
+    back = load_drafter(str(out))
+    assert back.config.selector_codebooks and back.candidate_selector.codebooks
+    for prompt in PROMPTS[:3]:
+        a = generate(model, tok, prompt, src, max_tokens=12, block_size=6)
+        b = generate(model, tok, prompt, back, max_tokens=12, block_size=6)
+        assert a.token_ids == b.token_ids and a.from_draft == b.from_draft
 
 
 def test_parameter_accounting_at_published_sizes():
@@ -118,7 +129,8 @@ def test_published_like_dflash2_config_builds_lazily():
                              "mask_token_id": 248_077, "selector_rank": 256, "selector_top_k": 16,
                              "target_layer_ids": [1, 16, 31, 46, 61]}}
     c = DrafterConfig.from_dict(cfg)
-    assert c.version == 2 and c.block_size == 16 and c.extra == {"layer_types": ["full_attention"] * 5}
+    assert c.version == 2 and c.block_size == 16 and c.extra == {}
+    assert c.layer_types == ["full_attention"] * 5 and not any(map(c.causal, range(5)))
     shapes = {k: v.shape for k, v in tree_flatten(Drafter(c).parameters())}
     assert shapes["fc.weight"] == (5120, 5 * 5120)
     assert shapes["layers.4.self_attn.q_proj.weight"] == (64 * 128, 5120)

@@ -1,0 +1,380 @@
+"""Fidelity against an independent implementation: the z-lab `dflash` package's
+MLX model (dflash/model_mlx.py, a test-only dependency installed by
+scripts/bootstrap.sh). Drafters with random weights are written in the published
+layout, for every config variant the project reads; the reference and the project
+load the same folder and must give the same hidden states and the same drafts,
+cycle after cycle, and the same greedy generation.
+
+Known reference quirk, avoided on purpose: once a sliding layer's rotating cache is
+full, a one-row context update leaves it in rotated order and the reference's
+index-based window mask then hides the wrong rows. The project applies the window
+by position (the torch reference's rule), so sliding-window cycles here always add
+two or more context rows."""
+
+import json
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+ref = pytest.importorskip("dflash.model_mlx")
+
+from mlx_dflash.drafter import ARCH_V1, ARCH_V2, Drafter, DrafterConfig, DrafterError, load_drafter, save_drafter  # noqa: E402
+from mlx_dflash.target import Target  # noqa: E402
+
+H, V, TL = 64, 256, 4  # hidden, vocabulary, target layers
+
+
+@pytest.fixture
+def ref_load(monkeypatch):
+    """The reference's own loader, reading a local folder instead of the Hub."""
+    monkeypatch.setattr(ref, "snapshot_download", lambda path, **kw: path)
+    return ref.load_draft
+
+
+@pytest.fixture(scope="module")
+def target():
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=H, num_hidden_layers=TL, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                           vocab_size=V, max_position_embeddings=4096, rope_theta=10000.0,
+                           tie_word_embeddings=False)
+    mx.random.seed(0)
+    m = qwen3.Model(args)
+    m.lm_head.weight = m.lm_head.weight * 6.0  # peaked logits: no near-ties between the two argmaxes
+    mx.eval(m.parameters())
+    return m
+
+
+def base_config(version, **over):
+    dc = {"mask_token_id": 5, "target_layer_ids": [1, 2], "block_size": 8}
+    if version == 2:
+        dc.update(conv_group_size=16, conv_kernel_size=2, selector_rank=32, selector_top_k=8)
+    cfg = {"architectures": [ARCH_V2 if version == 2 else ARCH_V1], "model_type": "qwen3", "hidden_size": H,
+           "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": 4096, "num_target_layers": TL, "dflash_config": dc}
+    for k, v in over.items():
+        if k.startswith("dc_"):
+            dc[k[3:]] = v
+        elif v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+SLIDE = ["sliding_attention", "sliding_attention", "full_attention"]
+VARIANTS = {  # name -> config changes; every one is run as DFlash 1 and DFlash 2
+    "plain": {},
+    "rope_parameters_only": {"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+    "rope_yarn": {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 1024}},
+    "rope_llama3": {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}},
+    "rope_linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "rope_dynamic": {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16},
+    "sliding_default_causal": {"layer_types": SLIDE, "sliding_window": 6},
+    "sliding_bidirectional": {"layer_types": SLIDE, "sliding_window": 7, "is_causal": False},
+    "all_sliding": {"layer_types": ["sliding_attention"] * 3, "sliding_window": 5},
+    "causal_full": {"is_causal": True},
+    "head_dim_24": {"head_dim": 24},
+    "logit_transform": {"dc_output_multiplier": 0.37, "dc_final_logit_softcapping": 2.5},
+    "softcap_top_level": {"final_logit_softcapping": 1.5},
+    "input_embedding_scale": {"dc_input_embedding_scale": 8.0},
+}
+
+
+def _randomize(model, seed):
+    """Random weights at sensible scales (norms near 1, convs near identity)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, v in tree_flatten(model.parameters()):
+        shape = v.shape
+        if k.endswith("norm.weight"):
+            a = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif k.endswith("base_kernel"):
+            a = 0.4 * rng.standard_normal(shape)
+            a[:, 0, :] += 1.0
+        elif k.endswith("kernel_projection.weight"):
+            a = 0.1 * rng.standard_normal(shape) / np.sqrt(shape[-1])
+        elif k.endswith("_codebook"):
+            a = rng.standard_normal(shape)
+        elif k.endswith(".bias"):
+            a = 0.3 * rng.standard_normal(shape)
+        else:
+            a = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        out.append((k, mx.array(a.astype(np.float32))))
+    model.update(tree_unflatten(out))
+    mx.eval(model.parameters())
+
+
+def write_published(folder, cfg, seed=0):
+    """A drafter folder in the published layout, written from the config alone
+    (weights named and shaped as the published checkpoints: no project save code)."""
+    c = DrafterConfig.from_dict(cfg)
+    c.selector_codebooks = c.version == 2
+    m = Drafter(c)
+    _randomize(m, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(m.parameters())))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def ref_tokens(r, h, block):
+    """The reference's drafts for one cycle from its final-normed states h [1, w, H]."""
+    hd = h[:, 1:]
+    logits = r.compute_logits(hd)
+    if isinstance(r, ref.DFlash2DraftModel):
+        return r.candidate_selector.select(hd, logits, block[:, 0], 0.0)[0][0].tolist()
+    return mx.argmax(logits, axis=-1)[0].tolist()
+
+
+def run_cycles(ours, r, target_model, *, cycles=6, width=8, seed=0, min_new=1, first=11, atol=2e-4):
+    """Drive both drafters through the same cycles: new context rows (random target
+    features), anchor, block. Returns the number of cycles compared."""
+    t = Target(target_model)
+    r.bind(target_model)
+    rng = random.Random(seed)
+    taps = len(ours.config.target_layer_ids)
+    key = mx.random.key(seed)
+    c_h, c_p, c_r = ours.make_cache(), ours.make_cache(), r.make_cache()
+    n_new = first
+    for cyc in range(cycles):
+        key, k1 = mx.random.split(key)
+        feats = mx.random.normal((1, n_new, taps * H), key=k1)
+        anchor = rng.randrange(V)
+        block = mx.array([[anchor] + [ours.config.mask_token_id] * (width - 1)])
+        h_ours = ours(t.embed(block), feats, c_h)
+        h_ref = r.hidden_states(block, feats, c_r)
+        assert h_ours.shape == h_ref.shape
+        err = mx.abs(h_ours - h_ref).max().item()
+        assert err < atol, f"cycle {cyc}: hidden states differ by {err}"
+        lerr = mx.abs(ours.logits(t, h_ours) - r.compute_logits(h_ref)).max().item()
+        assert lerr < 10 * atol, f"cycle {cyc}: draft logits differ by {lerr}"
+        prop = ours.propose(t, anchor, feats, c_p, width, 0.0)
+        mine = prop.tokens.tolist() if isinstance(prop.tokens, mx.array) else list(prop.tokens)
+        assert mine == ref_tokens(r, h_ref, block), f"cycle {cyc}: drafts differ"
+        n_new = rng.randint(min_new, width)  # accepted drafts + the anchor
+    return cycles
+
+
+def _pair(tmp_path, ref_load, cfg, ref_cfg=None, seed=0):
+    d = write_published(tmp_path / "drafter", cfg, seed)
+    rd = d
+    if ref_cfg is not None:  # the same weights, config spelled the way the reference reads it
+        rd = tmp_path / "ref_drafter"
+        rd.mkdir()
+        (rd / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+        (rd / "config.json").write_text(json.dumps(ref_cfg))
+    return load_drafter(str(d)), ref_load(str(rd))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafts_match_reference(tmp_path, ref_load, target, variant, version):
+    cfg = base_config(version, **VARIANTS[variant])
+    ours, r = _pair(tmp_path, ref_load, cfg, seed=list(VARIANTS).index(variant))
+    sliding = "layer_types" in cfg
+    run_cycles(ours, r, target, min_new=2 if sliding else 1, first=13 if sliding else 11)
+
+
+def test_variants_change_the_drafts(tmp_path, ref_load, target):
+    """Each variant's field really matters (a comparison that ignored it would fail):
+    the same weights read without the field give other hidden states."""
+    for variant, over in VARIANTS.items():
+        if variant in ("plain", "head_dim_24"):  # head_dim shows in the weight shapes
+            continue
+        cfg = base_config(2, **over)
+        write_published(tmp_path / variant, cfg, seed=1)
+        plain = {k: v for k, v in base_config(2).items()}
+        plain["head_dim"] = cfg["head_dim"]
+        a = load_drafter(str(tmp_path / variant))
+        b_cfg = DrafterConfig.from_dict(plain)
+        b_cfg.selector_codebooks = True
+        b = Drafter(b_cfg)
+        b.load_weights(list(tree_flatten(a.parameters())))
+        t = Target(target)
+        feats = mx.random.normal((1, 12, 2 * H), key=mx.random.key(2))
+        block = t.embed(mx.array([[7] + [5] * 7]))
+        ha, hb = a(block, feats, a.make_cache()), b(block, feats, b.make_cache())
+        la, lb = a.logits(t, ha), b.logits(t, hb)
+        assert not mx.allclose(la, lb, atol=1e-3).item(), variant
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_attention_bias(tmp_path, ref_load, target, version):
+    """attention_bias (read by the torch reference; the MLX reference builds its
+    projections without bias, so its instance gets biased ones before loading)."""
+    cfg = base_config(version, attention_bias=True)
+    d = write_published(tmp_path / "drafter", cfg, seed=3)
+    ours = load_drafter(str(d))
+    plain = tmp_path / "nobias"
+    plain.mkdir()
+    w = mx.load(str(d / "model.safetensors"))
+    mx.save_safetensors(str(plain / "model.safetensors"), {k: v for k, v in w.items() if not k.endswith(".bias")})
+    (plain / "config.json").write_text(json.dumps(base_config(version)))
+    r = ref_load(str(plain))
+    for layer in r.layers:
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            old = getattr(a, name)
+            out_f, in_f = old.weight.shape
+            setattr(a, name, nn.Linear(in_f, out_f, bias=True))
+    r.load_weights([(k + ".weight" if k.endswith("_codebook") else k, v) for k, v in w.items()])
+    assert any(k.endswith("q_proj.bias") for k, _ in tree_flatten(ours.parameters()))
+    run_cycles(ours, r, target)
+
+
+def test_conv_kernel_size_3(tmp_path, ref_load, target):
+    ours, r = _pair(tmp_path, ref_load, base_config(2, dc_conv_kernel_size=3), seed=4)
+    assert ours.layers[0].attention_conv.base_kernel.shape == (2, 3, H)
+    run_cycles(ours, r, target)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_top_level_mask_and_taps(tmp_path, ref_load, target, version):
+    """mask_token_id / target_layer_ids at the top level (the torch reference reads
+    dflash_config first, then the top level; the MLX one only dflash_config)."""
+    cfg = base_config(version, mask_token_id=9, target_layer_ids=[0, 3])
+    for k in ("mask_token_id", "target_layer_ids"):
+        cfg["dflash_config"].pop(k)
+    ref_cfg = base_config(version, dc_mask_token_id=9, dc_target_layer_ids=[0, 3])
+    ours, r = _pair(tmp_path, ref_load, cfg, ref_cfg, seed=5)
+    assert ours.config.mask_token_id == 9 and ours.config.target_layer_ids == [0, 3]
+    run_cycles(ours, r, target)
+
+
+@pytest.mark.parametrize("draft_layers,n_target,want", [(3, 12, [1, 5, 9]), (5, 36, [1, 9, 17, 25, 33]),
+                                                        (1, 12, [6]), (2, 4, [1, 1])])
+def test_default_taps_follow_the_reference_formula(draft_layers, n_target, want):
+    cfg = base_config(1, num_hidden_layers=draft_layers, num_target_layers=n_target)
+    cfg["dflash_config"].pop("target_layer_ids")
+    assert DrafterConfig.from_dict(cfg).target_layer_ids == want
+
+
+def test_default_taps_draft_like_the_reference(tmp_path, ref_load, target):
+    cfg = base_config(2, num_hidden_layers=3, num_target_layers=12)
+    cfg["dflash_config"].pop("target_layer_ids")
+    ref_cfg = base_config(2, num_hidden_layers=3, num_target_layers=12, dc_target_layer_ids=[1, 5, 9])
+    ours, r = _pair(tmp_path, ref_load, cfg, ref_cfg, seed=6)
+    run_cycles(ours, r, target)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_project_saved_drafter_loads_in_reference(tmp_path, ref_load, target, version):
+    """save_drafter writes the published layout: the reference loads it and drafts
+    exactly as the project does (a factorised DFlash 2 selector becomes codebooks)."""
+    c = DrafterConfig.from_dict(base_config(version, layer_types=SLIDE, sliding_window=9,
+                                            dc_output_multiplier=0.5, dc_input_embedding_scale=2.0))
+    m = Drafter(c)  # factorised selector, as the project trains it
+    _randomize(m, 7)
+    out = save_drafter(m, tmp_path / "saved", embed=target.model.embed_tokens)
+    r = ref_load(str(out))
+    back = load_drafter(str(out))
+    run_cycles(m, r, target, min_new=2, first=12)
+    run_cycles(back, ref_load(str(out)), target, min_new=2, first=12, seed=1)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version):
+    """A whole greedy generation: same tokens, and the same drafts accepted in every
+    cycle both loops run at full width (the same tau)."""
+    import mlx_lm
+
+    from mlx_dflash.generate import generate
+
+    d = pairs("qwen3", version=1, hidden=64, layers=4, vocab=512)
+    cfg = base_config(version, vocab_size=512, num_target_layers=4, layer_types=SLIDE, sliding_window=64,
+                      dc_mask_token_id=3, dc_target_layer_ids=[1, 2], dc_output_multiplier=0.8,
+                      dc_final_logit_softcapping=30.0)
+    write_published(tmp_path / "drafter", cfg, seed=8)
+    model, tok = mlx_lm.load(str(d / "target"))
+    ref_model, _ = mlx_lm.load(str(d / "target"))  # the reference hooks its own instance's layers
+    # A head where two tokens compete along one direction u (others near zero):
+    # random drafts then agree with the target often enough for tau to mean something.
+    W = np.array(mx.load(str(d / "target" / "model.safetensors"))["lm_head.weight"], np.float32)
+    u = np.random.default_rng(0).standard_normal(W.shape[1]).astype(np.float32)
+    W *= 0.02
+    W[45], W[43] = 3 * u, -3 * u
+    for m in (model, ref_model):
+        m.set_dtype(mx.float32)
+        m.lm_head.weight = mx.array(W)
+    ours = load_drafter(str(tmp_path / "drafter"))
+    w, n, accepted = 6, 40, 0
+    for prompt in ("def fibonacci(n):", "The answer is", "import os"):
+        r = ref_load(str(tmp_path / "drafter"))
+        want, flags = [], []
+        for resp in ref.stream_generate(ref_model, r, tok, prompt, block_size=w, max_tokens=n):
+            want += resp.tokens
+            k = len(resp.tokens)
+            if k:
+                flags += [False] if resp.accepted is None else [True] * (k - 1) + [False]
+        got = generate(model, tok, prompt, ours, max_tokens=n, block_size=w)
+        assert got.token_ids == want[: len(got.token_ids)] and len(got.token_ids) == len(want)
+        full = n - w + 1  # tokens of cycles both loops ran at full width
+        assert got.from_draft[:full] == flags[:full]
+        accepted += sum(flags[:full])
+    assert accepted > 10  # drafts were accepted: the comparison has content
+
+
+# -- refusals: one line, naming the field ---------------------------------------
+
+REFUSED = [
+    ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"] * 2}, "layer_types"),
+    ({"layer_types": SLIDE}, "sliding_window"),
+    ({"layer_types": SLIDE, "sliding_window": 0}, "sliding_window"),
+    ({"rope_scaling": {"rope_type": "no-such-rope", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"quantization": {"bits": 4, "group_size": 64}}, "quantization"),
+    ({"dc_conv_group_size": 24}, "conv_group_size"),
+    ({"dc_conv_kernel_size": 0}, "conv_kernel_size"),
+    ({"dc_mask_token_id": None}, "mask_token_id"),
+    ({"dc_target_layer_ids": None, "num_target_layers": None}, "target_layer_ids"),
+    ({"hidden_size": None}, "hidden_size"),
+]
+
+
+@pytest.mark.parametrize("over,field", REFUSED)
+def test_refused_fields_name_themselves(over, field):
+    cfg = base_config(2)
+    for k, v in over.items():
+        if k.startswith("dc_"):
+            if v is None:
+                cfg["dflash_config"].pop(k[3:])
+            else:
+                cfg["dflash_config"][k[3:]] = v
+        elif v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    with pytest.raises(DrafterError, match=field) as e:
+        DrafterConfig.from_dict(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_quantized_weights_refused_in_one_line(tmp_path):
+    d = write_published(tmp_path / "q", base_config(1), seed=9)
+    w = mx.load(str(d / "model.safetensors"))
+    w["fc.scales"] = mx.zeros((H, 4))
+    mx.save_safetensors(str(d / "model.safetensors"), w)
+    with pytest.raises(DrafterError, match="quantized") as e:
+        load_drafter(str(d))
+    assert "\n" not in str(e.value)
+
+
+def test_drafter_keeps_its_checkpoint_dtype(tmp_path):
+    d = write_published(tmp_path / "bf", base_config(2), seed=10)
+    w = mx.load(str(d / "model.safetensors"))
+    mx.save_safetensors(str(d / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in w.items()})
+    m = load_drafter(str(d))
+    assert {v.dtype for _, v in tree_flatten(m.parameters())} == {mx.bfloat16}
