@@ -207,7 +207,7 @@ class ScriptDrafter:
 class ScriptCatalog:
     """The catalog the server's worker loads from: one scripted model, "script"."""
 
-    def __init__(self, tok, budget_mb=64, max_tokens=64, drafter=True):
+    def __init__(self, tok, budget_mb=64, max_tokens=256, drafter=True):
         from mlx_dflash.settings import ModelSettings
 
         self.tok, self.budget_mb, self.with_drafter = tok, budget_mb, drafter

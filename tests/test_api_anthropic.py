@@ -1,0 +1,142 @@
+"""/v1/messages (Anthropic Messages API) with the official `anthropic` client
+against a real server (tests/scripted.py: scripted target, real engine)."""
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY = "sk-ant-test"
+TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+CALL = "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) + "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def srv(pairs, tmp_path_factory):
+    from scripted import LocalServer, ScriptCatalog, tool_tokenizer
+
+    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
+    s = LocalServer(ScriptCatalog(tok), api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def send(client, content, **kw):
+    msgs = kw.pop("messages", None) or [{"role": "user", "content": content}]
+    return client.messages.create(model="script", max_tokens=kw.pop("max_tokens", 200), messages=msgs, **kw)
+
+
+def test_text_message(client):
+    m = send(client, "hello", system="Be brief.")
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "end_turn"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Echo: hello"
+    assert m.usage.output_tokens > 0 and m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    assert m.model_dump()["dflash"]["mode"] == "dflash"
+
+
+def test_tool_round_trip(client):
+    user = {"role": "user", "content": "RAW:I will check. " + CALL}
+    m = send(client, None, messages=[user], tools=TOOLS, system=[{"type": "text", "text": "Use tools.",
+                                                                   "cache_control": {"type": "ephemeral"}}])
+    assert m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["text", "tool_use"]
+    assert m.content[0].text == "I will check. "
+    tu = m.content[1]
+    assert tu.name == "get_weather" and tu.input == {"city": "Paris"} and tu.id.startswith("toolu_")
+    msgs = [user, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu.id,
+                                          "content": [{"type": "text", "text": "foggy"}]}]}]
+    m2 = send(client, None, messages=msgs, tools=TOOLS, system="Use tools.")
+    assert m2.content[0].text == "Answer: foggy" and m2.stop_reason == "end_turn"
+    assert m2.usage.cache_read_input_tokens > 0
+
+
+def test_stream_event_order_and_tool_round_trip(client):
+    user = {"role": "user", "content": "RAW:Looking. " + CALL}
+    with client.messages.stream(model="script", max_tokens=200, messages=[user], tools=TOOLS) as s:
+        raw = [e for e in s if e.type in ("message_start", "content_block_start", "content_block_delta",
+                                          "content_block_stop", "message_delta", "message_stop")]
+        final = s.get_final_message()
+    types = [e.type for e in raw]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    # text block 0, then tool_use block 1, each start -> deltas -> stop
+    blocks = [(e.type, getattr(e, "index", None)) for e in raw[1:-2]]
+    assert blocks[0] == ("content_block_start", 0) and blocks[-1] == ("content_block_stop", 1)
+    i = blocks.index(("content_block_stop", 0))
+    assert all(b == ("content_block_delta", 0) for b in blocks[1:i])
+    assert blocks[i + 1:] == [("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
+    assert raw[i + 2].content_block.type == "tool_use" and raw[i + 3].delta.type == "input_json_delta"
+    assert raw[-2].delta.stop_reason == "tool_use"
+    assert final.content[0].text == "Looking. " and final.content[1].input == {"city": "Paris"}
+    tu = final.content[1]
+    msgs = [user, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu.id, "content": "windy"}]}]
+    with client.messages.stream(model="script", max_tokens=200, messages=msgs, tools=TOOLS) as s:
+        text = "".join(s.text_stream)
+        final2 = s.get_final_message()
+    assert text == "Answer: windy" and final2.stop_reason == "end_turn"
+
+
+def test_stop_sequences_and_max_tokens(client):
+    m = send(client, "stop here please", stop_sequences=["please", "here"])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "here"
+    assert m.content[0].text == "Echo: stop "
+    m = send(client, "a longer question", max_tokens=2)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+    with client.messages.stream(model="script", max_tokens=200, messages=[{"role": "user", "content": "x y"}],
+                                stop_sequences=["y"]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "y"
+
+
+def test_count_tokens_matches_usage(client):
+    msgs = [{"role": "user", "content": "count me"}]
+    n = client.messages.count_tokens(model="script", messages=msgs, system="S.", tools=TOOLS).input_tokens
+    m = send(client, None, messages=msgs, system="S.", tools=TOOLS)
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert client.messages.count_tokens(model="script", messages=msgs).input_tokens < n
+
+
+def test_errors_in_anthropic_format(srv, client):
+    body = {"model": "script", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    for headers in ({"x-api-key": "wrong"}, {}):
+        r = httpx.post(srv.url + "/v1/messages", json=body, headers=headers)
+        assert r.status_code == 401
+        assert r.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": r.json()["error"]["message"]}}
+    assert httpx.post(srv.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(**body)
+    r = httpx.post(srv.url + "/v1/messages", json={"model": "script", "messages": body["messages"]},
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+        send(client, None, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="no-such-model", max_tokens=5, messages=body["messages"])
+    r = httpx.post(srv.url + "/v1/messages/count_tokens", json={"messages": body["messages"]},
+                   headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_second_conversation_cached(srv, client):
+    system = "You are a coding agent working in a repository. Follow the rules. " * 4
+    send(client, "first task", system=system, tools=TOOLS)
+    warm = send(client, "second task", system=system, tools=TOOLS)
+    assert warm.usage.cache_read_input_tokens > 40
+    srv.worker.store.clear()
+    cold = send(client, "second task", system=system, tools=TOOLS)
+    assert cold.usage.cache_read_input_tokens == 0
+    assert cold.usage.input_tokens == warm.usage.input_tokens + warm.usage.cache_read_input_tokens
+    assert warm.content[0].text == cold.content[0].text == "Echo: second task"

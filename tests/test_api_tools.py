@@ -1,0 +1,153 @@
+"""Tool calls in /v1/chat/completions, with the official `openai` client against
+a real server (tests/scripted.py: a scripted target through the real engine,
+a Qwen-style tool template, mlx-lm's json_tools parser)."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY = "sk-test"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def call_text(name="get_weather", args=None):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args or {"city": "Paris"}}) + "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def srv(pairs, tmp_path_factory):
+    from scripted import LocalServer, ScriptCatalog, tool_tokenizer
+
+    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
+    s = LocalServer(ScriptCatalog(tok), api_key=KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def ask(client, content, **kw):
+    msgs = kw.pop("messages", None) or [{"role": "user", "content": content}]
+    return client.chat.completions.create(model="script", messages=msgs, **kw)
+
+
+def test_tool_round_trip(client):
+    user = {"role": "user", "content": "RAW:" + call_text()}
+    r = client.chat.completions.create(model="script", messages=[user], tools=TOOLS)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.content is None
+    [c] = ch.message.tool_calls
+    assert c.type == "function" and c.function.name == "get_weather" and c.id
+    assert json.loads(c.function.arguments) == {"city": "Paris"}
+    d = r.model_dump()
+    assert d["dflash"]["mode"] == "dflash" and d["dflash"]["tau"] > 1  # the drafter knows the script
+    # the result goes back as a tool message; the model answers from it
+    msgs = [user, ch.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": c.id, "content": "sunny, 21C"}]
+    r2 = client.chat.completions.create(model="script", messages=msgs, tools=TOOLS)
+    assert r2.choices[0].message.content == "Answer: sunny, 21C"
+    assert r2.choices[0].finish_reason == "stop" and not r2.choices[0].message.tool_calls
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0  # the first turn's prefix was kept
+
+
+def test_tool_round_trip_streamed(client):
+    user = {"role": "user", "content": "RAW:Checking. " + call_text()}
+    chunks = list(client.chat.completions.create(model="script", messages=[user], tools=TOOLS, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == "Checking. "
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert finish == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens > 0
+    msgs = [user, {"role": "assistant", "content": text, "tool_calls": [
+        {"id": calls[0].id, "type": "function",
+         "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "rain"}]
+    out = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="script", messages=msgs, tools=TOOLS, stream=True) if c.choices)
+    assert out == "Answer: rain"
+
+
+def test_parallel_calls(client):
+    raw = "RAW:" + call_text() + call_text("get_time", {"zone": "UTC"})
+    r = ask(client, raw, tools=TOOLS)
+    names = [c.function.name for c in r.choices[0].message.tool_calls]
+    assert names == ["get_weather", "get_time"] and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(ask(client, raw, tools=TOOLS, stream=True))
+    idx = [tc.index for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert idx == [0, 1]
+    one = ask(client, raw, tools=TOOLS, parallel_tool_calls=False)  # generation stops after the first call
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("bad", ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {oops\n</tool_call>",
+                                 "<tool_call>\n[1, 2]\n</tool_call>",
+                                 "Sure <tool_call>\n{\"name\": \"get_weather\""])  # unclosed at EOS
+def test_malformed_call_comes_back_as_text(client, bad):
+    r = ask(client, "RAW:" + bad, tools=TOOLS)
+    assert r.choices[0].message.content == bad
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(client, "RAW:" + bad, tools=TOOLS, stream=True)
+                       if c.choices)
+    assert streamed == bad
+
+
+def test_tool_choice(client):
+    raw = "RAW:" + call_text()
+    none = ask(client, raw, tools=TOOLS, tool_choice="none")  # tools not shown, nothing parsed
+    assert none.choices[0].message.content == call_text() and not none.choices[0].message.tool_calls
+    auto = ask(client, raw, tools=TOOLS)
+    assert none.usage.prompt_tokens < auto.usage.prompt_tokens  # the tools were not in the prompt
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = ask(client, raw, tools=TOOLS, tool_choice=choice)  # the call is opened in the prompt
+        [c] = r.choices[0].message.tool_calls
+        assert c.function.name == "get_weather" and json.loads(c.function.arguments) == {"city": "Paris"}
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        ask(client, raw, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        ask(client, raw, tool_choice="required")
+
+
+def test_structured_output_is_refused_clearly(client):
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, "hi", response_format=fmt)
+        assert "not supported" in str(e.value) and e.value.body["param"] == "response_format"
+    assert ask(client, "hi", response_format={"type": "text"}).choices[0].message.content == "Echo: hi"
+
+
+def test_auth_error_in_openai_format(srv):
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
+            model="script", messages=[{"role": "user", "content": "x"}])
+
+
+def test_second_conversation_reuses_system_prompt(srv, client):
+    system = {"role": "system", "content": "You are a careful assistant. " * 8}
+    ask(client, None, messages=[system, {"role": "user", "content": "first question"}], tools=TOOLS)
+    warm = ask(client, None, messages=[system, {"role": "user", "content": "another one"}], tools=TOOLS)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 60
+    assert warm.model_dump()["timings"]["cache_n"] == warm.usage.prompt_tokens_details.cached_tokens
+    srv.worker.store.clear()  # a cold run of the same request
+    cold = ask(client, None, messages=[system, {"role": "user", "content": "another one"}], tools=TOOLS)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content == "Echo: another one"
