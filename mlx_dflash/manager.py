@@ -134,9 +134,16 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
         if e.kind == "target":
             e.compatible_drafters = _compatible(e, entries)
         return e
-    hint = (f"download it with `mlx-dflash models pull {model_id}`" if _is_repo_id(model_id)
+    raise _unknown("model", model_id, entries)
+
+
+def _unknown(what: str, name: str, entries: list) -> SettingsError:
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # meant as a path
+        return SettingsError(f"{what} folder {name} does not exist; pass a folder that holds config.json, "
+                             "or an id from `mlx-dflash models list`")
+    hint = (f"download it with `mlx-dflash models pull {name}`" if _is_repo_id(name)
             else "see `mlx-dflash models list`")
-    raise SettingsError(f"unknown model '{model_id}'{_near(model_id, entries)}; {hint}")
+    return SettingsError(f"unknown {what} '{name}'{_near(name, entries)}; {hint}")
 
 
 def _near(name: str, entries: list) -> str:
@@ -158,7 +165,7 @@ def model_path(name: str, store: Optional[SettingsStore] = None) -> str:
         return str(e.path)
     if _is_repo_id(name):
         return name
-    raise SettingsError(f"unknown model '{name}'{_near(name, entries)}; see `mlx-dflash models list`")
+    raise _unknown("model", name, entries)
 
 
 def check_files(path) -> None:
@@ -217,9 +224,7 @@ def _drafter_cfg(ref: str, entries: list, store=None) -> tuple:
     e = find(ref, entries, store)
     if e is not None:
         return e.id, e.path, e.config
-    hint = (f"download it with `mlx-dflash models pull {ref}`" if _is_repo_id(ref)
-            else "see `mlx-dflash models list`")
-    raise SettingsError(f"unknown drafter '{ref}'{_near(ref, entries)}; {hint}")
+    raise _unknown("drafter", ref, entries)
 
 
 def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explicit_block: bool = True) -> None:
@@ -314,7 +319,8 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
         try:
             d = resolve(drafter, store, entries, download=download)
         except SettingsError as e:
-            raise SettingsError(str(e).replace("unknown model", "unknown drafter", 1)) from None
+            raise SettingsError(str(e).replace("unknown model", "unknown drafter", 1)
+                                .replace("model folder", "drafter folder", 1)) from None
         if d.kind not in DRAFTER_KINDS:
             raise SettingsError(f"'{d.id}' is a {d.kind_label}, not a DFlash drafter; see `mlx-dflash models list`")
         why = pair_problem(entry.config, d.config)
@@ -347,7 +353,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
 
 # -- after loading -----------------------------------------------------------------------
 
-LOW_ACCEPT_DRAFTED = 48  # drafted tokens before judging a drafter (a few cycles' worth)
+LOW_ACCEPT_DRAFTED = 32  # drafted tokens before judging a drafter (about 8 cycles at the default width)
 LOW_ACCEPT_RATE = 0.03
 
 
@@ -367,6 +373,25 @@ def acceptance_warning(stats, drafter_id: Optional[str] = None) -> Optional[str]
 # -- download and removal ----------------------------------------------------------------
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.md"]
+
+
+def pull_with_drafter(repo_id: str, progress: bool = True) -> tuple:
+    """`models pull TARGET`: the target, then its registry drafter (registry.py), each
+    with progress. Returns (target path, drafter repo or None, drafter path or None,
+    a one-line problem with the drafter or None)."""
+    from .registry import known_drafters
+
+    path = pull(repo_id, progress)
+    cfg_file = path / "config.json"
+    if cfg_file.is_file() and "dflash_config" in cfg_file.read_text(errors="ignore"):
+        return path, None, None, None  # a drafter itself
+    repos = known_drafters(repo_id, path)
+    if not repos:
+        return path, None, None, None
+    try:
+        return path, repos[0], pull(repos[0], progress), None
+    except HubError as e:
+        return path, repos[0], None, str(e)
 
 
 def pull(repo_id: str, progress: bool = True) -> Path:

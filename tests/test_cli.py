@@ -11,10 +11,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args, env=None):
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A settings home of its own (never the user's), for subprocesses and main() alike."""
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    return tmp_path / "home"
+
+
+def cli(*args, env=None, input=None):
     e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, env=e, timeout=600)
+                          text=True, env=e, timeout=600, input=input)
+
+
+def main(*argv):
+    from app.cli import main as _main
+
+    return _main(list(argv))
 
 
 def test_generate_json_matches_python_api(pairs):
@@ -41,7 +55,7 @@ def test_generate_json_matches_python_api(pairs):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "not a folder here"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "model folder /nonexistent/model does not exist"),
     (["generate", "--prompt", "x", "--verify-mode", "fast"], "unknown verify mode"),
     (["generate", "--prompt", "x", "--block-size", "99"], "block size 99"),
     (["generate", "--prompt", "x", "--temp", "-1"], "temperature"),
@@ -80,3 +94,143 @@ def test_doctor_json():
     assert set(out["verify_cost"]) == {"1", "2", "4", "8", "16"} and out["verify_cost"]["1"] == 1.0
     if sys.platform.startswith("linux"):
         assert "OpenBLAS" in out["blas"], out  # the fast path is really in use
+
+
+# -- issue 17: names, settings, bad input ---------------------------------------------------
+
+
+@pytest.fixture
+def listed(pairs):
+    """The random pair registered as a model folder: listed as `target` and `drafter`."""
+    from mlx_dflash.settings import SettingsStore
+
+    d = pairs("qwen3", version=1)
+    SettingsStore().set_global(model_dirs=[str(d)])
+    return d
+
+
+def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
+    from mlx_dflash.manager import settings_store
+
+    settings_store().set_model("target", max_tokens=4, block_size=3)
+    assert main("generate", "--model", "TARGET", "--drafter", "drafter", "--prompt", "hi", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "target" and out["drafter"] == "drafter"
+    assert out["stats"]["generation_tokens"] == 4 and out["stats"]["block_size"] == 3  # the saved settings
+    assert main("generate", "--model", "someorg/target", "--prompt", "hi", "--json", "--max-tokens", "6",
+                "--verify-mode", "off") == 0  # flags override
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["generation_tokens"] == 6 and out["stats"]["mode"] == "off" and out["drafter"] is None
+
+
+def test_generate_embedded_name(capsys):
+    assert main("generate", "--model", "embedded/target", "--drafter", "embedded/dflash2", "--prompt", "hi",
+                "--max-tokens", "3", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "embedded/target"
+
+
+def test_generate_help_lists_every_verify_mode(capsys):
+    from mlx_dflash.generate import VERIFY_MODES
+
+    with pytest.raises(SystemExit) as e:
+        main("generate", "--help")
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(m in out for m in VERIFY_MODES) and "adaptive" in out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--block-size", "0"], "--block-size: block_size must be >= 1"),
+    (["--temp", "nan"], "--temp: temperature must be a finite number"),
+    (["--top-p", "inf"], "--top-p: top_p must be a finite number"),
+    (["--model", "targt"], "unknown model 'targt' (did you mean 'target'?)"),
+    (["--drafter", "nope"], "unknown drafter 'nope'"),
+    (["--prompt", "-"], "--prompt -: stdin was empty"),
+])
+def test_generate_refuses_bad_values_in_one_line(listed, capsys, args, msg):
+    import io
+
+    argv = ["generate", "--model", "target", "--prompt", "hi", *args]
+    if "--prompt" in args:
+        argv = ["generate", "--model", "target", *args]
+    old = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        assert main(*argv) == 2
+    finally:
+        sys.stdin = old
+    cap = capsys.readouterr()
+    assert cap.err.count("\n") == 1 and msg in cap.err and cap.out == "", cap.err
+
+
+def test_generate_reads_the_prompt_from_stdin(listed):
+    ref = cli("generate", "--model", "target", "--prompt", "hello there", "--max-tokens", "5", "--json")
+    got = cli("generate", "--model", "target", "--prompt", "-", "--max-tokens", "5", "--json",
+              input="hello there\n")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["token_ids"] == json.loads(ref.stdout)["token_ids"]
+
+
+def test_generate_into_a_closed_pipe_ends_quietly(listed):
+    cmd = (f"'{sys.executable}' -m app.cli generate --model target --verify-mode off --max-tokens 400 "
+           "--prompt hi | head -c 1 >/dev/null; echo rc=${PIPESTATUS[0]}")
+    r = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert "rc=0" in r.stdout and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_drafter_that_accepts_nothing_warns_once(listed, capsys):
+    """The random pair fits by shape but its drafts are almost never accepted."""
+    assert main("generate", "--model", "target", "--prompt", "hello", "--max-tokens", "120", "--json") == 0
+    err = capsys.readouterr().err
+    assert err.count("accepted") == 1 and "drafter 'drafter' accepted" in err and "plain decoding" in err
+
+
+@pytest.mark.parametrize("damage", ["truncate", "config"])
+def test_damaged_model_folder_is_one_line(listed, tmp_path, capsys, damage):
+    import shutil
+
+    d = shutil.copytree(listed / "target", tmp_path / "broken")
+    if damage == "truncate":
+        w = d / "model.safetensors"
+        with open(w, "r+b") as f:
+            f.truncate(w.stat().st_size // 2)
+        want = f"{w} is truncated"
+    else:
+        (d / "config.json").write_text('{"model_type": "qwen3", ')
+        want = f"{d / 'config.json'} is not valid JSON"
+    for argv in (["generate", "--model", str(d), "--prompt", "x"], ["chat", "--model", str(d)]):
+        assert main(*argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, err
+
+
+def test_settings_cli_refuses_unknown_names(listed, capsys):
+    assert main("settings", "set", "default_model", "no/such") == 2
+    assert "unknown model 'no/such'" in capsys.readouterr().err
+    assert main("settings", "set", "target", "drafter", "drafterr") == 2
+    assert "unknown drafter 'drafterr' (did you mean 'drafter'?)" in capsys.readouterr().err
+    assert main("settings", "set", "default_model", "TARGET") == 0
+    assert main("settings", "set", "Target", "top_k", "3") == 0  # stored under the listed id
+    from mlx_dflash.settings import SettingsStore
+
+    assert SettingsStore().explicit("target") == {"top_k": 3}
+
+
+def test_every_shipped_folder_is_a_listed_package():
+    """setuptools warns (about 130 lines) for each folder that ships files but is not
+    in `packages`; the list in pyproject.toml must cover them all."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = cfg.get("package-dir", {})
+
+    def folder(pkg):
+        top, *rest = pkg.split(".")
+        return ROOT.joinpath(dirs.get(top, top), *rest)
+
+    listed = {folder(p).resolve() for p in cfg["packages"]}
+    assert all(p.is_dir() for p in listed)
+    for top in {p.split(".")[0] for p in cfg["packages"]}:
+        for sub in folder(top).rglob("*"):
+            if sub.is_dir() and not sub.name.startswith((".", "__")) and any(f.is_file() for f in sub.iterdir()):
+                assert sub.resolve() in listed, f"{sub.relative_to(ROOT)} ships files but is not in packages"
