@@ -1,4 +1,11 @@
-"""The BLAS shim's few-row kernel (mlx_dflash/fastblas.py) against numpy."""
+"""The BLAS shim's few-row kernel (mlx_dflash/fastblas.py, blas_shim.py) against
+numpy, its routing, threads and concurrent first builds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +18,17 @@ pytestmark = pytest.mark.skipif(fastblas.STATE["shim"] is None, reason="no BLAS 
 
 @pytest.fixture
 def kernel():
-    prev = fastblas.set_small_gemm(True)
+    prev = fastblas.set_small_gemm("all")
     yield
     fastblas.set_small_gemm(prev)
+
+
+@pytest.fixture
+def two_threads():
+    prev = fastblas.STATE["threads"]
+    fastblas.set_threads(2)
+    yield
+    fastblas.set_threads(prev)
 
 
 def _ref(a, b):
@@ -22,7 +37,8 @@ def _ref(a, b):
 
 # (M, N, K): K and N off the 16-lane grid, odd N, the LM-head and attention shapes
 SHAPES = [(1, 4096, 384), (1, 257, 96), (2, 1024, 384), (3, 33, 17), (5, 7, 100),
-          (8, 384, 1024), (8, 1, 16), (7, 2049, 31), (4, 96, 300)]
+          (8, 384, 1024), (8, 1, 16), (7, 2049, 31), (4, 96, 300), (9, 50, 40), (12, 1000, 77),
+          (16, 2048, 256), (13, 5, 1024), (16, 3, 5)]
 
 
 @pytest.mark.parametrize("M,N,K", SHAPES)
@@ -48,16 +64,59 @@ def test_alpha_beta_and_broadcast_rows(kernel):
     np.testing.assert_allclose(np.array(out), 0.5 * _ref(a, w.T) + 2.0 * c, rtol=1e-4, atol=1e-4)
 
 
-def test_a_row_does_not_depend_on_its_batch(kernel):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_does_not_depend_on_its_batch(kernel, threads):
     """Each output is one dot product in a fixed order: verifying w tokens gives a row
-    bit-identical to the same row computed alone."""
-    rng = np.random.default_rng(2)
-    a = mx.array(rng.standard_normal((8, 384), dtype=np.float32))
-    w = mx.array(rng.standard_normal((4096, 384), dtype=np.float32))
-    full = np.array(a @ w.T)
-    for i in (0, 3, 7):
-        assert np.array_equal(np.array(a[i:i + 1] @ w.T), full[i:i + 1])
-    assert np.array_equal(np.array(a[2:5] @ w.T), full[2:5])
+    bit-identical to the same row computed alone, with one thread or several (the
+    product is large enough for the kernel's thread pool)."""
+    prev = fastblas.STATE["threads"]
+    fastblas.set_threads(threads)
+    try:
+        rng = np.random.default_rng(2)
+        a = mx.array(rng.standard_normal((16, 384), dtype=np.float32))
+        w = mx.array(rng.standard_normal((4096, 384), dtype=np.float32))
+        full = np.array(a @ w.T)
+        for i in (0, 3, 7, 8, 15):
+            assert np.array_equal(np.array(a[i:i + 1] @ w.T), full[i:i + 1])
+        for lo, hi in ((2, 5), (0, 8), (3, 14), (0, 16)):
+            assert np.array_equal(np.array(a[lo:hi] @ w.T), full[lo:hi])
+        np.testing.assert_allclose(full, _ref(np.array(a), np.array(w).T), rtol=1e-4, atol=1e-3)
+    finally:
+        fastblas.set_threads(prev)
+
+
+def test_threaded_kernel_matches_numpy(kernel, two_threads):
+    rng = np.random.default_rng(5)
+    for m, n, k in ((1, 3000, 1024), (8, 4099, 200), (16, 2048, 1000)):  # n * k >= 2^19: the pool runs
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        out = np.array(mx.array(a) @ mx.array(w).T)
+        np.testing.assert_allclose(out, _ref(a, w.T), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_routing_follows_the_measured_table():
+    """Mode True sends a product to the kernel only where the table says the kernel
+    won on this machine; mode False never; the table is what calibrate() stored."""
+    cal = fastblas.STATE["calibration"]
+    assert cal is not None and len(cal["route"]) == fastblas.MB + 1 and cal["threads"] >= 1
+    saved = [list(r) for r in fastblas.STATE["route"]]
+    prev = fastblas.set_small_gemm(True)
+    rng = np.random.default_rng(4)
+    a = mx.array(rng.standard_normal((4, 64), dtype=np.float32))
+    w = mx.array(rng.standard_normal((64, 64), dtype=np.float32))  # size class 0
+    try:
+        for on in (0, 1):
+            fastblas.set_route([[on] * len(fastblas.CLASS_MAX) for _ in range(fastblas.MB + 1)])
+            assert fastblas.routed(4, 64, 64) == bool(on)
+            n = fastblas.small_gemm_calls()
+            mx.eval(a @ w.T)
+            assert fastblas.small_gemm_calls() == n + on
+        fastblas.set_route([[int(m == 4) for _ in fastblas.CLASS_MAX] for m in range(fastblas.MB + 1)])
+        assert fastblas.routed(4, 64, 64) and not fastblas.routed(5, 64, 64)
+        assert not fastblas.routed(17, 64, 64)  # wider than the kernel: OpenBLAS
+    finally:
+        fastblas.set_route(saved)
+        fastblas.set_small_gemm(prev)
 
 
 def test_switch_routes_to_openblas():
@@ -69,9 +128,34 @@ def test_switch_routes_to_openblas():
         n = fastblas.small_gemm_calls()
         off = np.array(a @ w.T)
         assert fastblas.small_gemm_calls() == n
-        fastblas.set_small_gemm(True)
+        fastblas.set_small_gemm("all")
         on = np.array(a @ w.T)
         assert fastblas.small_gemm_calls() == n + 1
     finally:
         fastblas.set_small_gemm(prev)
     np.testing.assert_allclose(on, off, rtol=1e-5, atol=1e-5)
+
+
+_IMPORT = ("import mlx_dflash, mlx.core as mx\n"
+           "from mlx_dflash import fastblas\n"
+           "assert fastblas.STATE['shim'], fastblas.STATE\n"
+           "x = mx.ones((4, 64)) @ mx.ones((64, 64)).T\n"
+           "print(fastblas.STATE['threads'], float(x[0, 0]))\n")
+
+
+def test_concurrent_first_starts_do_not_race(tmp_path):
+    """Six processes import mlx_dflash at once with an empty shim folder: one builds
+    and measures under the file lock, the others wait and load the same library
+    (7 of 40 simultaneous first imports used to fail with an undefined symbol)."""
+    env = {**os.environ, "MLX_DFLASH_BLAS_DIR": str(tmp_path / "blas"), "MLX_DFLASH_BLAS_THREADS": "1"}
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split() == ["1", "64.0"]
+    assert len(list((tmp_path / "blas").glob("libmlx_dflash_blas-*.so"))) == 1
+    assert not list((tmp_path / "blas").glob("*.tmp")) and not list((tmp_path / "blas").glob("*.c"))
+    cal = json.loads(next((tmp_path / "blas").glob("calibration-*.json")).read_text())
+    assert cal["t1"]["threads"] == 1 and len(cal["t1"]["route"]) == fastblas.MB + 1
