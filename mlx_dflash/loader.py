@@ -33,11 +33,13 @@ def _cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
-def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None):
+def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None, auto_drafter: bool = True):
     """Returns (model, tokenizer, drafter or None).
 
-    With no model, the embedded default pair. On the CPU backend half-precision
-    weights are widened to float32: CPU BLAS is float32 and the results are exact."""
+    With no model, the embedded default pair. With a model and no drafter, its
+    drafter is looked up (registry.find_drafter) unless `auto_drafter` is False;
+    an explicit drafter always wins. On the CPU backend half-precision weights are
+    widened to float32: CPU BLAS is float32 and the results are exact."""
     import mlx_lm
 
     if model is None:
@@ -65,9 +67,12 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
     if dtype is not None:
         _cast(m, dtype)
     d = None
-    if drafter is not None:
+    if drafter is None and auto_drafter and str(path) != str(default_pair()[0]):
+        d = _auto_drafter(model, path, cfg, m)
+    elif drafter is not None:
         d = load_drafter(drafter)
         validate(d, Target(m))
+    if d is not None:
         if _cpu():  # the checkpoint's dtype, widened exactly to float32 on the CPU like the target
             _cast(d, mx.float32)
     return m, tok, d
@@ -91,3 +96,31 @@ def _cast(m, dtype) -> None:
     if upd:
         m.update(tree_unflatten(upd))
         mx.eval(m.parameters())
+
+
+def _auto_drafter(model_ref: str, path: Path, cfg: dict, m) -> Optional[Drafter]:
+    """The target's own drafter, found locally or through the registry; a notice
+    (one line, stderr) and plain decoding when it is missing or does not fit."""
+    import sys
+
+    from .drafter import DrafterError
+    from .registry import find_drafter, missing_message
+
+    found = find_drafter(model_ref, path, cfg)
+    if found is None:
+        return None
+    where = found.path
+    if where is None:
+        try:
+            where = resolve_path(found.repo, "drafter")  # the Hugging Face cache, or a download when online
+        except HubError:
+            print(missing_message(model_ref, found.repo), file=sys.stderr)
+            return None
+    try:
+        d = load_drafter(str(where))
+        validate(d, Target(m))
+    except DrafterError as e:
+        print(f"found drafter {found.repo or where} for {model_ref} but cannot use it: {e}; using plain decoding",
+              file=sys.stderr)
+        return None
+    return d
