@@ -99,16 +99,17 @@ class PromptStore:
     def match(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
               ) -> Tuple[Optional[int], int]:
         """(key of the entry sharing the longest reusable prefix with `ids`, its length).
-        Entries that cannot be trimmed count only when all their tokens are a
-        prefix of the prompt; one token is always left for the prompt to process."""
+        An entry whose cache cannot drop its extra tokens now (recurrent state,
+        a wrapped sliding window: Target.can_trim) counts only when all its
+        tokens are a prefix of the prompt; one token is always left to process."""
         best, best_n = None, 0
         head = ids[:-1]
         for key, (pc, _) in self.entries.items():
             keep = self.usable(pc, drafter, with_drafter)
-            if target.can_trim(pc.target):
-                n = _common(pc.tokens[:keep], head)
-            else:
-                n = len(pc.tokens) if keep == len(pc.tokens) and _common(pc.tokens, head) == len(pc.tokens) else 0
+            n = _common(pc.tokens[:keep], head)
+            drop = len(pc.tokens) - n
+            if n and drop and not target.can_trim(pc.target, drop):
+                n = 0
             if n > best_n:
                 best, best_n = key, n
         return best, best_n
@@ -124,7 +125,8 @@ class PromptStore:
         self.stats.hits += 1
         self.stats.reused_tokens += n
         pc, _ = self.entries[key]
-        if len(pc.tokens) == n:  # the prompt continues this entry: the longer one replaces it
+        if n == self.usable(pc, drafter, with_drafter):  # the prompt continues all this entry can give:
+            # the longer one replaces it (rows past that were never reusable with this drafter)
             del self.entries[key]
             return pc, n
         self.entries.move_to_end(key)
@@ -139,7 +141,7 @@ class PromptStore:
         size = cache_bytes(pc)
         if size > self.budget:
             return
-        if target is not None and target.can_trim(pc.target):
+        if target is not None and target.can_trim(pc.target, len(pc.tokens)):  # it can serve any prefix
             for k in [k for k, (e, _) in self.entries.items()
                       if e.drafter_id == pc.drafter_id and _covers(pc, e)]:
                 del self.entries[k]

@@ -158,7 +158,7 @@ class ChatRequest(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[List[Tool]] = None
+    tools: Optional[List[Tool]] = Field(None, min_length=1)
     tool_choice: Union[Literal["auto", "none", "required"], ToolChoiceFunction, None] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None

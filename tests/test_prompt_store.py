@@ -1,0 +1,133 @@
+"""mlx_dflash.prompt_store: several cached prefixes across conversations, with
+the test pair (tiny random target + DFlash drafter) through the real engine.
+A warm run must give exactly the tokens of a cold one; the budget only costs speed."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_dflash import generate, load
+from mlx_dflash.prompt_store import PromptStore, cache_bytes, tokens_of
+from mlx_dflash.target import Target
+
+pytestmark = pytest.mark.timeout(300)
+N = 10
+W = 4  # a fixed width: every cycle drafts, so the drafter context follows the target (see README)
+SYSTEM = "You are a helpful assistant for a small software project. Answer briefly. " * 3
+
+
+@pytest.fixture(scope="module")
+def pair(pairs):
+    d = pairs()
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    return model, tok, drafter
+
+
+def prompt(tok, *turns, system=SYSTEM):
+    msgs = [{"role": "system", "content": system}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def run(store, pair, ids):
+    """What the server's worker does: take a private cache, generate, give it back."""
+    model, tok, drafter = pair
+    target = Target(model)
+    pc, n = store.take(target, ids, drafter, True)
+    r = generate(model, tok, ids, drafter, max_tokens=N, block_size=W, prompt_cache=pc)
+    assert r.stats.reused_tokens == n  # the engine kept what the store matched
+    store.put(pc, target)
+    return r
+
+
+def cold(pair, ids):
+    model, tok, drafter = pair
+    return generate(model, tok, ids, drafter, max_tokens=N, block_size=W)
+
+
+def test_second_conversation_reuses_the_system_prompt(pair):
+    tok = pair[1]
+    store = PromptStore(1 << 30)
+    a, b = prompt(tok, "How do I list files?"), prompt(tok, "What is a tuple?")
+    first = run(store, pair, a)
+    assert first.stats.reused_tokens == 0 and first.token_ids == cold(pair, a).token_ids
+    second = run(store, pair, b)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert 0 < second.stats.reused_tokens <= shared
+    assert second.stats.reused_tokens >= shared - 16  # all but the drafter-context lag
+    assert second.token_ids == cold(pair, b).token_ids
+    assert second.stats.mode == "dflash"
+
+
+def test_branches_and_continuations_match_cold_runs(pair):
+    tok = pair[1]
+    store = PromptStore(1 << 30)
+    convs = {"a": ["Explain lists."], "b": ["Explain dicts."], "c": ["Explain sets."]}
+    for rnd in range(2):
+        for k, turns in convs.items():
+            ids = prompt(tok, *turns)
+            r = run(store, pair, ids)
+            assert r.token_ids == cold(pair, ids).token_ids, (k, rnd)
+            if rnd:  # a continuation: its whole earlier prompt was cached
+                assert r.stats.reused_tokens > len(prompt(tok, *turns[:1])) - 16
+            turns += [r.text, f"And more about {k}?"]
+    assert store.stats.hits >= 5 and store.nbytes <= store.budget
+
+
+def test_entries_are_independent_copies(pair):
+    tok = pair[1]
+    store = PromptStore(1 << 30)
+    a = prompt(tok, "One question.")
+    run(store, pair, a)
+    [(pc, _)] = store.entries.values()
+    before_tokens = list(pc.tokens)
+    before = [mx.array(c.keys) for c in pc.target] + [mx.array(c.keys) for c in pc.drafter]
+    mx.eval(before)
+    b = prompt(tok, "A different one.")  # a partial match: served from a copy
+    target = Target(pair[0])
+    copy, n = store.take(target, b, pair[2], True)
+    assert 0 < n < len(pc.tokens) and copy is not pc and copy.target[0] is not pc.target[0]
+    generate(pair[0], tok, b, pair[2], max_tokens=N, block_size=W, prompt_cache=copy)
+    after = [c.keys for c in pc.target] + [c.keys for c in pc.drafter]
+    assert pc.tokens == before_tokens
+    assert all(mx.array_equal(x, y).item() for x, y in zip(before, after))
+    assert run(store, pair, a).token_ids == cold(pair, a).token_ids
+
+
+def test_small_budget_evicts_and_loses_nothing_but_speed(pair):
+    tok = pair[1]
+    probe = PromptStore(1 << 30)
+    run(probe, pair, prompt(tok, "Size me."))
+    one = cache_bytes(next(iter(probe.entries.values()))[0])
+    store = PromptStore(int(one * 1.5))  # room for one entry
+    prompts = [prompt(tok, q) for q in ("First?", "Second?", "Third?")]
+    for ids in prompts + prompts:
+        assert run(store, pair, ids).token_ids == cold(pair, ids).token_ids
+        assert store.nbytes <= store.budget and len(store) == 1
+    assert store.stats.evictions > 0
+    none = PromptStore(0)  # a zero budget keeps nothing
+    for ids in prompts:
+        r = run(none, pair, ids)
+        assert r.stats.reused_tokens == 0 and r.token_ids == cold(pair, ids).token_ids
+    assert len(none) == 0 and tokens_of(none) == []
+
+
+def test_longest_prefix_wins_and_prefix_entries_merge(pair):
+    tok = pair[1]
+    store = PromptStore(1 << 30)
+    short = prompt(tok, "Hi.", system="Short system.")
+    other = prompt(tok, "Hi.")
+    run(store, pair, other)
+    run(store, pair, short)
+    assert len(store) == 2
+    target = Target(pair[0])
+    key, n = store.match(target, other + [5, 6], pair[2], True)
+    ent = store.entries[key][0]
+    assert ent.tokens[: len(other)] == other and n >= len(other)  # the entry sharing the most
+    # a continuation of all the entry can give takes it over (no copy) and comes back longer
+    cont = ent.tokens[: store.usable(ent, pair[2], True)] + [5, 6]
+    pc, n = store.take(target, cont, pair[2], True)
+    assert pc is ent and len(store) == 1
+    generate(pair[0], tok, cont, pair[2], max_tokens=N, block_size=W, prompt_cache=pc)
+    store.put(pc, target)
+    assert len(store) == 2 and max(len(t) for t in tokens_of(store)) > len(cont)
