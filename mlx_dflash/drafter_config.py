@@ -251,9 +251,9 @@ class DrafterConfig:
 
     def describe(self) -> list:
         """(field, value read, effect) rows for `inspect`."""
-        rows = [(k, getattr(self, k), FIELDS[k][2]) for k in FIELDS
+        rows = [(k, getattr(self, k, "silu"), FIELDS[k][2]) for k in FIELDS  # hidden_act: silu or refused
                 if k not in ("architectures", "rope_parameters", "rope_scaling", "layer_types")
-                and hasattr(self, k) and (self.version == 2 or k not in self._V2)]
+                and (self.version == 2 or k not in self._V2)]
         rows.insert(0, ("architectures", ARCH_V2 if self.version == 2 else ARCH_V1, f"DFlash {self.version}"))
         rows.append(("rope_parameters/rope_scaling", self.rope_scaling, _rope_effect(self)))
         rows.append(("layer_types", self.layer_types, "; ".join(attention_summary(self))))

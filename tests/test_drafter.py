@@ -230,3 +230,35 @@ def test_target_adapter_logits_and_features(pairs, family):
     validate(drafter, t)
     ref_ids = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPTS[0], max_tokens=16)]
     assert generate(model, tok, PROMPTS[0], drafter, max_tokens=16).token_ids == ref_ids
+
+
+def test_inspect_prints_every_field_and_its_effect(tmp_path, capsys):
+    """`mlx-dflash inspect`: each field read, its value, what it does (layer by layer
+    for the attention), the selector layout found from the weight keys."""
+    import argparse
+
+    from app import inspect_cmd
+    from mlx_dflash.drafter_config import FIELDS
+
+    cfg = {"architectures": [ARCH_V2], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 5,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+           "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "num_target_layers": 8,
+           "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048,
+           "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3], "final_logit_softcapping": 20.0,
+                             "selector_rank": 32}}
+    c = DrafterConfig.from_dict(cfg)
+    c.selector_codebooks = True
+    m = Drafter(c)
+    mx.eval(m.parameters())
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(m.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert inspect_cmd.run(argparse.Namespace(path=str(tmp_path), json=False)) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-3: sliding window 2048, causal block" in out and "layer 4: full, bidirectional block" in out
+    assert "published [V, r] codebooks" in out and "RoPE default, base 500000" in out
+    for k in FIELDS:
+        if k not in ("rope_parameters", "rope_scaling"):
+            assert k in out, k
+    assert inspect_cmd.run(argparse.Namespace(path=str(tmp_path), json=True)) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["fields"]["final_logit_softcapping"] == 20.0 and info["fields"]["rope_theta"] == 500000.0
