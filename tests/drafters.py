@@ -71,3 +71,22 @@ def reference_tokens(model, tok, prompt, max_tokens=24):
             break
         out.append(r.token)
     return out
+
+
+class PrefixOracle(OracleDrafter):
+    """Right for a random-length prefix of each block, then wrong: every cycle
+    accepts a random 0..w-1 drafts, so rollback runs at every position. `log`
+    keeps (width, right prefix length) per proposal, for the expected tau."""
+
+    def __init__(self, prompt_len, continuation, vocab, block_size=16, seed=0, layer_ids=(0,)):
+        super().__init__(prompt_len, continuation, vocab, block_size, 0.0, seed, layer_ids)
+        self.log = []
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        prop = super().propose(target, anchor, new_feats, cache, width, temperature)
+        k = self.rng.randrange(width)  # drafts right before the first wrong one
+        out = list(prop.tokens)
+        if k < len(out):
+            out[k] = (out[k] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        self.log.append((width, k))
+        return Proposal(out, None, 0.0, [1.0] * len(out))

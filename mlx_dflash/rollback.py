@@ -1,0 +1,190 @@
+"""Roll a target's cache back by the last n tokens after a verify forward, for
+every cache kind mlx-lm uses, alone or mixed per layer (CacheList included).
+
+- KVCache / QuantizedKVCache / ConcatenateKVCache / ChunkedKVCache: drop rows
+  (their own `trim`).
+- RotatingKVCache (sliding windows): a multi-token forward goes through
+  mlx-lm's concatenating update, which keeps the last max_size-1 old rows plus
+  all L new ones in temporal order, so dropping the last n <= L rows is exact
+  even after the window wrapped; the arrays are cut to the kept rows so the next
+  in-place update rotates over valid rows only. After a 1-token forward a
+  wrapped window has overwritten a row: that trim is refused (`can_trim`).
+- Recurrent state (ArraysCache, MambaCache: gated-delta, Mamba2, short-conv):
+  before a forward the state arrays are kept (references: mlx-lm's mixers
+  rebind `cache[i]`, they never write into the old arrays); the call of the
+  sub-module that owns the state (found once per model by a lazy probe) is
+  recorded. Rolling back restores the kept state and replays that sub-module
+  alone on the accepted rows: no other layer and no attention is re-run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+# caches whose own trim drops the last rows exactly
+ROW_CACHES = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
+
+
+class RollbackError(RuntimeError):
+    """The cache cannot be rolled back by that many tokens now."""
+
+
+def leaves(cache) -> List[Any]:
+    """The per-kind caches of one layer's cache (CacheList flattened)."""
+    if isinstance(cache, CacheList):
+        return [x for c in cache.caches for x in leaves(c)]
+    return [cache]
+
+
+def unsupported_kind(cache_list) -> Optional[str]:
+    """The name of a cache kind this module cannot roll back, if any."""
+    for c in cache_list:
+        for x in leaves(c):
+            if x is None or isinstance(x, ROW_CACHES + (RotatingKVCache, ArraysCache)):
+                continue
+            return type(x).__name__
+    return None
+
+
+def recurrent(cache_list) -> List[ArraysCache]:
+    return [x for c in cache_list for x in leaves(c) if isinstance(x, ArraysCache)]
+
+
+# -- sliding windows -----------------------------------------------------------------
+def rotating_can_trim(c: RotatingKVCache, n: int) -> bool:
+    if n <= 0 or c.keys is None:
+        return True
+    if n > c.offset:
+        return False
+    rows = c.keys.shape[2]
+    if c._idx == rows:  # temporal order (last update concatenated, or not full yet)
+        return rows - n >= min(c.offset - n, c.max_size - 1)
+    return c.offset < c.max_size  # still growing in place: nothing overwritten
+
+
+def rotating_trim(c: RotatingKVCache, n: int) -> None:
+    if n <= 0 or c.keys is None:
+        return
+    if not rotating_can_trim(c, n):
+        raise RollbackError(
+            f"sliding-window cache (window {c.max_size}) cannot drop {n} tokens after a 1-token step")
+    rows = c.keys.shape[2]
+    if c._idx == rows:
+        r = rows - n
+        c.keys, c.values = c.keys[..., :r, :], c.values[..., :r, :]
+        c._idx = r
+        c.offset -= n
+        if c.offset >= c.max_size and r < c.max_size:
+            # a full window is max_size rows: one free row at the end, where the
+            # next in-place write goes (a concatenating update drops it first)
+            pad = [(0, 0)] * 2 + [(0, c.max_size - r), (0, 0)]
+            c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+    else:
+        c.trim(n)
+
+
+# -- recurrent state -------------------------------------------------------------------
+@dataclass
+class _Call:
+    module: Any
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class Record:
+    """What the last forward over `cache` needs to be rolled back."""
+
+    cache: list
+    length: int
+    saved: Dict[int, Tuple[ArraysCache, list, Any, Any]] = field(default_factory=dict)
+    calls: List[_Call] = field(default_factory=list)
+
+
+def snapshot(cache_list, length: int) -> Record:
+    rec = Record(cache_list, length)
+    for a in recurrent(cache_list):
+        rec.saved[id(a)] = (a, list(a.cache), a.lengths, a.left_padding)
+    return rec
+
+
+def _restore(rec: Record) -> None:
+    for a, state, lengths, left in rec.saved.values():
+        a.cache, a.lengths, a.left_padding = list(state), lengths, left
+
+
+def _cut(x, length: int, keep: int):
+    """Slice a recorded argument to the first `keep` sequence rows."""
+    if isinstance(x, mx.array) and x.ndim >= 2 and x.shape[1] == length:
+        return x[:, :keep]
+    return x
+
+
+def _caches_in(args, kwargs) -> List[Any]:
+    out = []
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, (CacheList, ArraysCache) + ROW_CACHES + (RotatingKVCache,)):
+            out += leaves(v)
+    return out
+
+
+def replay(rec: Record, n: int) -> None:
+    """Restore the recurrent states of `rec` and re-run only the recorded
+    sub-modules on the first length-n rows."""
+    keep = rec.length - n
+    _restore(rec)
+    if keep <= 0:
+        return
+    for call in rec.calls:
+        for c in _caches_in(call.args, call.kwargs):  # a row cache the call also fills
+            if isinstance(c, ROW_CACHES):
+                c.trim(keep)
+        args = tuple(_cut(a, rec.length, keep) for a in call.args)
+        kwargs = {k: _cut(v, rec.length, keep) for k, v in call.kwargs.items()}
+        call.module(*args, **kwargs)
+
+
+class Spy:
+    """Stands in for a decoder layer's sub-module on the loaded instance during
+    one forward (set in the instance __dict__, never on a class) and records the
+    calls that carry a recurrent state."""
+
+    def __init__(self, module, on_call):
+        self._module = module
+        self._on_call = on_call
+
+    def __call__(self, *args, **kwargs):
+        if any(isinstance(c, ArraysCache) for c in _caches_in(args, kwargs)):
+            self._on_call(self._module, args, kwargs)
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def install_spies(layers, names, on_call) -> list:
+    """Shadow `layer.<name>` by a Spy for each (layer index, name); returns the undo list."""
+    done = []
+    for i, name in names:
+        layer = layers[i]
+        mod = getattr(layer, name)
+        layer.__dict__[name] = Spy(mod, on_call)
+        done.append((layer, name))
+    return done
+
+
+def remove_spies(done) -> None:
+    for layer, name in done:
+        layer.__dict__.pop(name, None)

@@ -1,0 +1,120 @@
+"""Every supported mlx-lm family, exactly: tiny random-weight models built from
+mlx-lm's own ModelArgs (scripts/tiny_families.py). Per family:
+1. the adapter's logits are `model(inputs, cache=cache)`'s, prefill and decode;
+2. DFlash greedy == mlx_lm.stream_generate over prompts and widths (every
+   sliding window wraps: windows of 6, prompts + outputs of 30+ tokens);
+3. an oracle right for a random-length prefix of each block reaches exactly
+   the expected tau with identical text (rollback at every position)."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from drafters import OracleDrafter, PrefixOracle, reference_tokens
+from tiny_families import FAMILIES, build
+
+from mlx_dflash import generate
+from mlx_dflash.target import Target
+
+QUANT = {"qwen3:q4": dict(bits=4, group_size=64), "qwen3_next:q4": dict(bits=4, group_size=32)}
+ALL = list(FAMILIES) + list(QUANT)
+WIDTHS = [1, 3, 5, 8, 16]
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:", "Natalia sold clips to 48 of her friends in April",
+    "import os\nimport sys\nimport json\n", "class Stack:\n    def push(self, x):",
+    "Janet's ducks lay 16 eggs per day. She eats", "for line in open(path):\n    line = line.strip()",
+]
+MAX = 26
+_models = {}
+
+
+def model_of(family):
+    if family not in _models:
+        _models[family] = build(family, **QUANT.get(family, {}))
+    return _models[family]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from make_test_pair import write_tokenizer
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, 512)
+    return load_tokenizer(d)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_logits_are_the_models_own(family):
+    model = model_of(family)
+    t = Target(model)
+    assert t.can_trim(t.make_cache())
+    rng = random.Random(1)
+    ids = [rng.randrange(4, 512) for _ in range(40)]
+    c_ref, c_t = t.make_cache(), t.make_cache()
+    steps = [ids[:14], ids[14:15], ids[15:20], ids[20:21], ids[21:29], ids[29:30], ids[30:40]]
+    for s in steps:  # prefill, then decode steps of 1 and of several tokens (past the window)
+        x = mx.array(s)[None]
+        ref = model(x, cache=c_ref)
+        got, feats = t(x, c_t, [0, t.num_layers - 1])
+        assert mx.array_equal(ref, got), (family, len(s))
+        assert feats.shape == (1, len(s), 2 * t.hidden_size)
+
+
+def _widths(family):
+    """Every family runs every width; prompts rotate so 5+ prompts x all widths per family."""
+    return WIDTHS
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_greedy_equals_mlx_lm(family, tok):
+    model = model_of(family)
+    vocab = 512
+    acc = [0, 0]
+    for i, prompt in enumerate(PROMPTS[:5]):
+        ref = reference_tokens(model, tok, prompt, MAX)
+        assert len(ref) == MAX
+        n = len(tok.encode(prompt))
+        for w in _widths(family):
+            o = OracleDrafter(n, ref, vocab, noise=0.3, seed=i * 31 + w, layer_ids=(0, 2))
+            r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w)
+            assert r.token_ids == ref, (family, prompt, w)
+            assert r.stats.mode == "dflash" and r.stats.fallback is None
+            acc[0] += r.stats.accepted
+            acc[1] += r.stats.drafted
+    assert 0 < acc[0] < acc[1]  # drafts both accepted and rejected: rollback ran
+
+
+def _expected(log, width, max_tokens):
+    """(accepted, cycle tokens, cycles) the loop must report for the oracle's
+    choices, replaying its width rule (never draft past max_tokens)."""
+    emitted, acc, tokens, cycles, log = 1, 0, 0, 0, list(log)  # 1: the prefill token
+    while emitted < max_tokens:
+        ww = min(width, max_tokens - emitted)
+        a = 0
+        if ww > 1:
+            w, k = log.pop(0)
+            assert w == ww
+            a = k
+        acc += a
+        e = min(a + 1, max_tokens - emitted)
+        emitted, tokens, cycles = emitted + e, tokens + e, cycles + 1
+    assert not log
+    return acc, tokens, cycles
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_partial_acceptance_reaches_exact_tau(family, tok):
+    model = model_of(family)
+    rng = random.Random(family)
+    for w in WIDTHS:
+        prompt = PROMPTS[(WIDTHS.index(w) + 1) % len(PROMPTS)]
+        ref = reference_tokens(model, tok, prompt, MAX)
+        o = PrefixOracle(len(tok.encode(prompt)), ref, 512, seed=rng.randrange(1 << 30), layer_ids=(1,))
+        r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w, guard=False)  # fixed widths
+        assert r.token_ids == ref, (family, w)
+        acc, cyc_tokens, cycles = _expected(o.log, w, MAX)
+        assert (r.stats.accepted, r.stats.cycle_tokens, r.stats.cycles) == (acc, cyc_tokens, cycles), (family, w)
+        assert r.stats.tau == cyc_tokens / cycles
+        if w > 1:
+            assert any(0 < k < w - 1 for _, k in o.log)  # partial acceptance happened

@@ -1,0 +1,138 @@
+"""Rollback after a verify, per cache kind (mlx_dflash/rollback.py): a cache
+that ran L tokens and dropped the last n must behave like one that only ever
+ran the L-n accepted tokens: same recurrent states, same next logits, across
+many cycles so every sliding window wraps."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from tiny_families import build
+
+from mlx_dflash.rollback import RollbackError, leaves
+from mlx_dflash.target import Target
+
+# one family per cache mix: KV, sliding + KV, recurrent + KV, short-conv + KV,
+# Mamba2 + KV (and layers without a cache), CacheList(recurrent, KV), 4-bit hybrid
+FAMILIES = ["qwen3", "gemma3_text", "gpt_oss", "muse_glimmer", "gemma4_text", "qwen3_next", "qwen3_5", "lfm2",
+            "nemotron_h", "granitemoehybrid", "falcon_h1"]
+
+
+def _states(cache):
+    out = []
+    for c in cache:
+        for x in leaves(c):
+            if hasattr(x, "cache") and isinstance(x.cache, list):  # recurrent state arrays
+                out += [a for a in x.cache if a is not None]
+    return out
+
+
+def _close(a, b, tol=2e-4):
+    return mx.allclose(a, b, atol=tol, rtol=tol).item()
+
+
+def _run_cycles(model, t, make_a, make_b, seed, cycles=9, width=5):
+    """A: prefill, then each cycle verifies `width` tokens and trims a random n.
+    B: the same prefill, then only the accepted tokens. Next-step logits and
+    recurrent states must agree after every cycle."""
+    rng = random.Random(seed)
+    a, b = make_a(), make_b()
+    prompt = mx.array([[rng.randrange(4, 512) for _ in range(9)]])
+    t(prompt, a)
+    t(prompt, b)
+    trimmed = 0
+    for _ in range(cycles):
+        block = [rng.randrange(4, 512) for _ in range(width)]
+        t(mx.array([block]), a)
+        n = rng.randrange(width + 1)  # 0..width: whole block kept .. whole block dropped
+        assert t.can_trim(a, n)
+        t.trim(a, n)
+        trimmed += n
+        if width - n:
+            t(mx.array([block[: width - n]]), b)
+        for x, y in zip(_states(a), _states(b)):
+            assert _close(x, y), "recurrent state differs after rollback"
+        probe = mx.array([[rng.randrange(4, 512)]])
+        la, _ = t(probe, a)
+        lb, _ = t(probe, b)
+        assert _close(la, lb), "next logits differ after rollback"
+        assert mx.argmax(la, -1).item() == mx.argmax(lb, -1).item()
+    assert trimmed > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trim_equals_never_having_run_the_rejected_tokens(family):
+    model = build(family)
+    t = Target(model)
+    _run_cycles(model, t, t.make_cache, t.make_cache, seed=len(family))
+
+
+def test_quantized_model_with_hybrid_cache():
+    model = build("qwen3_next", bits=4, group_size=32)
+    t = Target(model)
+    _run_cycles(model, t, t.make_cache, t.make_cache, seed=3)
+
+
+def test_quantized_kv_cache():
+    model = build("qwen3")
+    t = Target(model)
+
+    def make():
+        return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+
+    assert t.can_trim(make())
+    _run_cycles(model, t, make, make, seed=5)
+
+
+def test_mixed_kinds_per_layer():
+    """A plain KV layer next to sliding-window layers of different sizes."""
+    model = build("qwen3")
+    t = Target(model)
+
+    def make():
+        return [KVCache(), RotatingKVCache(max_size=5), RotatingKVCache(max_size=7, keep=2), KVCache()]
+
+    _run_cycles(model, t, make, make, seed=7)
+
+
+def test_wrapped_window_after_a_one_token_step_is_refused():
+    model = build("gemma3_text")
+    t = Target(model)
+    c = t.make_cache()
+    t(mx.arange(4, 20)[None], c)  # 16 tokens: windows of 6 wrapped
+    assert t.can_trim(c, 3)  # after a multi-token forward: rows kept in order
+    t(mx.array([[7]]), c)  # in place: the oldest row is overwritten
+    assert not t.can_trim(c, 1)
+    with pytest.raises(RollbackError):
+        t.trim(c, 1)
+    assert t.can_trim(c)  # the kind itself rolls back after a verify
+
+
+def test_recurrent_state_rolls_back_only_the_last_forward():
+    model = build("qwen3_next")
+    t = Target(model)
+    c = t.make_cache()
+    t(mx.arange(4, 14)[None], c)
+    t(mx.arange(20, 25)[None], c)
+    assert t.can_trim(c, 5) and not t.can_trim(c, 6)
+    other = t.make_cache()
+    assert not t.can_trim(other, 1)  # no forward recorded for this cache
+    t.trim(c, 2)
+    assert not t.can_trim(c, 1)  # the record is spent
+
+
+def test_model_instance_is_left_as_it_was():
+    """Capture and rollback swap recorders in only during a forward."""
+    from mlx.utils import tree_flatten
+
+    model = build("falcon_h1")
+    before = [(k, id(v)) for k, v in tree_flatten(model.parameters())]
+    layers = list(model.layers)
+    t = Target(model)
+    c = t.make_cache()
+    t(mx.arange(4, 12)[None], c, [0, 2])
+    t.trim(c, 3)
+    assert [(k, id(v)) for k, v in tree_flatten(model.parameters())] == before
+    assert all(x is y for x, y in zip(model.layers, layers))
+    assert not any("mamba" in vars(l) for l in model.layers)
