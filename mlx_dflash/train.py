@@ -178,6 +178,7 @@ def drafter_config(target: Target, model, cfg: TrainConfig, mask_id: int) -> Dra
         max_position_embeddings=get("max_position_embeddings", 40960),
         version=cfg.version,
         selector_rank=min(256, target.hidden_size),
+        extra={"target_model": str(cfg.target)} if cfg.target else {},  # lets `--model TARGET` find it
     )
 
 
