@@ -1,105 +1,37 @@
-"""The lossless decode loop: prefill, draft, verify, accept, trim, append
-context features (DFLASH2.md section 4), as a generator."""
+"""The lossless decode loop (DFLASH2.md section 4), as a generator.
+
+`stream_generate` reads as its steps: plan (mode, width, policy), reuse the
+prompt cache, prefill, then per cycle: ask the policy, draft, verify + accept
+(one host readback), roll back and keep the context features, emit.
+
+Verify modes:
+- `dflash` (default): the DFlash drafter at width w. With the default width the
+  `policy.Guard` runs plain decoding whenever drafting is measured not to pay
+  (reversibly); an explicit width other than the default, or `guard=False`,
+  drafts at exactly that width on every cycle.
+- `adaptive`: per-cycle width and cut from the calibrated cost curve (policy.AdaptiveWidth).
+- `lookup`: prompt-lookup drafts (lookup.py), for any model; with a drafter,
+  lookup when it has a full-width match, else DFlash.
+- `off`: plain decoding, pipelined like mlx-lm."""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .drafter import Drafter
-from .sampling import SamplingParams, accept_speculative, probs, sample
+from .drafter import Drafter, Proposal
+from .lookup import NgramIndex
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probs, sample
+from .stats import CycleStats, Emitter, GenerationResponse, GenerationStats  # noqa: F401 (public names)
 from .target import Target
 
-VERIFY_MODES = ("dflash", "adaptive", "off")
+VERIFY_MODES = ("dflash", "adaptive", "lookup", "off")
 DEFAULT_BLOCK_SIZE = 5
-
-
-@dataclass
-class CycleStats:
-    """One draft + verify cycle."""
-
-    width: int  # verify width w: anchor + w-1 drafts
-    accepted: int  # drafts accepted
-    emitted: int  # tokens this cycle produced (accepted + bonus, less any cut by a stop)
-    t_draft: float = 0.0
-    t_select: float = 0.0
-    t_verify: float = 0.0
-    t_book: float = 0.0
-
-
-@dataclass
-class GenerationStats:
-    mode: str = "dflash"  # dflash | adaptive | off
-    fallback: Optional[str] = None  # why DFlash was not used, if it was asked for
-    block_size: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens served from a prompt cache
-    generation_tokens: int = 0
-    cycles: int = 0
-    plain_cycles: int = 0  # cycles that verified the anchor alone (adaptive fallback)
-    drafted: int = 0
-    accepted: int = 0
-    cycle_tokens: int = 0  # tokens emitted by verify cycles (excludes the prefill token)
-    prompt_time: float = 0.0
-    generation_time: float = 0.0
-    t_draft: float = 0.0
-    t_select: float = 0.0
-    t_verify: float = 0.0
-    t_book: float = 0.0
-    peak_memory: float = 0.0  # GB
-    adaptive: Optional[dict] = None  # verify mode adaptive: the policy's state (AdaptiveWidth.summary)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per verify (accepted drafts + the bonus)."""
-        return self.cycle_tokens / self.cycles if self.cycles else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def prompt_tps(self) -> float:
-        n = self.prompt_tokens - self.reused_tokens
-        return n / self.prompt_time if self.prompt_time else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        """Tokens per second after the first token (the prefill's own)."""
-        n = self.generation_tokens - 1
-        return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
-
-    def add(self, c: CycleStats) -> None:
-        self.cycles += 1
-        self.plain_cycles += c.width == 1
-        self.drafted += c.width - 1
-        self.accepted += c.accepted
-        self.cycle_tokens += c.emitted
-        self.t_draft += c.t_draft
-        self.t_select += c.t_select
-        self.t_verify += c.t_verify
-        self.t_book += c.t_book
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(tau=self.tau, acceptance_rate=self.acceptance_rate, prompt_tps=self.prompt_tps,
-                 generation_tps=self.generation_tps, tokens_per_second=self.generation_tps)
-        return d
-
-
-@dataclass
-class GenerationResponse:
-    text: str  # new text segment (may be empty)
-    token: int
-    from_draft: bool  # an accepted draft token (False: the target's own token)
-    finish_reason: Optional[str]  # None, "stop" or "length"
-    stats: GenerationStats
-    cycle: Optional[CycleStats] = None  # the cycle that produced this token
 
 
 @dataclass
@@ -117,56 +49,6 @@ def _notice(msg: str) -> None:
     print(f"mlx-dflash: {msg}", file=sys.stderr)
 
 
-class Emitter:
-    """Token bookkeeping shared by every mode: EOS, stop strings (also across a
-    block), max tokens, and text held back while it may begin a stop string."""
-
-    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str], max_tokens: int, stats):
-        self.eos = set(tokenizer.eos_token_ids)
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.stop = [s for s in (stop or []) if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.max_tokens = max_tokens
-        self.stats = stats
-        self.tokens: List[int] = []
-        self.full = ""
-        self.sent = 0
-        self.done = False
-
-    def push(self, token: int, from_draft: bool, cycle=None) -> GenerationResponse:
-        """Account one token; sets self.done when generation must end."""
-        st = self.stats
-        if token in self.eos:
-            self.done = True
-            return self._final(token, from_draft, "stop", cycle)
-        self.tokens.append(token)
-        st.generation_tokens = len(self.tokens)
-        self.detok.add_token(token)
-        self.full += self.detok.last_segment
-        if self.stop:
-            lo = max(0, self.sent - self.hold)
-            hits = [i for i in (self.full.find(s, lo) for s in self.stop) if i >= 0]
-            if hits:
-                self.full = self.full[: min(hits)]
-                self.done = True
-                return self._final(token, from_draft, "stop", cycle, flush=False)
-        if len(self.tokens) >= self.max_tokens:
-            self.done = True
-            return self._final(token, from_draft, "length", cycle)
-        end = max(self.sent, len(self.full) - self.hold) if self.stop else len(self.full)
-        text, self.sent = self.full[self.sent : end], end
-        return GenerationResponse(text, token, from_draft, None, st, cycle)
-
-    def _final(self, token, from_draft, reason, cycle, flush=True):
-        if flush:
-            self.detok.finalize()
-            self.full += self.detok.last_segment
-        text, self.sent = self.full[self.sent :], len(self.full)
-        self.stats.peak_memory = mx.get_peak_memory() / 1e9
-        return GenerationResponse(text, token, from_draft, reason, self.stats, cycle)
-
-
 def _encode(tokenizer: TokenizerWrapper, prompt) -> List[int]:
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
@@ -180,8 +62,146 @@ def _lazy_pick(logits: mx.array, sp: SamplingParams) -> mx.array:
     return mx.argmax(logits, axis=-1) if sp.greedy else sample(probs(logits, sp))
 
 
-def _pick(logits: mx.array, sp: SamplingParams) -> int:
-    return int(_lazy_pick(logits, sp).item())
+# -- plan: what this call runs ----------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    mode: str  # dflash | adaptive | lookup | off
+    width: int
+    drafter: Optional[object]  # used for drafts (None: lookup only / off)
+    capture: list
+    policy: object = None  # policy.Fixed | Guard | AdaptiveWidth
+    index: Optional[NgramIndex] = None  # lookup mode
+
+
+def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats) -> _Run:
+    mode = verify_mode
+    if mode in ("dflash", "adaptive") and drafter is None:
+        mode, stats.fallback = "off", "no drafter"
+    if mode != "off" and max_context is not None and len(ids) > max_context:
+        mode, stats.fallback = "off", f"prompt longer than max_context ({len(ids)} > {max_context})"
+    use = drafter if mode != "off" else None
+    w = 1
+    if mode != "off":
+        limit = drafter.block_size if use is not None else 64
+        w = block_size or min(DEFAULT_BLOCK_SIZE, limit)
+        if not 1 <= w <= limit:
+            what = "the drafter's trained block size" if use is not None else "the lookup limit"
+            raise ValueError(f"block size {w} must be between 1 and {what} {limit}")
+    if mode != "off" and not target.can_trim(pc.target):
+        mode, use, stats.fallback = "off", None, "target KV cache cannot be trimmed"
+        _notice("this target's KV cache cannot be trimmed; using plain decoding")
+    stats.mode, stats.block_size = mode, w
+    run = _Run(mode, w, use, list(use.config.target_layer_ids) if use is not None else [])
+    from . import calibrate, policy
+
+    if mode == "adaptive":  # per-cycle width from the measured cost curve
+        run.policy = policy.AdaptiveWidth(calibrate.get_costs(target.model, drafter, w), w)
+    elif mode == "dflash" and (guard if guard is not None else block_size in (None, DEFAULT_BLOCK_SIZE)) and w > 1:
+        run.policy = policy.Guard(w, calibrate.load_observed(target.model, drafter))
+    elif mode != "off":
+        run.policy = policy.Fixed(w)
+    if mode == "lookup":
+        run.index = NgramIndex(ids)
+        run.policy.reason = f"lookup width {w}" + (" (else DFlash)" if use is not None else "")
+    stats.policy = run.policy.reason if run.policy else f"plain: {stats.fallback or 'verify mode off'}"
+    return run
+
+
+def _reuse(target, pc, ids, run, stats) -> int:
+    """Keep the cached prefix shared with `ids` (always leaving >= 1 token to
+    process). Drafter context rows always cover a prefix of the target's cached
+    tokens; rows beyond what both share are dropped. Returns its length."""
+    d = run.drafter
+    if d is not None and (pc.drafter is None or pc.drafter_id != id(d)):
+        pc.drafter, pc.drafter_id = d.make_cache(), id(d)
+    keep = len(pc.tokens) if d is None else min(len(pc.tokens), pc.drafter[0].offset)
+    common = 0
+    for x, y in zip(pc.tokens[:keep], ids[:-1]):
+        if x != y:
+            break
+        common += 1
+    if common < len(pc.tokens):
+        if target.can_trim(pc.target, len(pc.tokens) - common):
+            target.trim(pc.target, len(pc.tokens) - common)
+        else:
+            pc.target, common = target.make_cache(), 0
+    if pc.drafter is not None and pc.drafter[0].offset > common:
+        for c in pc.drafter:
+            c.trim(c.offset - common)
+    stats.reused_tokens = common
+    pc.tokens = list(ids[:common])
+    return common
+
+
+# -- the steps of a cycle ---------------------------------------------------------------
+
+
+def _prefill(target, pc, rest, capture, sp, step):
+    """Chunked like mlx-lm, so the first logits match it bit for bit. Returns
+    (the first token, the captured features of every prompt row)."""
+    feats = []
+    while len(rest) > 1:
+        n = min(step, len(rest) - 1)
+        _, f = target(mx.array(rest[:n])[None], pc.target, capture)
+        mx.eval(f if f is not None else [c.state for c in pc.target])
+        if f is not None:
+            feats.append(f)
+        pc.tokens += rest[:n]
+        rest = rest[n:]
+    logits, f = target(mx.array(rest)[None], pc.target, capture)
+    if f is not None:
+        feats.append(f)
+    pc.tokens += rest
+    token = int(_lazy_pick(logits[0, -1], sp).item())
+    return token, (mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None))
+
+
+def _draft(run, target, pc, token, new_feats, width, sp):
+    """The cycle's proposal (lazy; None when nothing is drafted) and its source."""
+    if width < 2:
+        return None, ""
+    if run.index is not None:
+        look = run.index.propose(width - 1)
+        if look and (run.drafter is None or len(look) == width - 1):
+            return Proposal(mx.array(look, mx.int32)), "lookup"
+        if run.drafter is None:
+            return None, ""
+    prop = run.drafter.propose(target, token, new_feats, pc.drafter, width, sp.temperature)
+    if not isinstance(prop.tokens, mx.array):  # a drafter may hand over a list
+        prop.tokens = mx.array(list(prop.tokens), mx.int32)
+    return prop, "dflash"
+
+
+def _verify(target, pc, token, drafts, q, sp, capture):
+    """Verify [anchor, drafts] in one forward and accept on the device; the
+    accept count and the emitted tokens come back in ONE readback (the drafts
+    are evaluated in the same graph). Returns (a, emitted tokens, features)."""
+    n = drafts.shape[0]
+    vin = mx.concatenate([mx.array([token], mx.int32), drafts.astype(mx.int32)])[None]
+    logits, f = target(vin, pc.target, capture)
+    if sp.greedy:
+        a, tgt = accept_greedy(logits[0], drafts)
+        r = mx.concatenate([a[None], tgt]).tolist()
+        return r[0], r[1: r[0] + 2], f
+    a, nxt = accept_sampled(probs(logits[0], sp), drafts, q)
+    r = mx.concatenate([a[None], drafts.astype(mx.int32), nxt.astype(mx.int32)[None]]).tolist()
+    return r[0], r[1: r[0] + 1] + [r[-1]], f
+
+
+def _bookkeep(target, pc, token, out, a, n, f, new_feats):
+    """Roll back the rejected rows; the anchor and the accepted drafts become
+    drafter context (their features), the bonus is the next anchor."""
+    target.trim(pc.target, n - a)
+    pc.tokens.append(token)
+    pc.tokens += out[:a]
+    if f is None:
+        return None
+    return f[:, : a + 1] if new_feats is None else mx.concatenate([new_feats, f[:, : a + 1]], axis=1)
+
+
+# -- the loop ---------------------------------------------------------------------------
 
 
 def stream_generate(
@@ -202,13 +222,18 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     prefill_step_size: int = 2048,
     max_context: Optional[int] = None,
+    guard: Optional[bool] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`.
 
     Yields one GenerationResponse per token; the last one has `finish_reason`.
     Greedy output is token-for-token what mlx-lm's own `stream_generate` gives.
     Prompts longer than `max_context` tokens use plain decoding (DFlash gains
-    shrink with context; the fallback is reported in the stats)."""
+    shrink with context; the fallback is reported in the stats).
+
+    `guard` (verify mode dflash): None = on when `block_size` is None or the
+    default width (5), off for any other width; True / False force it. The
+    stats' `policy` says what decided each width and why."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode '{verify_mode}'; valid: {', '.join(VERIFY_MODES)}")
     if max_tokens < 1:
@@ -224,157 +249,130 @@ def stream_generate(
 
     target = Target(model)
     stats = GenerationStats(prompt_tokens=len(ids))
-    mode = verify_mode if drafter is not None and verify_mode != "off" else "off"
-    if verify_mode != "off" and drafter is None:
-        stats.fallback = "no drafter"
-    w = 1
-    if mode != "off":
-        w = block_size or min(DEFAULT_BLOCK_SIZE, drafter.block_size)
-        if not 1 <= w <= drafter.block_size:
-            raise ValueError(f"block size {w} must be between 1 and the drafter's trained block size {drafter.block_size}")
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
-    if mode != "off" and max_context is not None and len(ids) > max_context:
-        mode, stats.fallback = "off", f"prompt longer than max_context ({len(ids)} > {max_context})"
-    if mode != "off" and not target.can_trim(pc.target):
-        mode, stats.fallback = "off", "target KV cache cannot be trimmed"
-        _notice("this target's KV cache cannot be trimmed; using plain decoding")
-    stats.mode, stats.block_size = mode, w
-    capture = list(drafter.config.target_layer_ids) if mode != "off" else []
-    policy = None
-    if mode == "adaptive":  # per-cycle width from the measured cost curve (adaptive.py)
-        from .adaptive import AdaptiveWidth
-
-        policy = AdaptiveWidth.create(model, drafter, max_width=w)
-
-    # Reuse the cached prefix. Drafter context rows always cover a prefix of the
-    # target's cached tokens; rows beyond what both share are dropped.
-    if mode != "off" and (pc.drafter is None or pc.drafter_id != id(drafter)):
-        pc.drafter, pc.drafter_id = drafter.make_cache(), id(drafter)
-    keep = len(pc.tokens)
-    if mode != "off":
-        keep = min(keep, pc.drafter[0].offset)
-    common = 0
-    for x, y in zip(pc.tokens[:keep], ids[:-1]):  # always leave >= 1 token to process
-        if x != y:
-            break
-        common += 1
-    if common < len(pc.tokens):
-        if target.can_trim(pc.target):
-            target.trim(pc.target, len(pc.tokens) - common)
-        else:
-            pc.target, common = target.make_cache(), 0
-    if pc.drafter is not None and pc.drafter[0].offset > common:
-        for c in pc.drafter:
-            c.trim(c.offset - common)
-    stats.reused_tokens = common
-    pc.tokens = list(ids[:common])
-
+    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats)
+    common = _reuse(target, pc, ids, run, stats)
     emit = Emitter(tokenizer, stop, max_tokens, stats)
-    tic = time.perf_counter()
 
-    # -- prefill, chunked like mlx-lm so the first logits match it bit for bit --
-    rest = ids[common:]
-    feats = []
-    while len(rest) > 1:
-        n = min(prefill_step_size, len(rest) - 1)
-        _, f = target(mx.array(rest[:n])[None], pc.target, capture)
-        mx.eval(f if f is not None else [c.state for c in pc.target])
-        if f is not None:
-            feats.append(f)
-        pc.tokens += rest[:n]
-        rest = rest[n:]
-    logits, f = target(mx.array(rest)[None], pc.target, capture)
-    if f is not None:
-        feats.append(f)
-    pc.tokens += rest
-    token = _pick(logits[0, -1], sp)
-    new_feats = mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None)
+    tic = time.perf_counter()
+    token, new_feats = _prefill(target, pc, ids[common:], run.capture, sp, prefill_step_size)
     stats.prompt_time = time.perf_counter() - tic
     gen_tic = time.perf_counter()
-
-    resp = emit.push(token, False)
-    yield resp
+    if run.index is not None:
+        run.index.append(token)
+    yield emit.push(token, False)
     if emit.done:
         return
-    if mode == "off":
+    if run.mode == "off":
         yield from _plain(target, pc, token, sp, emit, stats, gen_tic)
         return
 
-    while True:
-        remaining = max_tokens - len(emit.tokens)
+    pol, index = run.policy, run.index
+    timed = hasattr(pol, "observe_plain")  # Fixed / Guard: judged on wall time between decisions
+    pending = None  # (tokens, start) of the last cycle: observed at the next decision
+    try:
+        while True:
+            if pending is not None:
+                pol.observe(pending[0], time.perf_counter() - pending[1])
+                pending = None
+                stats.policy = pol.reason
 
-        if policy and policy.plain_steps() > 1:  # a fallback burst: plain steps, pipelined
-            def seen(cyc):
-                policy.observe(cyc)
-                stats.adaptive = policy.summary()
-            token, new_feats = yield from _plain(target, pc, token, sp, emit, stats, gen_tic, capture,
-                                                 policy.plain_steps(), new_feats, seen)
-            if token is None:
-                return
-            continue
-        ww = policy.width() if policy else w  # 1: a plain step that still feeds the drafter context
-        ww = max(1, min(ww, remaining))  # never draft past max_tokens
-        t0 = time.perf_counter()
-        drafts, q, t_sel, conf = [], None, 0.0, None
-        if ww > 1:
-            prop = drafter.propose(target, token, new_feats, pc.drafter, ww, sp.temperature)
-            drafts, q, t_sel, conf = prop.tokens, prop.q, prop.t_select, prop.conf
-            new_feats = None
-            if policy:  # verify only the drafts worth their cost
-                n = policy.cut(prop)
-                drafts, conf = drafts[:n], (conf[:n] if conf else conf)
-                q = q[:n] if q is not None else None
-        t_draft = time.perf_counter() - t0 - t_sel
-        t2 = time.perf_counter()
-        vin = mx.array([[token] + drafts])
-        logits, f = target(vin, pc.target, capture)
-        if sp.greedy:
-            tgt = mx.argmax(logits[0], axis=-1).tolist()
-            a = 0
-            while a < len(drafts) and drafts[a] == tgt[a]:
-                a += 1
-            bonus = tgt[a]
-        else:
-            a, bonus = accept_speculative(probs(logits[0], sp), drafts, q)
-        t3 = time.perf_counter()
-        # bookkeeping: roll back rejected rows; the anchor and accepted drafts
-        # become drafter context, the bonus is the next anchor (no features yet)
-        target.trim(pc.target, len(drafts) - a)
-        pc.tokens += [token] + drafts[:a]
-        if new_feats is None:
-            new_feats = f[:, : a + 1]
-        else:  # w == 1: nothing was drafted, keep accumulating context rows
-            new_feats = mx.concatenate([new_feats, f[:, : a + 1]], axis=1)
-        out = drafts[:a] + [bonus]
-        token = bonus
-        cyc = CycleStats(len(drafts) + 1, a, 0, t_draft, t_sel, t3 - t2, time.perf_counter() - t3)
-        resps = []
-        for i, tok in enumerate(out):
-            cyc.emitted += 1
-            resps.append(emit.push(tok, i < a, cyc))
+            # -- plain steps (a policy fallback, or lookup with nothing to look up) --
+            burst = pol.plain_steps()
+            if burst > (0 if timed else 1) or (index is not None and run.drafter is None and not index.match()[0]):
+                t0, before = time.perf_counter(), stats.plain_cycles
+                token, new_feats = yield from _plain(
+                    target, pc, token, sp, emit, stats, gen_tic, run.capture, burst or None, new_feats,
+                    _on_plain(pol, index, run, stats, timed))
+                if timed:
+                    pol.observe_plain(stats.plain_cycles - before, time.perf_counter() - t0)
+                    stats.policy = pol.reason
+                if token is None:
+                    return
+                continue
+
+            # -- draft --
+            t0 = time.perf_counter()
+            w = max(1, min(pol.width(), max_tokens - len(emit.tokens)))  # never draft past max_tokens
+            prop, source = _draft(run, target, pc, token, new_feats, w, sp)
+            drafts, q = (prop.tokens, prop.q) if prop is not None else (mx.zeros((0,), mx.int32), None)
+            conf = None
+            if prop is not None and source == "dflash":
+                new_feats = None  # the drafter took them into its context
+                if not timed:  # adaptive: verify only the drafts worth their cost (reads conf back)
+                    mx.eval(prop.tokens, prop.conf)
+                    conf = prop.conf.tolist() if isinstance(prop.conf, mx.array) else prop.conf
+                    k = pol.cut(Proposal(prop.tokens.tolist(), prop.q, 0.0, conf))
+                    drafts, conf = drafts[:k], conf[:k]
+                    q = q[:k] if q is not None else None
+            n = drafts.shape[0]
+
+            # -- verify + accept (the one readback) --
+            t2 = time.perf_counter()
+            a, out, f = _verify(target, pc, token, drafts, q, sp, run.capture)
+            t3 = time.perf_counter()
+
+            # -- roll back, keep context features --
+            new_feats = _bookkeep(target, pc, token, out, a, n, f, new_feats)
+            if index is not None:
+                index.extend(out)
+            token = out[-1]
+            cyc = CycleStats(n + 1, a, 0, t2 - t0, 0.0, t3 - t2, time.perf_counter() - t3, source)
+
+            # -- emit --
+            resps = []
+            for i, tok in enumerate(out):
+                cyc.emitted += 1
+                resps.append(emit.push(tok, i < a, cyc))
+                if emit.done:
+                    break
+            stats.add(cyc)  # before yielding, so every token of the cycle sees it
+            if timed:
+                pending = (a + 1, t0)
+            else:
+                pol.observe(cyc, conf)
+                stats.adaptive, stats.policy = pol.summary(), pol.reason
+            stats.generation_time = time.perf_counter() - gen_tic
+            yield from resps
             if emit.done:
-                break
-        stats.add(cyc)  # before yielding, so every token of the cycle sees it
-        if policy:
-            policy.observe(cyc, conf)
-            stats.adaptive = policy.summary()
-        stats.generation_time = time.perf_counter() - gen_tic
-        yield from resps
-        if emit.done:
-            return
+                return
+    finally:
+        _remember(run, target, drafter)
 
 
-def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, feats=None, on_cycle=None):
+def _on_plain(pol, index, run, stats, timed):
+    """Per plain token: adaptive observes it; lookup indexes it and ends the run
+    once the context has a match (returns True)."""
+    def on(tok, cyc):
+        if not timed:
+            pol.observe(cyc)
+            stats.adaptive = pol.summary()
+        if index is not None:
+            index.append(tok)
+            return run.drafter is None and index.match()[0] > 0
+        return False
+    return on
+
+
+def _remember(run, target, drafter) -> None:
+    """The guard's timings and state carry over to the next request."""
+    if hasattr(run.policy, "observed"):
+        from .calibrate import save_observed
+
+        save_observed(target.model, drafter, run.policy.observed())
+
+
+def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, feats=None, on_token=None):
     """Plain decoding, pipelined like mlx-lm: the step that consumes token n is
     queued on its lazy value before it is read back, so building the graph
     overlaps the compute (when a stop comes, the queued step is wasted, as in mlx-lm).
 
-    `token` has been emitted; its KV row is not cached yet. With `steps`, stops
-    after that many tokens (an adaptive fallback burst) and returns (the last
-    token, emitted but not fed: the next anchor, or None when generation is over;
-    the captured features of every row fed, appended to `feats`)."""
+    `token` has been emitted; its KV row is not cached yet. Ends after `steps`
+    tokens, or one token after `on_token(tok, cycle)` returns True, and returns
+    (the last token, emitted but not fed: the next anchor, or None when
+    generation is over; the captured features of every row fed, after `feats`)."""
     def feed(tok):
         logits, f = target(tok.reshape(1, 1), pc.target, capture)
         nxt = _lazy_pick(logits[0, -1], sp)
@@ -384,11 +382,11 @@ def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, 
     y, f = feed(mx.array(token))
     pc.tokens.append(token)
     feats = [feats, f] if feats is not None else [f]
-    n = 0
+    n, last = 0, False
     while True:
         t0 = time.perf_counter()
         nxt = None
-        if len(emit.tokens) + 1 < emit.max_tokens and (steps is None or n + 1 < steps):
+        if not last and len(emit.tokens) + 1 < emit.max_tokens and (steps is None or n + 1 < steps):
             nxt, f = feed(y)  # y may not be the last token: queue its step now
         tok = int(y.item())
         if nxt is not None:  # its KV row went in with the queued step: the cache and
@@ -397,8 +395,8 @@ def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, 
         n += 1
         cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0)
         stats.add(cyc)
-        if on_cycle:
-            on_cycle(cyc)
+        if on_token is not None and on_token(tok, cyc):
+            last = True  # the step already queued on tok gives the run's last token
         stats.generation_time = time.perf_counter() - gen_tic
         yield emit.push(tok, False, cyc)
         if emit.done or nxt is None:

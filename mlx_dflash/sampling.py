@@ -60,35 +60,53 @@ def sample(p: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(p), axis=-1)
 
 
-def accept_speculative(p, drafts, q):
-    """Lossless rejection sampling over one verified block.
+def accept_greedy(logits: mx.array, drafts: mx.array):
+    """Greedy verify on the device. logits [n+1, V] at the anchor and each draft;
+    drafts [n]. Returns lazy (accepted count a, the target's argmax [n+1]): the
+    emitted tokens are argmax[:a+1] (accepted drafts equal the target's picks)."""
+    tgt = mx.argmax(logits, axis=-1).astype(mx.int32)
+    n = drafts.shape[0]
+    if n == 0:
+        return mx.array(0, mx.int32), tgt
+    ok = (drafts.astype(mx.int32) == tgt[:n]).astype(mx.int32)
+    return mx.cumprod(ok).sum().astype(mx.int32), tgt
+
+
+def accept_sampled(p: mx.array, drafts: mx.array, q=None):
+    """Lossless rejection sampling over one verified block, on the device.
 
     p: [n+1, V] target distributions at the anchor and each draft position
-    (row i scores the token after i accepted drafts); drafts: n proposed ids;
+    (row i scores the token after i accepted drafts); drafts: [n] proposed ids;
     q: [n, V] proposal distributions, or None for a deterministic (one-hot)
-    proposal. Returns (accepted count, the next token)."""
-    import numpy as np
-
-    n = len(drafts)
+    proposal. Draft i is kept with probability min(1, p(x)/q(x)); at the first
+    rejection the next token comes from normalize(max(p - q, 0)) (one-hot q:
+    p without x), after n acceptances from p[n]. Returns lazy (accepted count a,
+    the next token)."""
+    n = drafts.shape[0]
     if n == 0:
-        return 0, int(sample(p[0]).item())
-    p_np = np.array(p[:n].astype(mx.float32))
-    q_np = None if q is None else np.array(q.astype(mx.float32))
-    u = np.array(mx.random.uniform(shape=(n,)))
-    for i, x in enumerate(drafts):
-        px = p_np[i, x]
-        qx = 1.0 if q_np is None else q_np[i, x]
-        if qx > 0 and u[i] < min(1.0, px / qx):
-            continue
-        # rejected: sample from normalize(max(p - q, 0)); one-hot q removes x from p
-        resid = p_np[i].copy()
-        if q_np is None:
-            resid[x] = 0.0
-        else:
-            resid = np.maximum(resid - q_np[i], 0.0)
-        s = resid.sum()
-        if s <= 0:  # p == q exactly: any draw from p is correct
-            resid, s = p_np[i], p_np[i].sum()
-        r = mx.array(resid / s)
-        return i, int(mx.random.categorical(mx.log(r)).item())
-    return n, int(sample(p[n]).item())
+        return mx.array(0, mx.int32), sample(p[0])
+    d = drafts.astype(mx.int32)[:, None]
+    pn = p[:n].astype(mx.float32)
+    px = mx.take_along_axis(pn, d, axis=-1)[:, 0]
+    if q is None:
+        qx = mx.ones_like(px)
+        resid = mx.put_along_axis(pn, d, mx.zeros_like(px)[:, None], axis=-1)
+    else:
+        q = q.astype(mx.float32)
+        qx = mx.take_along_axis(q, d, axis=-1)[:, 0]
+        resid = mx.maximum(pn - q, 0.0)
+    u = mx.random.uniform(shape=(n,))
+    ok = (qx > 0) & (u * qx < px)  # u < min(1, px / qx) without dividing by zero
+    a = mx.cumprod(ok.astype(mx.int32)).sum().astype(mx.int32)
+    s = resid.sum(axis=-1, keepdims=True)
+    resid = mx.where(s > 0, resid / mx.where(s > 0, s, 1.0), pn)  # p == q exactly: any draw from p is right
+    rows = mx.concatenate([resid, p[n:n + 1].astype(mx.float32)])  # row a: where the block ends
+    return a, sample(mx.take(rows, a[None], axis=0))[0]
+
+
+def accept_speculative(p, drafts, q):
+    """`accept_sampled` read back: (accepted count, next token) as ints; drafts
+    may be a list."""
+    a, nxt = accept_sampled(p, mx.array(list(drafts) if not isinstance(drafts, mx.array) else drafts,
+                                        mx.int32).reshape(-1), q)
+    return tuple(mx.stack([a, nxt.astype(mx.int32)]).tolist())

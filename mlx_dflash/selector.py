@@ -6,7 +6,8 @@ For each draft position t the drafter's top-K tokens are candidates, scored
 
 where a is a candidate of position t-1 (the anchor for t = 0), U_t the drafter
 logits. The [P, K, K] lattice is one batched matmul; the walk over it (greedy, or
-sampling at T > 0) is <= 16 tiny steps and runs on the host after one eval.
+sampling at T > 0) is <= 16 tiny steps, lazy on the device (`walk`), so it is
+evaluated with the verify that consumes it.
 
 A and B are [ours] projections of the target's embedding rows (3*H*r params, no
 [V, r] table); checkpoints with materialised `*_codebook` tables load as well.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 
 def selector_param_count(hidden_size: int, rank: int) -> int:
@@ -86,52 +86,50 @@ class PathSelector(nn.Module):
         ids = top_k_ids(logits, min(self.top_k, logits.shape[-1]))
         return ids, mx.take_along_axis(logits, ids, axis=-1)
 
-    def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None,
-                with_conf: bool = False):
-        """Walk the lattice from the anchor. Returns (tokens: list[int] of length P, q),
-        plus conf when `with_conf`: each pick's path score as a probability,
-        softmax over the candidates of S_t(prev, .) (the adaptive width calibrates it).
+    def walk(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None):
+        """Walk the lattice from the anchor, on the device: P sequential argmax
+        (or inverse-CDF) picks over [K] rows, all lazy, so the walk joins the
+        verify's graph and its one readback. Returns lazy (tokens [P] int32, q,
+        conf [P]); conf (each pick's path score as a probability, softmax over
+        the candidates of S_t(prev, .)) costs nothing unless evaluated.
 
         q is None when greedy; at temperature > 0 it is the proposal actually
-        sampled from, dense [P, V] float32 (zero outside each row's candidates).
-        Everything the walk reads comes back in one evaluation.
-        """
+        sampled from, dense [P, V] float32 (zero outside each row's candidates)."""
         P, V = logits.shape
         if P == 0:
-            out = ([], (None if temperature <= 0 else mx.zeros((0, V), mx.float32)))
-            return out + ([],) if with_conf else out
+            return mx.zeros((0,), mx.int32), (None if temperature <= 0 else mx.zeros((0, V), mx.float32)), \
+                mx.zeros((0,), mx.float32)
         ids, u = self.candidates(logits)
-        S = self.lattice(anchor, ids, u, h, embed)
-
-        def conf(Sn, picks):
-            out, prev = [], 0
-            for t, i in enumerate(picks):
-                row = Sn[t, prev].astype(np.float64)
-                e = np.exp(row - row.max())
-                out.append(float(e[i] / e.sum()))
-                prev = i
-            return out
-
+        S = self.lattice(anchor, ids, u, h, embed)  # row 0 of S[0] already holds the anchor's scores
+        i, picks = mx.array(0, mx.int32), []
         if temperature <= 0:
-            mx.eval(S, ids)
-            Sn, idn = np.array(S), np.array(ids)
-            picks, tokens, i = [], [], 0  # row 0 of S[0] already holds the anchor's scores
             for t in range(P):
-                i = int(Sn[t, i].argmax())
+                i = mx.argmax(mx.take(S[t], i, axis=0)).astype(mx.int32)
                 picks.append(i)
-                tokens.append(int(idn[t, i]))
-            return (tokens, None, conf(Sn, picks)) if with_conf else (tokens, None)
-        probs = mx.softmax(S / temperature, axis=-1)  # [P, K, K]
-        r = mx.random.uniform(shape=(P,), key=key)
-        mx.eval(probs, ids, r, S)
-        pn, idn, rn = np.array(probs), np.array(ids), np.array(r)
-        picks, tokens, i = [], [], 0
-        for t in range(P):
-            c = np.cumsum(pn[t, i], dtype=np.float64)
-            i = min(int(np.searchsorted(c, rn[t] * c[-1], side="right")), len(c) - 1)
-            picks.append(i)
-            tokens.append(int(idn[t, i]))
-        # q row t = the softmax row we sampled from: that of the pick at t-1 (the anchor row 0 at t = 0).
-        used = mx.array([0] + picks[:-1])
-        q = mx.put_along_axis(mx.zeros((P, V), mx.float32), ids, probs[mx.arange(P), used], axis=-1)
-        return (tokens, q, conf(np.array(S), picks)) if with_conf else (tokens, q)
+            probs = None
+        else:
+            probs = mx.softmax(S / temperature, axis=-1)  # [P, K, K]
+            r = mx.random.uniform(shape=(P,), key=key)
+            K = S.shape[-1]
+            for t in range(P):
+                c = mx.cumsum(mx.take(probs[t], i, axis=0))
+                i = mx.minimum((c <= r[t] * c[-1]).astype(mx.int32).sum(), K - 1)
+                picks.append(i)
+        picks = mx.stack(picks)
+        used = mx.concatenate([mx.zeros((1,), mx.int32), picks[:-1]])  # the row each pick came from
+        rows = S[mx.arange(P), used]  # [P, K]
+        tokens = mx.take_along_axis(ids, picks[:, None], axis=1)[:, 0].astype(mx.int32)
+        conf = mx.take_along_axis(mx.softmax(rows, axis=-1), picks[:, None], axis=1)[:, 0]
+        q = None
+        if probs is not None:
+            q = mx.put_along_axis(mx.zeros((P, V), mx.float32), ids, probs[mx.arange(P), used], axis=-1)
+        return tokens, q, conf
+
+    def propose(self, logits, h, anchor: int, embed, temperature: float = 0.0, key=None,
+                with_conf: bool = False):
+        """`walk`, read back: (tokens: list[int] of length P, q), plus conf (a
+        list) when `with_conf`."""
+        tokens, q, conf = self.walk(logits, h, anchor, embed, temperature, key)
+        mx.eval(tokens, conf)
+        out = (tokens.tolist(), q)
+        return out + (conf.tolist(),) if with_conf else out

@@ -51,7 +51,7 @@ def main():
     _, f = T(ids[None], cache, cap)
     mx.eval(f)
     dc = drafter.make_cache()
-    drafter.propose(T, 5, f, dc, 2)
+    mx.eval(drafter.propose(T, 5, f, dc, 2).tokens)
     B = drafter.block_size
 
     def verify(w):
@@ -67,7 +67,7 @@ def main():
         "target step, 1 token": lambda: verify(1),
         **{f"verify w={w}, kernel {k}": (lambda w=w, k=k: (fastblas.set_small_gemm(k == "on"), verify(w)))
            for w in (2, 4, B) for k in ("on", "off")},
-        f"drafter proposal w={B}": lambda: drafter.propose(T, 5, None, dc, B),
+        f"drafter proposal w={B}": lambda: mx.eval(drafter.propose(T, 5, None, dc, B).tokens),
         "one elementwise op (x + 1)": lambda: mx.eval(x + 1),
         "one 1-row linear (H -> I)": lambda: mx.eval(x @ wt.T),
     }

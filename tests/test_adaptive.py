@@ -1,5 +1,6 @@
-"""Adaptive verify width: lossless, falls back and re-probes, follows its cost
-model, caches the measured cost curve."""
+"""Adaptive verify width (policy.AdaptiveWidth) and the default-mode guard
+(policy.Guard): lossless, fall back and re-probe, follow their cost models
+(pure tests, no model); calibration caches its measurements (calibrate.py)."""
 
 import json
 
@@ -7,8 +8,9 @@ import mlx_lm
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import adaptive, generate, load, stream_generate
-from mlx_dflash.adaptive import AdaptiveWidth, Costs
+from mlx_dflash import calibrate as adaptive, generate, load, stream_generate
+from mlx_dflash.calibrate import Costs
+from mlx_dflash.policy import AdaptiveWidth
 from mlx_dflash.drafter import Proposal
 from mlx_dflash.generate import CycleStats
 
@@ -49,6 +51,8 @@ def test_adaptive_greedy_equals_mlx_lm(pairs, version):
             assert r.stats.mode == "adaptive" and r.stats.adaptive["state"] in ("dflash", "fallback")
             # a partly right drafter: cycles draft, cut, accept some and reject some
             o = OracleDrafter(len(tok.encode(prompt)), ref, vocab, noise=0.3, seed=i * 7 + w)
+            # a cheap verify (c(8) = 1.35): drafting pays whatever the machine's load does to a measurement
+            adaptive.remember(model, o, Costs(0.01, {k: 1 + 0.05 * (k - 1) for k in range(1, 9)}, {k: 0.0 for k in range(1, 9)}))
             ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=32, block_size=w, verify_mode="adaptive")
             assert ids == ref, (prompt, w, "oracle")
             assert st.accepted > 0
@@ -192,3 +196,93 @@ def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
     # a corrupt file is measured again, not an error
     path.write_text("{not json")
     assert adaptive.load_cached(key, 4) is None
+
+
+# -- the default mode's guard (policy.Guard): pure, no model ------------------------------
+
+from mlx_dflash.calibrate import Observed  # noqa: E402
+from mlx_dflash.policy import Fixed, Guard  # noqa: E402
+
+
+def _drive(g, tau, t_cycle, t_plain, cycles):
+    """Run the guard's loop for `cycles` decisions; each draft cycle emits `tau`
+    tokens in t_cycle seconds, each plain token takes t_plain. Returns the
+    decisions: a width, or -k for a run of k plain tokens."""
+    seq = []
+    for _ in range(cycles):
+        k = g.plain_steps()
+        if k:
+            g.observe_plain(k, k * t_plain)
+            seq.append(-k)
+        else:
+            g.observe(tau, t_cycle)
+            seq.append(g.width())
+    return seq
+
+
+def test_guard_keeps_drafting_when_it_pays():
+    g = Guard(5)
+    seq = _drive(g, tau=3.5, t_cycle=0.02, t_plain=0.01, cycles=60)  # 1.75x
+    # one timing run of plain tokens (none measured yet), then drafting throughout
+    assert [x for x in seq if x < 0] == [-Guard.MEASURE]
+    assert seq[-1] == 5 and g.state == "draft" and g.fallbacks == 0
+    assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x")
+
+
+def test_guard_falls_back_probes_with_backoff_and_recovers():
+    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}))  # costs known: no timing run
+    seq = _drive(g, tau=2.0, t_cycle=0.03, t_plain=0.01, cycles=40)  # 0.67x
+    plain = [-x for x in seq if x < 0]
+    assert seq[: Guard.MIN_CYCLES] == [5] * Guard.MIN_CYCLES
+    assert plain[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
+    assert max(plain) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
+    assert all(x == 5 for x in seq if x > 0)  # probes draft at the user's width
+    for _ in range(Guard.MIN_CYCLES + 1):  # to the end of a probe
+        if g.state == "plain":
+            break
+        _drive(g, tau=2.0, t_cycle=0.03, t_plain=0.01, cycles=1)
+    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.67x predicted")
+    # the text becomes draftable: the next probe brings drafting back
+    seq = _drive(g, tau=4.5, t_cycle=0.03, t_plain=0.01, cycles=12)
+    assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
+
+
+def test_guard_never_drafts_where_even_full_acceptance_loses():
+    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.06}))  # a cycle = 6 plain tokens > width 5
+    assert g.plain_steps() == Guard.BACKOFF_MAX and "cannot pay" in g.reason
+    g = Guard(3)
+    _drive(g, tau=3.0, t_cycle=0.04, t_plain=0.01, cycles=Guard.MIN_CYCLES + 1)
+    assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF_MAX
+
+
+def test_guard_prior_carries_acceptance_and_backoff():
+    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}, tau={5: 2.0}, backoff=128))
+    assert g.plain_steps() == 128  # last request lost: start plain, probe later
+    o = g.observed()
+    assert o.tau[5] == 2.0 and o.t_plain == 0.01 and o.backoff == 128
+    assert Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}, tau={5: 4.0})).plain_steps() == 0
+    f = Fixed(4)
+    assert f.plain_steps() == 0 and f.width() == 4 and f.reason == "fixed width 4"
+
+
+def test_default_mode_guard_in_the_loop(pairs):
+    """An always-wrong drafter: the default mode (no block size) ends up on plain
+    steps and says why; an explicit width, or guard=False, drafts every cycle.
+    All of them give mlx-lm's tokens."""
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt, n = PROMPTS[0], 60
+    ref = reference_tokens(model, tok, prompt, n)
+    p = len(tok.encode(prompt))
+    wrong = OracleDrafter(p, ref, model.args.vocab_size, noise=1.0)
+    r = generate(model, tok, prompt, wrong, max_tokens=n)
+    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == 5
+    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain")
+    assert r.stats.to_dict()["policy"] == r.stats.policy
+    for kw in (dict(block_size=4), dict(guard=False)):
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size, noise=1.0), max_tokens=n, **kw)
+        # (only the last cycle may verify the anchor alone: no drafting past max_tokens)
+        assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
+    # a right drafter in the default mode: lossless, whatever the guard decides on this machine
+    r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size), max_tokens=n)
+    assert r.token_ids == ref and r.stats.accepted > 0
