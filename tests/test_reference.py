@@ -378,3 +378,23 @@ def test_drafter_keeps_its_checkpoint_dtype(tmp_path):
     mx.save_safetensors(str(d / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in w.items()})
     m = load_drafter(str(d))
     assert {v.dtype for _, v in tree_flatten(m.parameters())} == {mx.bfloat16}
+
+
+def test_dflash_config_wins_over_the_top_level():
+    """The reference's precedence: dflash_config, then the top level, then the default."""
+    cfg = base_config(2, mask_token_id=1, block_size=4, output_multiplier=0.5, conv_kernel_size=3,
+                      dc_output_multiplier=0.25)
+    c = DrafterConfig.from_dict(cfg)
+    assert (c.mask_token_id, c.block_size, c.output_multiplier) == (5, 8, 0.25)
+    assert c.conv_kernel_size == 2  # dflash_config has it
+    cfg["dflash_config"].pop("conv_kernel_size")
+    cfg["dflash_config"].pop("block_size")
+    c = DrafterConfig.from_dict(cfg)
+    assert (c.conv_kernel_size, c.block_size) == (3, 4)
+    bare = base_config(1, rope_theta=None, rms_norm_eps=None, max_position_embeddings=None, head_dim=None,
+                       num_key_value_heads=None)
+    c = DrafterConfig.from_dict(bare)
+    assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings, c.head_dim, c.num_key_value_heads,
+            c.block_size, c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping,
+            c.is_causal, c.attention_bias, c.kinds()) == (10000.0, 1e-6, 32768, H // 4, 4, 8, 1.0, 1.0, None,
+                                                         None, False, ["full_attention"] * 3)
