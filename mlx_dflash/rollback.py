@@ -48,6 +48,12 @@ def leaves(cache) -> List[Any]:
     return [cache]
 
 
+def row_trim(x, n: int) -> None:
+    x.trim(n)
+    if isinstance(x, ConcatenateKVCache) and x.keys is not None:  # its trim keeps the rows
+        x.keys, x.values = x.keys[..., : x.offset, :], x.values[..., : x.offset, :]
+
+
 def unsupported_kind(cache_list) -> Optional[str]:
     """The name of a cache kind this module cannot roll back, if any."""
     for c in cache_list:
@@ -93,6 +99,35 @@ def rotating_trim(c: RotatingKVCache, n: int) -> None:
             c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
     else:
         c.trim(n)
+
+
+# -- exact checkpoints (O(1): mx.array(x) is a shallow copy that in-place writes do not reach)
+def checkpoint(cache_list):
+    """A function that puts every cache of `cache_list` back as it is now,
+    whatever ran in between (timing probes that must leave the cache untouched)."""
+    saved = []
+    for x in (x for c in cache_list for x in leaves(c)):
+        if isinstance(x, ArraysCache):
+            saved.append((x, (list(x.cache), x.lengths, x.left_padding)))
+        elif x is not None:
+            saved.append((x, tuple(mx.array(v) if isinstance(v, mx.array) else v for v in _fields(x))))
+
+    def restore():
+        for x, st in saved:
+            if isinstance(x, ArraysCache):
+                x.cache, x.lengths, x.left_padding = list(st[0]), st[1], st[2]
+            else:
+                for k, v in zip(_FIELDS, st):
+                    if hasattr(x, k):
+                        setattr(x, k, v)
+    return restore
+
+
+_FIELDS = ("keys", "values", "offset", "_idx", "start_position")
+
+
+def _fields(x):
+    return tuple(getattr(x, k, None) for k in _FIELDS)
 
 
 # -- recurrent state -------------------------------------------------------------------
@@ -150,7 +185,7 @@ def replay(rec: Record, n: int) -> None:
     for call in rec.calls:
         for c in _caches_in(call.args, call.kwargs):  # a row cache the call also fills
             if isinstance(c, ROW_CACHES):
-                c.trim(keep)
+                row_trim(c, keep)
         args = tuple(_cut(a, rec.length, keep) for a in call.args)
         kwargs = {k: _cut(v, rec.length, keep) for k, v in call.kwargs.items()}
         call.module(*args, **kwargs)

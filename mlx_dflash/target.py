@@ -253,6 +253,12 @@ class Target:
                 return False
         return True
 
+    def checkpoint(self, cache: list):
+        """`restore = target.checkpoint(cache)`: `restore()` puts the cache back
+        exactly as it is now, after any number of forwards (O(1), no copy)."""
+        self._rec = None
+        return rb.checkpoint(cache)
+
     def trim(self, cache: list, n: int) -> None:
         """Drop the last n tokens (n <= the last forward's length for recurrent
         and wrapped sliding-window caches)."""
@@ -262,7 +268,7 @@ class Target:
             raise rb.RollbackError(f"this cache cannot drop its last {n} tokens now")
         for x in (x for c in cache for x in rb.leaves(c)):
             if isinstance(x, rb.ROW_CACHES):
-                x.trim(n)
+                rb.row_trim(x, n)
             elif isinstance(x, rb.RotatingKVCache):
                 rb.rotating_trim(x, n)
         if self._rec is not None and self._rec.cache is cache:

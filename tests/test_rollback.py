@@ -136,3 +136,34 @@ def test_model_instance_is_left_as_it_was():
     assert [(k, id(v)) for k, v in tree_flatten(model.parameters())] == before
     assert all(x is y for x, y in zip(model.layers, layers))
     assert not any("mamba" in vars(l) for l in model.layers)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next", "falcon_h1"])
+def test_checkpoint_restores_after_any_steps(family):
+    """Timing probes (calibration) run 1-token steps and must leave the cache as it was."""
+    model = build(family)
+    t = Target(model)
+    a, b = t.make_cache(), t.make_cache()
+    for c in (a, b):
+        t(mx.arange(4, 20)[None], c)  # windows wrapped
+    restore = t.checkpoint(a)
+    for tok in [5, 6, 7, 8, 9, 10, 11]:
+        t(mx.array([[tok]]), a)
+    t(mx.arange(30, 34)[None], a)
+    restore()
+    x = mx.array([[42, 43]])
+    la, _ = t(x, a)
+    lb, _ = t(x, b)
+    assert mx.array_equal(la, lb)
+
+
+def test_concatenate_cache_drops_its_rows():
+    from mlx_lm.models.cache import ConcatenateKVCache
+
+    model = build("qwen3")
+    t = Target(model)
+
+    def make():
+        return [ConcatenateKVCache() for _ in model.layers]
+
+    _run_cycles(model, t, make, make, seed=11)
