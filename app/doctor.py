@@ -1,39 +1,69 @@
-"""`mlx-dflash doctor`: backend, BLAS in use, kernel path, and the measured
-verify-cost curve c(w) = t(w tokens) / t(1 token)."""
+"""`mlx-dflash doctor`: backend, BLAS in use (threads, few-row kernel), kernel
+path, and the measured verify-cost curve c(w) = t(w tokens) / t(1 token) on a
+small (~30M) and a large (~300M-parameter) Qwen3-shaped target."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import sys
 import time
 
 WIDTHS = (1, 2, 4, 8, 16)
+# (label, qwen3 ModelArgs overrides, repetitions): random weights, cost does not depend on them
+PROBES = {
+    "small": ("~30M-parameter Qwen3 (hidden 512, 8 layers, vocab 8192)",
+              dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=8192), 15),
+    "large": ("~304M-parameter Qwen3 (hidden 1024, 24 layers, vocab 32768, float32)",
+              dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3072, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, vocab_size=32768), 5),
+}
+IMPOSSIBLE = 0.6  # a w-token forward cannot cost much less than a 1-token one
 
 
 def add_parser(sub):
     p = sub.add_parser("doctor", help="check the backend, BLAS and verify cost on this machine")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="skip the verify-cost measurement")
+    p.add_argument("--size", choices=("small", "large", "both"), default="both",
+                   help="probe target(s) for c(w): ~30M, ~300M parameters, or both (default)")
+    p.add_argument("--kernel-ab", action="store_true",
+                   help="measure c(w) with the few-row gemm kernel on and off (Linux CPU)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the BLAS thread count and the kernel's routing again (cached per machine)")
     p.add_argument("--context", type=int, default=256, help="tokens of context for c(w)")
 
 
-def probe_model():
-    """A ~30M-parameter Qwen3 (random weights: cost does not depend on them)."""
+def _progress(msg: str) -> None:
+    sys.stderr.write(f"doctor: {msg}\n")
+    sys.stderr.flush()
+
+
+def probe_model(size: str = "small"):
+    """A Qwen3 of the given probe size, random weights, float32."""
     import mlx.core as mx
     from mlx_lm.models import qwen3
 
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
-                           num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
-                           vocab_size=8192, max_position_embeddings=4096, rope_theta=1e6,
-                           tie_word_embeddings=True)
+    args = qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=1e6,
+                           tie_word_embeddings=True, **PROBES[size][1])
     mx.random.seed(0)
     m = qwen3.Model(args)
     mx.eval(m.parameters())
     return m
 
 
-def verify_cost(model=None, context: int = 256, widths=WIDTHS, reps: int = 15) -> dict:
-    """Median forward time at each width over `context` cached tokens, relative to w = 1."""
+def n_params(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def verify_cost(model=None, context: int = 256, widths=WIDTHS, reps: int = 15, log=None) -> dict:
+    """c(w) over `context` cached tokens. Widths are timed round-robin and each
+    round gives its own ratios t(w) / t(1), so load that comes and goes hits
+    all widths alike; c(w) is the median ratio, ms the median time."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -42,25 +72,75 @@ def verify_cost(model=None, context: int = 256, widths=WIDTHS, reps: int = 15) -
     mx.eval(model(mx.arange(context)[None] % 1000, cache=cache))
 
     def t(w):
-        ts = []
-        for _ in range(reps):
-            x = mx.arange(w)[None]
-            t0 = time.perf_counter()
-            mx.eval(model(x, cache=cache))
-            ts.append(time.perf_counter() - t0)
-            trim_prompt_cache(cache, w)
-        return sorted(ts)[len(ts) // 2]
+        x = mx.arange(w)[None]
+        t0 = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        dt = time.perf_counter() - t0
+        trim_prompt_cache(cache, w)
+        return dt
 
-    t(1)  # warm up
-    times = {w: t(w) for w in widths}
-    return {"ms": {w: times[w] * 1e3 for w in widths}, "ratio": {w: times[w] / times[1] for w in widths}}
+    for w in widths:  # warm up every shape
+        t(w)
+    rounds = []
+    for i in range(reps):
+        rounds.append({w: t(w) for w in widths})
+        if log and (i + 1) % max(1, reps // 3) == 0:
+            log(f"  round {i + 1}/{reps}")
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    t1 = [r[1] for r in rounds]
+    return {"ms": {w: med([r[w] for r in rounds]) * 1e3 for w in widths},
+            "ratio": {w: med([r[w] / r[1] for r in rounds]) for w in widths},
+            "spread_t1": (max(t1) - min(t1)) / med(t1)}
 
 
-def report(quick: bool = False, context: int = 256) -> dict:
+def _load():
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _warnings(out: dict) -> list:
+    """Figures that cannot be right, and a machine too busy for them to be."""
+    w = []
+    loads = [x for x in out.get("load_average", []) if x is not None]
+    if loads and max(loads) > 0.75 * out["cpus"]:
+        w.append(f"machine busy: load average up to {max(loads):.1f} on {out['cpus']} cores while measuring; "
+                 "the figures below are unreliable (run again when the machine is idle)")
+    for key, probe in out.get("probes", {}).items():
+        for mode, r in probe["runs"].items():
+            bad = {wd: c for wd, c in r["verify_cost"].items() if wd != "1" and c < IMPOSSIBLE}
+            if bad:
+                wd, c = next(iter(bad.items()))
+                w.append(f"{key} target, kernel {mode}: c({wd}) = {c:.2f} is impossible (a {wd}-token forward "
+                         f"below {IMPOSSIBLE} of a 1-token one): the machine's load changed during the measurement")
+            if r["spread_t1"] > 0.5:
+                w.append(f"{key} target, kernel {mode}: 1-token step times varied by {100 * r['spread_t1']:.0f}% "
+                         "between rounds: noisy")
+    return w
+
+
+def report(quick: bool = False, context: int = 256, size: str = "both", kernel_ab: bool = False,
+           recalibrate: bool = False, log=None) -> dict:
     import mlx.core as mx
 
     from mlx_dflash import fastblas
 
+    log = log or (lambda s: None)
+    if recalibrate and fastblas.STATE["shim"]:
+        log("measuring BLAS threads and the few-row kernel's routing...")
+        fastblas.calibrate(force=True)
     try:
         from mlx_dflash.conv import kernel_backend
 
@@ -68,6 +148,7 @@ def report(quick: bool = False, context: int = 256) -> dict:
     except ImportError:
         kernel = "unavailable"
     backend = "metal" if mx.metal.is_available() else ("cuda" if getattr(mx, "cuda", None) and mx.cuda.is_available() else "cpu")
+    cal = fastblas.STATE.get("calibration") or {}
     out = {
         "mlx": mx.__version__,
         "platform": f"{platform.system()} {platform.machine()}",
@@ -75,28 +156,68 @@ def report(quick: bool = False, context: int = 256) -> dict:
         "device": str(mx.default_device()),
         "blas": fastblas.STATE["blas"],
         "blas_note": fastblas.STATE["error"],
+        "blas_threads": fastblas.STATE["threads"],
+        "blas_threads_from": fastblas.STATE.get("threads_from"),
+        "blas_thread_scores_ms": cal.get("thread_scores_ms"),
+        "small_gemm": fastblas.STATE["small_gemm"],
+        "cpus": _cpus(),
+        "load_average": [_load()],
         "sgemm_gflops": round(fastblas.gemm_gflops(), 1),
         "fused_kernels": kernel in ("metal", "cuda"),
         "conv_kernel": kernel,
     }
     if not quick:
-        vc = verify_cost(context=context)
-        out["verify_cost"] = {str(w): round(r, 3) for w, r in vc["ratio"].items()}
-        out["verify_ms"] = {str(w): round(v, 2) for w, v in vc["ms"].items()}
         out["verify_context"] = context
+        out["probes"] = {}
+        modes = [True, False] if kernel_ab and fastblas.STATE["shim"] else [fastblas.STATE["small_gemm"]]
+        for key in (("small", "large") if size == "both" else (size,)):
+            label, _, reps = PROBES[key]
+            log(f"building the {key} probe target ({label})...")
+            model = probe_model(key)
+            probe = {"label": label, "params": n_params(model), "runs": {}}
+            for mode in modes:
+                prev = fastblas.set_small_gemm(mode)
+                name = "on" if mode else "off"
+                log(f"measuring c(w), w = {', '.join(map(str, WIDTHS))}, on the {key} target"
+                    + (f" with the few-row kernel {name}" if len(modes) > 1 else "") + f" ({reps} rounds)...")
+                try:
+                    vc = verify_cost(model, context=context, reps=reps, log=log)
+                finally:
+                    fastblas.set_small_gemm(prev)
+                probe["runs"][name] = {"verify_cost": {str(w): round(r, 3) for w, r in vc["ratio"].items()},
+                                       "verify_ms": {str(w): round(v, 2) for w, v in vc["ms"].items()},
+                                       "spread_t1": round(vc["spread_t1"], 3)}
+                out["load_average"].append(_load())
+            out["probes"][key] = probe
+            del model
+        first = next(iter(out["probes"].values()))["runs"]
+        cur = first.get("on" if fastblas.STATE["small_gemm"] else "off") or next(iter(first.values()))
+        out["verify_cost"], out["verify_ms"] = cur["verify_cost"], cur["verify_ms"]  # the first probe, as before
+    out["warnings"] = _warnings(out)
     return out
 
 
 def run(args):
-    r = report(args.quick, args.context)
+    # progress goes to stderr, so that with --json stdout stays one JSON object
+    r = report(args.quick, args.context, args.size, args.kernel_ab, args.recalibrate, _progress)
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"MLX {r['mlx']} on {r['platform']}, backend {r['backend']} ({r['device']})")
+    print(f"MLX {r['mlx']} on {r['platform']}, backend {r['backend']} ({r['device']}), {r['cpus']} cores")
     print(f"BLAS: {r['blas']}  [{r['sgemm_gflops']} GFLOP/s sgemm]" + (f"  note: {r['blas_note']}" if r["blas_note"] else ""))
+    if r["blas_threads"]:
+        scores = r.get("blas_thread_scores_ms")
+        print(f"BLAS threads: {r['blas_threads']} ({r['blas_threads_from']}"
+              + (f"; ms per test: " + ", ".join(f"{t} thread(s) {s}" for t, s in scores.items()) if scores else "")
+              + ")")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
-    if "verify_cost" in r:
-        print(f"verify cost c(w) at {r['verify_context']} tokens of context, ~30M-parameter Qwen3:")
-        for w, c in r["verify_cost"].items():
-            print(f"  w={w:>2}  c={c:5.2f}  ({r['verify_ms'][w]:.1f} ms)")
+    for key, p in r.get("probes", {}).items():
+        print(f"verify cost c(w) at {r['verify_context']} tokens of context, {p['label']}, "
+              f"{p['params'] / 1e6:.0f}M parameters:")
+        for mode, run_ in p["runs"].items():
+            vc, ms = run_["verify_cost"], run_["verify_ms"]
+            tag = f"  kernel {mode}:" if len(p["runs"]) > 1 else " "
+            print(f"{tag} " + "  ".join(f"c({w})={c:.2f}" for w, c in vc.items()) + f"   (1-token step {ms['1']:.1f} ms)")
+    for w in r["warnings"]:
+        print(f"warning: {w}")
     return 0

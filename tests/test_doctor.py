@@ -1,0 +1,82 @@
+"""`mlx-dflash doctor`: progress while it measures, the BLAS thread count it used,
+both probe sizes, the kernel A/B, and warnings for impossible figures and a busy
+machine."""
+
+import json
+
+import pytest
+
+from app import doctor
+from app.cli import main
+from mlx_dflash import fastblas
+
+
+@pytest.fixture
+def tiny_probes(monkeypatch):
+    """Probe targets small enough for a test (the real ones are ~30M and ~304M)."""
+    shape = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256)
+    monkeypatch.setitem(doctor.PROBES, "small", ("tiny", shape, 3))
+    monkeypatch.setitem(doctor.PROBES, "large", ("tiny-large", {**shape, "num_hidden_layers": 3}, 3))
+
+
+def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
+    rc = main(["doctor", "--json", "--context", "32", "--kernel-ab"])
+    cap = capsys.readouterr()
+    assert rc == 0
+    out = json.loads(cap.out)  # stdout is only the JSON: progress went to stderr
+    progress = [l for l in cap.err.splitlines() if l.startswith("doctor: ")]
+    assert any("measuring c(w)" in l and "small" in l for l in progress)
+    assert any("measuring c(w)" in l and "large" in l for l in progress)
+    assert any("round 3/3" in l for l in progress)
+    assert out["blas_threads"] == fastblas.STATE["threads"]
+    assert set(out["probes"]) == {"small", "large"}
+    assert out["probes"]["large"]["params"] > out["probes"]["small"]["params"]
+    runs = out["probes"]["small"]["runs"]
+    assert set(runs) == ({"on", "off"} if fastblas.STATE["shim"] else {"off"})
+    for r in runs.values():
+        assert set(r["verify_cost"]) == {"1", "2", "4", "8", "16"} and r["verify_cost"]["1"] == 1.0
+        assert all(v > 0 for v in r["verify_ms"].values())
+    assert out["verify_cost"] in [r["verify_cost"] for r in runs.values()]
+    assert len(out["load_average"]) == 1 + len(runs) * 2 and isinstance(out["warnings"], list)
+    if fastblas.STATE["shim"]:
+        assert out["blas_threads"] >= 1 and out["blas_threads_from"]
+
+
+def test_text_shows_threads(capsys):
+    assert main(["doctor", "--quick"]) == 0
+    text = capsys.readouterr().out
+    if fastblas.STATE["shim"]:
+        assert f"BLAS threads: {fastblas.STATE['threads']} (" in text
+
+
+def _fake(c2, load, spread=0.1):
+    run = {"verify_cost": {"1": 1.0, "2": c2, "4": 1.2, "8": 1.4, "16": 1.9}, "spread_t1": spread}
+    return {"cpus": 2, "load_average": [load, load], "probes": {"small": {"runs": {"on": run}}}}
+
+
+def test_warns_on_impossible_figures_and_a_busy_machine():
+    assert doctor._warnings(_fake(1.1, 0.3)) == []
+    w = doctor._warnings(_fake(0.11, 0.3))  # printed under load once, without a word
+    assert len(w) == 1 and "c(2) = 0.11 is impossible" in w[0]
+    w = doctor._warnings(_fake(1.1, 6.5))
+    assert len(w) == 1 and "machine busy" in w[0] and "6.5 on 2 cores" in w[0]
+    w = doctor._warnings(_fake(1.1, 0.3, spread=2.0))
+    assert len(w) == 1 and "noisy" in w[0]
+
+
+def test_recalibrate_measures_again(tmp_path, monkeypatch, capsys):
+    if not fastblas.STATE["shim"]:
+        pytest.skip("no BLAS shim on this platform")
+    monkeypatch.setenv("MLX_DFLASH_BLAS_DIR", str(tmp_path))
+    monkeypatch.setenv("MLX_DFLASH_BLAS_THREADS", "1")
+    prev = fastblas.STATE["threads"], [list(r) for r in fastblas.STATE["route"]], dict(fastblas.STATE)
+    try:
+        assert main(["doctor", "--quick", "--recalibrate"]) == 0
+        assert "measuring BLAS threads" in capsys.readouterr().err
+        cal = json.loads(next(tmp_path.glob("calibration-*.json")).read_text())
+        assert cal["t1"]["threads"] == 1 and fastblas.STATE["threads"] == 1
+    finally:
+        fastblas.set_threads(prev[0])
+        fastblas.set_route(prev[1])
+        fastblas.STATE.update(prev[2])
