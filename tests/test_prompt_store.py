@@ -131,3 +131,32 @@ def test_longest_prefix_wins_and_prefix_entries_merge(pair):
     generate(pair[0], tok, cont, pair[2], max_tokens=N, block_size=W, prompt_cache=pc)
     store.put(pc, target)
     assert len(store) == 2 and max(len(t) for t in tokens_of(store)) > len(cont)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_hybrid_target_reuses_only_full_prefixes(pair, family):
+    """Recurrent layers cannot drop tokens after the fact: an entry serves a new
+    prompt only when all its tokens start it, and then exactly like a cold run."""
+    from tiny_families import build
+
+    model, tok = build(family), pair[1]
+    target = Target(model)
+    store = PromptStore(1 << 30)
+    a = [(i * 37 + 11) % 500 + 4 for i in range(40)]
+
+    def go(ids):
+        pc, n = store.take(target, ids, None, False)
+        r = generate(model, tok, ids, None, max_tokens=N, prompt_cache=pc)
+        assert r.stats.reused_tokens == n
+        store.put(pc, target)
+        return r, generate(model, tok, ids, None, max_tokens=N)
+
+    first, cold_a = go(a)
+    assert first.token_ids == cold_a.token_ids
+    [(ent, _)] = store.entries.values()
+    branch = a[:30] + [7, 8, 9]  # shares 30 tokens, but the entry cannot be cut back to them
+    r, c = go(branch)
+    assert r.stats.reused_tokens == 0 and r.token_ids == c.token_ids
+    cont = list(ent.tokens) + [5, 6, 7]  # the whole entry starts this one
+    r, c = go(cont)
+    assert r.stats.reused_tokens == len(cont) - 3 and r.token_ids == c.token_ids
