@@ -76,9 +76,18 @@ class HistoryStore:
         chats.sort(key=lambda c: c.updated, reverse=True)
         return chats, notices
 
-    def save(self, chat: Chat) -> None:
+    def save(self, chat: Chat, touch: bool = True) -> None:
+        """Write the chat; `touch` marks it as just used (a rename does not)."""
         if not chat.title:
             first = next((m.content for m in chat.messages if m.role == "user"), "")
             chat.title = " ".join(first.split())[:60]
-        chat.updated = time.time()
+        if touch:
+            chat.updated = time.time()
         atomic_write(self.path(chat.id), json.dumps(chat.to_dict(), ensure_ascii=False, indent=1))
+
+    def delete(self, chat_id: str) -> None:
+        """Remove a chat's file (the chat list asks first)."""
+        try:
+            self.path(chat_id).unlink()
+        except FileNotFoundError:
+            pass

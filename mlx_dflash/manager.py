@@ -361,12 +361,14 @@ def acceptance_warning(stats, drafter_id: Optional[str] = None) -> Optional[str]
     """One line when a drafter that fits the target's shapes accepts almost nothing
     (a drafter trained for another target, or broken weights): it then only costs
     time. None otherwise, and before enough drafts to judge."""
-    if stats is None or getattr(stats, "mode", None) == "off" or stats.drafted < LOW_ACCEPT_DRAFTED:
+    if stats is None:
         return None
-    if stats.accepted / stats.drafted >= LOW_ACCEPT_RATE:
+    get = stats.get if isinstance(stats, dict) else lambda k: getattr(stats, k, None)  # GenerationStats or to_dict()
+    drafted, accepted = get("drafted") or 0, get("accepted") or 0
+    if get("mode") == "off" or drafted < LOW_ACCEPT_DRAFTED or accepted / drafted >= LOW_ACCEPT_RATE:
         return None
     name = f"drafter '{drafter_id}'" if drafter_id else "the drafter"
-    return (f"{name} accepted {stats.accepted} of {stats.drafted} drafted tokens; it may be trained for "
+    return (f"{name} accepted {accepted} of {drafted} drafted tokens; it may be trained for "
             "another target (plain decoding would be faster: verify mode off, or pick another drafter)")
 
 

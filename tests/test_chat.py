@@ -9,10 +9,11 @@ import time
 import pytest
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, ManagerBackend, SettingsScreen, UserBubble, build_prompt
+from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen
 from app.chat_history import Chat, HistoryStore
 from app.chat_history import Message as ChatMessage
 
-SIZE = (100, 30)
+SIZE = (80, 24)  # the smallest common terminal: everything must fit and work here
 
 
 @pytest.fixture
@@ -122,6 +123,8 @@ def test_escape_stops_generation_at_once(backend, tmp_path):
             await pilot.press("enter")
             await until(pilot, lambda: app.turn is not None and app.turn.batches >= 2, "the next answer")
             await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
             await until(pilot, lambda: app.turn is None, "the stop")
             await pilot.pause()
             assert app.chat.messages == [] and not app.query(AnswerBubble)
@@ -317,8 +320,11 @@ def test_regenerate_copy_and_token_colours(backend, tmp_path):
             assert [m.role for m in app.chat.messages] == ["user", "assistant"]
             assert app.chat.messages[-1].content == answer.content
             assert len(app.query(AnswerBubble)) == 1
-            # clear empties the chat
+            # clear empties the chat (after asking)
             await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
+            await until(pilot, lambda: not app.chat.messages, "the chat to clear")
             await pilot.pause()
             assert not app.chat.messages and not app.query(AnswerBubble)
 
@@ -389,6 +395,196 @@ def test_answer_shows_the_models_text_as_written():
                 para = str(bubble.query_one(Markdown).children[0].render())
                 assert para == "12*5 = <<12*5=60>>60 cakes\nSo 60 in all", para  # bold rendered, not shown as **
                 assert blocks[:2] == ["MarkdownParagraph", "MarkdownFence"], blocks
+
+    run(go())
+
+
+# -- 80x24: fits, help, asks before erasing, the chat list -----------------------------------
+
+
+def screen_lines(app) -> list:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+def squeeze(text: str) -> str:
+    return "".join(text.split())
+
+
+def test_status_bar_fits_80x24(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=8)
+
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await say(pilot, "hello")
+            await pilot.pause()
+            bar = app.query_one("#status")
+            text = bar.render().plain if hasattr(bar.render(), "plain") else str(bar.render())
+            assert "ready" in text and "DFlash" in text and "tok/s" in text
+            # every word of the status line is on screen (wrapped, not cut), and the footer too
+            assert squeeze(text) in squeeze("".join(screen_lines(app)))
+            assert bar.region.bottom <= SIZE[1] - 1 and "Help" in screen_lines(app)[-1]
+
+    run(go())
+
+
+def test_settings_panel_is_usable_at_80x24(backend, tmp_path):
+    async def go():
+        from app.chat.settings_panel import SETTINGS_FIELDS
+
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings panel")
+            await pilot.pause()
+            scr = app.screen
+            dialog = scr.query_one(".dialog")
+            assert dialog.region.right <= SIZE[0] and dialog.region.bottom <= SIZE[1]
+            lines = "\n".join(screen_lines(app))
+            assert "Save" in lines and "Cancel" in lines
+            # Tab reaches every field, each scrolled into view inside the panel
+            seen = set()
+            for _ in range(3 * len(SETTINGS_FIELDS)):
+                w = app.focused
+                if w is not None and (w.id or "").startswith("f-"):
+                    seen.add(w.id[2:])
+                    await pilot.pause()
+                    form = scr.query_one(".form")
+                    assert form.region.contains_region(w.region) or form.region.overlaps(w.region), w.id
+                await pilot.press("tab")
+            assert seen == {name for name, _, _ in SETTINGS_FIELDS}
+            # and a change is saved from there
+            scr.query_one("#f-max_tokens").value = "9"
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), "the panel to close")
+            assert backend.store.model("target").max_tokens == 9
+
+    run(go())
+
+
+def test_help_screen_explains_keys_and_numbers(backend, tmp_path):
+    async def go():
+        from app.chat.screens import KEYS, TERMS
+
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("f1")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            await pilot.pause()
+            terms = dict(TERMS)
+            for word in ("tau", "accepted", "verify width", "cached"):
+                assert word in terms and "\n" not in terms[word]
+            bound = {b.key for b in app.BINDINGS}
+            for key in ("ctrl+s", "ctrl+o", "ctrl+b", "ctrl+n", "ctrl+l", "ctrl+r", "ctrl+y", "ctrl+t", "ctrl+q"):
+                assert key in bound and key in dict(KEYS), key
+            shown = "\n".join(screen_lines(app))
+            assert "Enter" in shown and "ctrl+s" in shown
+            body = app.screen.query_one("#help-body")
+            await pilot.press("end")
+            await pilot.pause()
+            assert body.scroll_y == body.max_scroll_y
+            assert "cached" in "\n".join(screen_lines(app))  # the last lines scrolled into view
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.screen is app.screen_stack[0]
+            app.query_one("#messages").focus()  # '?' opens it too, where it is not typed into the input
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+
+    run(go())
+
+
+def test_clear_asks_first(backend, tmp_path):
+    backend.store.set_model("target", max_tokens=4)
+
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await say(pilot, "keep me")
+            path = tmp_path / "chats" / f"{app.chat.id}.json"
+            await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("enter")  # Enter alone keeps (the focused button is Keep)
+            await pilot.pause()
+            assert not isinstance(app.screen, ConfirmScreen) and len(app.chat.messages) == 2
+            await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("n")
+            await pilot.pause()
+            assert len(json.loads(path.read_text())["messages"]) == 2
+            await pilot.press("ctrl+l")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
+            await until(pilot, lambda: not app.chat.messages, "the chat to clear")
+            assert json.loads(path.read_text())["messages"] == []
+
+    run(go())
+
+
+def test_chat_list_deletes_and_renames(backend, tmp_path):
+    chats = tmp_path / "chats"
+    a = Chat(title="first", messages=[ChatMessage("user", "a")])
+    b = Chat(title="second", messages=[ChatMessage("user", "b")])
+    HistoryStore(chats).save(a)
+    HistoryStore(chats).save(b)
+
+    async def go():
+        app = make_app(backend, tmp_path, reopen_last=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+b")
+            await until(pilot, lambda: isinstance(app.screen, ListScreen), "the chat list")
+            await pilot.pause()
+            ol = app.screen.query_one("OptionList")
+            assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == [b.id, a.id]
+            # rename the highlighted (newest) chat; its place in the list stays
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, PromptScreen), "the rename prompt")
+            app.screen.query_one("#text").value = "renamed chat"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ListScreen), "the list again")
+            assert "renamed chat" in str(ol.get_option_at_index(0).prompt)
+            assert json.loads((chats / f"{b.id}.json").read_text())["title"] == "renamed chat"
+            # delete asks; "n" keeps the file
+            await pilot.press("d")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("n")
+            await until(pilot, lambda: isinstance(app.screen, ListScreen), "the list again")
+            assert (chats / f"{b.id}.json").exists()
+            await pilot.press("d")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
+            await until(pilot, lambda: isinstance(app.screen, ListScreen), "the list again")
+            await pilot.pause()
+            assert not (chats / f"{b.id}.json").exists() and (chats / f"{a.id}.json").exists()
+            assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == [a.id]
+            await pilot.press("enter")
+            await until(pilot, lambda: app.chat.id == a.id, "the remaining chat to open")
+
+    run(go())
+
+
+def test_chat_takes_any_listed_spelling(backend):
+    assert backend.resolve("TARGET").id == "target"
+    assert backend.resolve("someorg/target").id == "target"
+
+
+def test_low_acceptance_warns_once_in_the_chat(backend, tmp_path):
+    """The random pair fits by shape and accepts almost nothing: one warning."""
+    backend.store.set_model("target", max_tokens=60)
+
+    async def go():
+        app = make_app(backend, tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await say(pilot, "hello")
+            await say(pilot, "again")
+            warned = [n.message for n in app._notifications if "drafted tokens" in n.message]
+            assert len(warned) == 1 and "accepted" in warned[0]
 
     run(go())
 

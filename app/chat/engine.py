@@ -1,0 +1,159 @@
+"""The chat's engine side: the model manager it talks to, one answer being
+generated (Turn), the messages the engine thread posts to the UI, and the
+generation job itself (run on the engine thread)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from textual.message import Message
+
+from ..chat_history import Chat
+
+
+class ManagerBackend:
+    """What the chat needs from the model manager; tests may pass another object
+    with these methods."""
+
+    def __init__(self, store=None):
+        from mlx_dflash.manager import settings_store
+
+        self.store = store if store is not None else settings_store()
+
+    def resolve(self, model_id):
+        from mlx_dflash.manager import resolve
+
+        return resolve(model_id, self.store, download=True)
+
+    def targets(self) -> list:
+        from mlx_dflash.manager import list_targets
+
+        return list_targets(self.store)
+
+    def load(self, model_id):
+        from mlx_dflash.manager import load_model
+
+        return load_model(model_id, self.store)
+
+    def save_settings(self, model_id, **changes):
+        return self.store.set_model(model_id, **changes)
+
+
+# settings whose change needs the drafter (or model) loaded again
+RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype")
+
+# stats the chat keeps per answer (GenerationStats.to_dict keys)
+STATS_KEYS = ("mode", "fallback", "policy", "block_size", "prompt_tokens", "reused_tokens", "generation_tokens",
+              "cycles", "drafted", "accepted", "tau", "acceptance_rate", "generation_tps", "prompt_tps",
+              "prompt_time", "generation_time", "peak_memory")
+
+
+def build_prompt(tokenizer, system: str, messages: list) -> list:
+    """Token ids of the conversation with the model's chat template (plain
+    "role: text" lines for a tokenizer without one)."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": m["role"], "content": m["content"]} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+    return tokenizer.encode(text)
+
+
+def one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+@dataclass
+class Turn:
+    """One answer being generated (owned by the engine thread until Finished)."""
+
+    chat: Chat
+    loaded: object
+    settings: object
+    text: str = ""
+    spans: list = field(default_factory=list)  # [[text, from_draft], ...] merged runs
+    stats: dict = field(default_factory=dict)
+    ttft: Optional[float] = None
+    batches: int = 0  # token batches the UI received
+    cancel: threading.Event = field(default_factory=threading.Event)
+    widget: object = None
+    question: object = None  # the chat's last message when the answer began
+    recorded: bool = False  # added to the chat
+
+    def add(self, text: str, from_draft: bool) -> None:
+        if not text:
+            return
+        self.text += text
+        if self.spans and self.spans[-1][1] == from_draft:
+            self.spans[-1][0] += text
+        else:
+            self.spans.append([text, from_draft])
+
+
+class Tokens(Message):
+    def __init__(self, turn: Turn, pieces: list, stats: dict):
+        super().__init__()
+        self.turn, self.pieces, self.stats = turn, pieces, stats
+
+
+class Finished(Message):
+    def __init__(self, turn: Turn, reason: str, stats: dict, error: Optional[str] = None):
+        super().__init__()
+        self.turn, self.reason, self.stats, self.error = turn, reason, stats, error
+
+
+class Loaded(Message):
+    def __init__(self, model_id, loaded=None, error: Optional[str] = None):
+        super().__init__()
+        self.model_id, self.loaded, self.error = model_id, loaded, error
+
+
+def turn_stats(st, turn: Turn) -> dict:
+    d = st.to_dict()
+    out = {k: d[k] for k in STATS_KEYS if k in d}
+    out["ttft"] = turn.ttft
+    return out
+
+
+def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) -> None:
+    """Runs on the engine thread: stream the answer, posting token batches every
+    `flush_s` seconds, then Finished. Esc sets turn.cancel, checked after each token."""
+    from mlx_dflash import stream_generate
+
+    lm, s = turn.loaded, turn.settings
+    reason, pieces, r, err = "stopped", [], None, None
+    t0 = last = time.perf_counter()
+    try:
+        prompt = build_prompt(lm.tokenizer, s.system_prompt, history)
+        gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=prompt_cache,
+                              **s.generation_kwargs())
+        try:
+            while not turn.cancel.is_set():
+                r = next(gen, None)
+                if r is None:
+                    break
+                if turn.ttft is None:
+                    turn.ttft = time.perf_counter() - t0
+                if r.text:
+                    pieces.append((r.text, r.from_draft))
+                if r.finish_reason:
+                    reason = r.finish_reason
+                    break
+                now = time.perf_counter()
+                if pieces and now - last >= flush_s:
+                    post(Tokens(turn, pieces, turn_stats(r.stats, turn)))
+                    pieces, last = [], now
+        finally:
+            gen.close()  # stops the engine at once, leaving the prompt cache consistent
+    except Exception as e:  # bad settings for this model and the like: one line in the chat
+        reason, err = "error", one_line(e)
+        if prompt_cache is not None:  # a failure mid-prefill may leave it half-written
+            prompt_cache.target, prompt_cache.drafter, prompt_cache.tokens = None, None, []
+    stats = turn_stats(r.stats, turn) if r is not None else {"ttft": turn.ttft}
+    if pieces:
+        post(Tokens(turn, pieces, stats))
+    post(Finished(turn, reason, stats, err))
