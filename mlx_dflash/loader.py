@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -38,8 +39,11 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
 
     With no model, the embedded default pair. With a model and no drafter, its
     drafter is looked up (registry.find_drafter) unless `auto_drafter` is False;
-    an explicit drafter always wins. On the CPU backend half-precision weights are
-    widened to float32: CPU BLAS is float32 and the results are exact."""
+    an explicit drafter always wins. The target keeps the dtype mlx-lm loads
+    (bf16 stays bf16: output is token for token mlx-lm's) unless `dtype` or
+    $MLX_DFLASH_DTYPE asks for another (float32 is several times faster on the
+    CPU backend; see `compute_dtype`). A model the engine cannot drive exactly is
+    refused (TargetError, one line) before its weights are read."""
     import mlx_lm
 
     if model is None:
@@ -58,14 +62,15 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
         raise HubError(f"{path / 'config.json'} is not valid JSON (line {e.lineno})") from None
     if "dflash_config" in cfg:
         raise HubError(f"{path} is a DFlash drafter, not a target model; pass it as the drafter")
+    dtype, _ = compute_dtype(dtype)
     try:
-        m, tok = mlx_lm.load(str(path))
+        m, tok = mlx_lm.load(str(path), lazy=True)  # weights are read at the eval below
     except ValueError as e:  # unsupported model type and similar, from mlx-lm
         raise HubError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from None
-    if dtype is None and _cpu():
-        dtype = mx.float32
+    Target(m)  # refuses an unsupported model (TargetError) before its weights load
     if dtype is not None:
         _cast(m, dtype)
+    mx.eval(m.parameters())
     d = None
     if drafter is None and auto_drafter and str(path) != str(default_pair()[0]):
         d = _auto_drafter(model, path, cfg, m)
@@ -76,6 +81,32 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
         if _cpu():  # the checkpoint's dtype, widened exactly to float32 on the CPU like the target
             _cast(d, mx.float32)
     return m, tok, d
+
+
+DTYPE_ENV = "MLX_DFLASH_DTYPE"
+_DTYPES = {"float32": mx.float32, "fp32": mx.float32, "float16": mx.float16, "fp16": mx.float16,
+           "bfloat16": mx.bfloat16, "bf16": mx.bfloat16}
+
+
+def compute_dtype(dtype=None) -> tuple:
+    """(the dtype the target's float weights are cast to, or None for the
+    checkpoint's own; where that choice came from: "argument", "$MLX_DFLASH_DTYPE"
+    or "checkpoint"). For doctor and stats."""
+    src = "argument"
+    if dtype is None:
+        dtype, src = os.environ.get(DTYPE_ENV, ""), f"${DTYPE_ENV}"
+    if isinstance(dtype, str):
+        if dtype.strip().lower() in ("", "checkpoint", "auto", "none"):
+            return None, "checkpoint"
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"unknown dtype '{dtype}' ({src}); use one of float32, float16, bfloat16, checkpoint")
+        dtype = _DTYPES[dtype.lower()]
+    return dtype, src
+
+
+def model_dtype(m) -> str:
+    """The dtype a loaded model computes in (its first floating parameter), e.g. 'bfloat16'."""
+    return str(_param_dtype(m)).rsplit(".", 1)[-1]
 
 
 def _param_dtype(m):

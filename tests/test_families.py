@@ -118,3 +118,86 @@ def test_partial_acceptance_reaches_exact_tau(family, tok):
         assert r.stats.tau == cyc_tokens / cycles
         if w > 1:
             assert any(0 < k < w - 1 for _, k in o.log)  # partial acceptance happened
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_real_random_drafter_is_lossless(family, tok, tmp_path):
+    """A real (random) DFlash drafter on a recurrent and a sliding-window target."""
+    from make_test_pair import make_drafter
+    from tiny_families import config
+
+    model = model_of(family)
+    for version in (1, 2):
+        d = make_drafter(tmp_path / f"d{version}", config(family), 3, version=version, block_size=8, seed=version)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            ref = reference_tokens(model, tok, prompt, MAX)
+            for w in (3, 8):
+                r = generate(model, tok, prompt, d, max_tokens=MAX, block_size=w)
+                assert r.token_ids == ref, (family, version, prompt, w)
+                assert r.stats.mode == "dflash" and r.stats.drafted > 0
+
+
+def _write_checkpoint(out, family, model, dtype):
+    import json
+
+    from make_test_pair import write_tokenizer
+    from mlx.utils import tree_flatten
+    from tiny_families import config
+
+    out.mkdir(parents=True)
+    write_tokenizer(out, 512)
+    w = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), w)
+    (out / "config.json").write_text(json.dumps(dict(config(family), eos_token_id=2, torch_dtype="bfloat16")))
+
+
+def test_bf16_checkpoint_stays_bf16_and_equals_mlx_lm_generate(tmp_path, monkeypatch):
+    import mlx_lm
+
+    from mlx_dflash.loader import load
+    from mlx_dflash.loader import model_dtype
+
+    monkeypatch.delenv("MLX_DFLASH_DTYPE", raising=False)
+    _write_checkpoint(tmp_path / "t", "gemma3_text", model_of("gemma3_text"), mx.bfloat16)
+    model, tk, _ = load(str(tmp_path / "t"), auto_drafter=False)
+    assert model_dtype(model) == "bfloat16"  # no silent widening
+    for i, prompt in enumerate(PROMPTS[:5]):
+        ref_text = mlx_lm.generate(model, tk, prompt, max_tokens=MAX)
+        ref = reference_tokens(model, tk, prompt, MAX)
+        for w in (3, 8):
+            o = OracleDrafter(len(tk.encode(prompt)), ref, 512, noise=0.3, seed=i + w, layer_ids=(1,))
+            r = generate(model, tk, prompt, o, max_tokens=MAX, block_size=w)
+            assert r.text == ref_text and r.token_ids == ref, (prompt, w)
+    monkeypatch.setenv("MLX_DFLASH_DTYPE", "float32")  # the explicit widening option
+    model, _, _ = load(str(tmp_path / "t"), auto_drafter=False)
+    assert model_dtype(model) == "float32"
+
+
+def test_unsupported_family_is_refused_before_its_weights_load(tmp_path):
+    """deepseek_v41 keeps a custom per-layer cache rollback cannot handle: refused
+    with one line naming the reason, at the lazy load (no weight is read)."""
+    from mlx_lm.utils import _get_classes
+
+    from mlx_dflash.loader import load
+    from mlx_dflash.target import TargetError
+
+    cfg = dict(model_type="deepseek_v41", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+               head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=32,
+               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, sliding_window=8,
+               index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=2, candidate_topk_blocks=4)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    import json
+
+    from make_test_pair import write_tokenizer
+    from mlx.utils import tree_flatten
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    write_tokenizer(out, 512)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError) as e:
+        load(str(out), auto_drafter=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "deepseek_v41" in msg and "LayerCache" in msg
