@@ -116,8 +116,9 @@ def test_errors(srv, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).responses.create(
             model="script", input="x")
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.responses.create(model="script", input="x", text={"format": {"type": "json_object"}})
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        client.responses.create(model="script", input="x", text={"format": {"type": "json_schema", "name": "x",
+                                                                            "schema": {"type": "frob"}}})
     with pytest.raises(openai.BadRequestError, match="unsupported field"):
         client.responses.create(model="script", input="x", extra_body={"frobnicate": 1})
     with pytest.raises(openai.NotFoundError):
@@ -125,6 +126,17 @@ def test_errors(srv, client):
     with pytest.raises(openai.BadRequestError, match="not supported"):
         client.responses.create(model="script", input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}])
+
+
+def test_structured_output(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}}
+    r = client.responses.create(model="script", input='RAW:{"city": "Oslo"}', text=fmt)
+    assert json.loads(r.output_text) == {"city": "Oslo"} and r.status == "completed"
+    r = client.responses.create(model="script", input='RAW:{"town": "Oslo"}', text=fmt, max_output_tokens=6)
+    assert r.output_text.startswith('{"') and "town" not in r.output_text  # masked to the schema's key
+    assert r.model_dump()["dflash"]["mode"] == "off"
 
 
 def test_second_conversation_cached(srv, client):

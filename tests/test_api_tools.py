@@ -124,11 +124,39 @@ def test_tool_choice(client):
         ask(client, raw, tool_choice="required")
 
 
-def test_structured_output_is_refused_clearly(client):
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        with pytest.raises(openai.BadRequestError) as e:
-            ask(client, "hi", response_format=fmt)
-        assert "not supported" in str(e.value) and e.value.body["param"] == "response_format"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+          "required": ["city", "temp"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+
+
+def test_structured_output_constrains_the_decode(client):
+    good = '{"city": "Paris", "temp": 21}'
+    r = ask(client, "RAW:" + good, response_format=JSON_SCHEMA)  # what the model wants is valid: untouched
+    assert r.choices[0].message.content == good and r.choices[0].finish_reason == "stop"
+    d = r.model_dump()["dflash"]
+    assert d["mode"] == "off" and "response_format json_schema" in d["fallback"]  # said, not hidden
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(
+        client, "RAW:" + good, response_format=JSON_SCHEMA, stream=True) if c.choices)
+    assert streamed == good
+    # what the model wants breaks the schema: each bad token is masked out
+    bad = ask(client, 'RAW:{"city": 5, "temp": 1}', response_format=JSON_SCHEMA, max_tokens=12)
+    assert bad.choices[0].message.content.startswith('{"city":') and '5' not in bad.choices[0].message.content
+    extra = ask(client, 'RAW:{"city": "Oslo", "temp": 3, "wind": 2}', response_format=JSON_SCHEMA, max_tokens=30)
+    assert extra.choices[0].message.content.startswith('{"city": "Oslo", "temp": 3')
+    assert "wind" not in extra.choices[0].message.content
+    obj = ask(client, 'RAW:{"a": [1, 2]}', response_format={"type": "json_object"})
+    assert json.loads(obj.choices[0].message.content) == {"a": [1, 2]}
+    arr = ask(client, "RAW:[1, 2]", response_format={"type": "json_object"}, max_tokens=8)
+    assert arr.choices[0].message.content.startswith("{")  # an object, not the array the model wanted
+
+
+def test_structured_output_errors(client):
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
+        ask(client, "hi", response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                  "schema": {"type": "frob"}}})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="schema"):
+        ask(client, "hi", response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert ask(client, "hi", response_format={"type": "text"}).choices[0].message.content == "Echo: hi"
 
 

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from . import relay
 from .errors import APIError, _bad
-from .schemas import _Strict, refuse_structured
+from .schemas import _Strict
 from .tools import GenRequest, call_id, check_tool_choice
 
 MAX_STORED = 256  # responses kept for previous_response_id (least recently used go first)
@@ -181,8 +181,10 @@ def register(app, ctx) -> None:
         return body
 
     def build(req: ResponsesRequest):
-        if req.text is not None and req.text.format is not None:
-            refuse_structured(req.text.format.type, "text.format")
+        from .structured import parse_format
+
+        tf = req.text.format if req.text is not None else None
+        fmt = parse_format(tf.type if tf else None, tf.schema_ if tf else None, "text.format")
         history: List[dict] = []
         if req.previous_response_id is not None:
             if req.previous_response_id not in stored:
@@ -201,7 +203,7 @@ def register(app, ctx) -> None:
         choice = {"name": req.tool_choice.name} if isinstance(req.tool_choice, NamedTool) else req.tool_choice
         check_tool_choice(tools, choice)
         g = GenRequest(req.model, msgs, tools, choice, req.parallel_tool_calls is not False,
-                       req.max_output_tokens, req.temperature, req.top_p, stream=req.stream)
+                       req.max_output_tokens, req.temperature, req.top_p, stream=req.stream, response_format=fmt)
         return g, history
 
     @app.post("/v1/responses", dependencies=[Depends(ctx.auth)])

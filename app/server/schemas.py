@@ -103,12 +103,6 @@ class ResponseFormat(_Strict):
     json_schema: Optional[dict] = None
 
 
-def refuse_structured(kind: Optional[str], param: str) -> None:
-    """Constrained decoding (json_object / json_schema) does not exist yet: a
-    clear 400, never a silently unconstrained answer."""
-    if kind not in (None, "text"):
-        raise _bad(f"{param} '{kind}' (constrained JSON decoding) is not supported by this server yet; "
-                   "omit it or use 'text' and ask for JSON in the prompt", param, "unsupported_parameter")
 
 
 class StreamOptions(_Strict):
@@ -167,7 +161,11 @@ class ChatRequest(_Common):
         """The request as the worker runs it (app.server.tools.GenRequest)."""
         from .tools import GenRequest, check_tool_choice
 
-        refuse_structured(self.response_format.type if self.response_format else None, "response_format")
+        from .structured import parse_format
+
+        rf = self.response_format
+        fmt = parse_format(rf.type if rf else None, (rf.json_schema or {}).get("schema") if rf else None,
+                           "response_format")
         tools = [t.template() for t in self.tools] if self.tools else None
         choice = self.tool_choice
         if isinstance(choice, ToolChoiceFunction):
@@ -176,7 +174,8 @@ class ChatRequest(_Common):
         return GenRequest(self.model, [m.template() for m in self.messages], tools, choice,
                           self.parallel_tool_calls is not False, self.limit(), self.temperature, self.top_p,
                           self.top_k, self.min_p, self.seed, self.stops(), self.stream, self.n_logprobs(),
-                          self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
+                          self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias,
+                          response_format=fmt)
 
     @model_validator(mode="after")
     def _check_lp(self):

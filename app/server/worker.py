@@ -421,6 +421,9 @@ class Worker:
             why.append("repetition_penalty")
         if req.logit_bias:
             why.append("logit_bias")
+        fmt = getattr(req, "response_format", None)
+        if fmt is not None:
+            why.append(fmt.label)
         return f"{', '.join(why)} requested (plain decoding applies {'them' if len(why) > 1 else 'it'})" \
             if why else None
 
@@ -447,6 +450,11 @@ class Worker:
                                           req.frequency_penalty or None, span)
         for p in gen_only:
             procs.append(lambda toks, logits, p=p: p(toks[n_prompt:], logits) if toks.size > n_prompt else logits)
+        fmt = getattr(req, "response_format", None)
+        if fmt is not None:  # last: the mask applies to the logits the other processors made
+            from .structured import Constrained
+
+            procs.append(Constrained(fmt, tok, _logit_width(lm), n_prompt))
 
         def sampler(logprobs):
             if sp.greedy:
@@ -490,6 +498,13 @@ def _budget(catalog) -> int:
 
 def _closing(message: str = "the server is shutting down") -> APIError:
     return APIError(503, message, code="server_shutting_down")
+
+
+def _logit_width(lm) -> int:
+    """The number of logits the model outputs (its vocab size, maybe padded past the tokenizer's)."""
+    from mlx_dflash.target import Target
+
+    return Target(lm.model).vocab_size
 
 
 def _vocab_size(lm) -> Optional[int]:

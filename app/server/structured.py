@@ -1,0 +1,108 @@
+"""Structured output (`response_format` json_object / json_schema, Responses
+`text.format`): a constrained decode. llguidance turns the schema into a
+grammar and gives, at every step, the set of tokens that keep the output a
+valid prefix; the others get -inf before sampling, so each token is drawn from
+the model's distribution restricted to valid tokens and renormalized (the
+constrained distribution, exactly). It runs on plain decoding, like the other
+logits processors: `dflash.mode` / `dflash.fallback` say so."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import _bad
+
+_TOKENIZERS = {}  # id(tokenizer wrapper) -> (wrapper, llguidance tokenizer): building one walks the vocab
+_LOCK = threading.Lock()
+
+
+@dataclass
+class Format:
+    """What the client asked for, checked at request time (no model needed)."""
+
+    kind: str  # "json_object" | "json_schema"
+    grammar: str  # llguidance grammar (JSON)
+    param: str
+
+    @property
+    def label(self) -> str:
+        return f"response_format {self.kind}"
+
+
+def _llguidance():
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return None
+    import llguidance
+
+    return llguidance
+
+
+def parse_format(kind: Optional[str], schema, param: str) -> Optional[Format]:
+    """None for plain text; a Format for json_object / json_schema; a 400 for a
+    schema the grammar compiler refuses or when llguidance is missing."""
+    if kind in (None, "text"):
+        return None
+    llg = _llguidance()
+    if llg is None:
+        raise _bad(f"{param} '{kind}' needs constrained decoding, which needs the llguidance package "
+                   "(pip install llguidance); it is not installed on this server", param, "unsupported_parameter")
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif not isinstance(schema, dict):
+        raise _bad(f"{param}: json_schema needs a 'schema' object", param)
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except Exception as e:  # the compiler's one-line complaint about the schema
+        raise _bad(f"{param}: the schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}",
+                   param) from None
+    err = llg.LLMatcher.validate_grammar(grammar)
+    if err:
+        raise _bad(f"{param}: the schema cannot be compiled: {err.splitlines()[0]}", param)
+    return Format(kind, grammar, param)
+
+
+def _ll_tokenizer(tok, n_vocab: int):
+    import llguidance.hf
+
+    with _LOCK:
+        hit = _TOKENIZERS.get(id(tok))
+        if hit is not None and hit[0] is tok and hit[2] == n_vocab:
+            return hit[1]
+        hf = getattr(tok, "_tokenizer", tok)
+        eos = list(tok.eos_token_ids)
+        llt = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos[0] if len(eos) == 1 else eos)
+        _TOKENIZERS.clear()  # one model at a time
+        _TOKENIZERS[id(tok)] = (tok, llt, n_vocab)
+        return llt
+
+
+class Constrained:
+    """A logits processor for mlx-lm's generate_step: consumes the tokens drawn
+    so far, masks every token the grammar does not allow next."""
+
+    def __init__(self, fmt: Format, tok, n_vocab: int, n_prompt: int):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tok, n_vocab), fmt.grammar)
+        self.n_prompt, self.seen, self.n_vocab = n_prompt, 0, n_vocab
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+        import numpy as np
+
+        new = tokens[self.n_prompt + self.seen:].tolist() if tokens.size > self.n_prompt + self.seen else []
+        for t in new:
+            self.matcher.consume_token(int(t))
+            self.seen += 1
+        if self.matcher.is_error():
+            raise ValueError(f"constrained decoding failed: {self.matcher.get_error()}")
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
+        if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's words: never valid
+            allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - allowed.shape[0], bool)])
+        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
