@@ -38,6 +38,7 @@ KNOWN = {
     "gpt-oss-120b": ["z-lab/gpt-oss-120b-DFlash"],
     "gemma-4-31b-it": ["z-lab/gemma-4-31B-it-DFlash"],
     "kimi-k2.5": ["z-lab/Kimi-K2.5-DFlash"],
+    "muse-glimmer-30b": ["z-lab/Muse-Glimmer-30B-DFlash2"],
 }
 
 # Conversion suffixes (mlx-community and others): "-4bit", "-MLX-8bit", "-bf16", "-MXFP4-Q8", ...

@@ -5,11 +5,13 @@ layout, for every config variant the project reads; the reference and the projec
 load the same folder and must give the same hidden states and the same drafts,
 cycle after cycle, and the same greedy generation.
 
-Known reference quirk, avoided on purpose: once a sliding layer's rotating cache is
-full, a one-row context update leaves it in rotated order and the reference's
-index-based window mask then hides the wrong rows. The project applies the window
-by position (the torch reference's rule), so sliding-window cycles here always add
-two or more context rows."""
+Known reference quirk: once a sliding layer's rotating cache is full, a one-row
+context update leaves it in rotated order and the reference's index-based window
+mask then hides the wrong rows. The project applies the window by position (the
+torch reference's rule). So the main comparisons add two or more rows per cycle
+once a window is full, and test_sliding_windows_with_one_row_updates checks
+one-row updates against the reference given a plain cache (index = position);
+with its rotating cache that test fails, which is the quirk."""
 
 import json
 import random
@@ -87,6 +89,12 @@ VARIANTS = {  # name -> config changes; every one is run as DFlash 1 and DFlash 
     "logit_transform": {"dc_output_multiplier": 0.37, "dc_final_logit_softcapping": 2.5},
     "softcap_top_level": {"final_logit_softcapping": 1.5},
     "input_embedding_scale": {"dc_input_embedding_scale": 8.0},
+    # the shape of a published DFlash 2 config: every layer sliding yet bidirectional, RoPE
+    # only in rope_parameters, scaled and soft-capped logits
+    "published_dflash2_style": {"layer_types": ["sliding_attention"] * 3, "sliding_window": 6, "is_causal": False,
+                                "rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+                                "dc_output_multiplier": 0.196, "dc_final_logit_softcapping": 2.0,
+                                "use_sliding_window": True, "max_window_layers": 3},
 }
 
 
@@ -136,9 +144,9 @@ def ref_tokens(r, h, block):
     return mx.argmax(logits, axis=-1)[0].tolist()
 
 
-def run_cycles(ours, r, target_model, *, cycles=6, width=8, seed=0, min_new=1, first=11, atol=2e-4):
+def run_cycles(ours, r, target_model, *, cycles=6, width=8, seed=0, min_new=1, first=11, atol=2e-4, news=None):
     """Drive both drafters through the same cycles: new context rows (random target
-    features), anchor, block. Returns the number of cycles compared."""
+    features; `news`: how many per cycle after the first), anchor, block."""
     t = Target(target_model)
     r.bind(target_model)
     rng = random.Random(seed)
@@ -161,7 +169,7 @@ def run_cycles(ours, r, target_model, *, cycles=6, width=8, seed=0, min_new=1, f
         prop = ours.propose(t, anchor, feats, c_p, width, 0.0)
         mine = prop.tokens.tolist() if isinstance(prop.tokens, mx.array) else list(prop.tokens)
         assert mine == ref_tokens(r, h_ref, block), f"cycle {cyc}: drafts differ"
-        n_new = rng.randint(min_new, width)  # accepted drafts + the anchor
+        n_new = news[cyc] if news else rng.randint(min_new, width)  # accepted drafts + the anchor
     return cycles
 
 
@@ -206,6 +214,19 @@ def test_variants_change_the_drafts(tmp_path, ref_load, target):
         ha, hb = a(block, feats, a.make_cache()), b(block, feats, b.make_cache())
         la, lb = a.logits(t, ha), b.logits(t, hb)
         assert not mx.allclose(la, lb, atol=1e-3).item(), variant
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("variant", ["sliding_default_causal", "all_sliding", "published_dflash2_style"])
+def test_sliding_windows_with_one_row_updates(tmp_path, ref_load, target, variant, version):
+    """One-row context updates (a cycle with no draft accepted) once the window is
+    full: the reference with a plain cache (cache index = position, so its window
+    mask is by position) and the project must agree, cycle after cycle."""
+    from mlx_lm.models.cache import KVCache
+
+    ours, r = _pair(tmp_path, ref_load, base_config(version, **VARIANTS[variant]), seed=11)
+    r.make_cache = lambda: [KVCache() for _ in r.layers]  # this instance only
+    run_cycles(ours, r, target, cycles=12, first=9, seed=3, news=[1, 1, 3, 1, 1, 1, 2, 1, 1, 1, 1, 1])
 
 
 @pytest.mark.parametrize("version", [1, 2])
