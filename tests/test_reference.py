@@ -304,15 +304,19 @@ def test_project_saved_drafter_loads_in_reference(tmp_path, ref_load, target, ve
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version):
+@pytest.mark.parametrize("window", [64, 8])
+def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version, window):
     """A whole greedy generation: same tokens, and the same drafts accepted in every
-    cycle both loops run at full width (the same tau)."""
+    cycle both loops run at full width (the same tau). Window 64 stays above the
+    context (the reference's own caches); window 8 slides, so the reference gets a
+    plain cache (see the module docstring)."""
     import mlx_lm
+    from mlx_lm.models.cache import KVCache
 
     from mlx_dflash.generate import generate
 
     d = pairs("qwen3", version=1, hidden=64, layers=4, vocab=512)
-    cfg = base_config(version, vocab_size=512, num_target_layers=4, layer_types=SLIDE, sliding_window=64,
+    cfg = base_config(version, vocab_size=512, num_target_layers=4, layer_types=SLIDE, sliding_window=window,
                       dc_mask_token_id=3, dc_target_layer_ids=[1, 2], dc_output_multiplier=0.8,
                       dc_final_logit_softcapping=30.0)
     write_published(tmp_path / "drafter", cfg, seed=8)
@@ -331,6 +335,8 @@ def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version)
     w, n, accepted = 6, 40, 0
     for prompt in ("def fibonacci(n):", "The answer is", "import os"):
         r = ref_load(str(tmp_path / "drafter"))
+        if window < n:
+            r.make_cache = lambda r=r: [KVCache() for _ in r.layers]
         want, flags = [], []
         for resp in ref.stream_generate(ref_model, r, tok, prompt, block_size=w, max_tokens=n):
             want += resp.tokens
