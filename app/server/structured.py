@@ -34,11 +34,9 @@ class Format:
 
 def _llguidance():
     try:
-        import llguidance  # noqa: F401
+        import llguidance
     except ImportError:
         return None
-    import llguidance
-
     return llguidance
 
 
