@@ -26,6 +26,9 @@ class TargetError(ValueError):
 # recorders during one forward and restored right after; one forward at a time.
 _LOCK = threading.RLock()
 _PROBES: dict = {}  # id(model) -> _Probe, dropped with the model
+# Forwards of up to this many tokens (verify blocks) keep the recurrent
+# sub-modules' inputs for a rollback; a long prefill chunk does not hold them.
+MAX_REPLAY = 64
 
 
 @dataclass
@@ -204,7 +207,8 @@ class Target:
         self.num_layers = len(self.layers)
         self._list, self._pos = _layer_list(model, self.layers)
         self.embed_tokens = _embedding(model)
-        probe = _probe(self)
+        with _LOCK:
+            probe = _probe(self)
         if probe.problem:
             raise TargetError(f"model type '{_name(model)}' is not supported: {probe.problem}")
         self._lm_head = None
@@ -248,7 +252,8 @@ class Target:
             if isinstance(x, rb.RotatingKVCache) and not rb.rotating_can_trim(x, n):
                 return False
             if isinstance(x, rb.ArraysCache) and not (
-                rec is not None and rec.cache is cache and n <= rec.length and id(x) in rec.saved
+                rec is not None and rec.cache is cache and id(x) in rec.saved
+                and (n == rec.length or (n < rec.length and rec.calls))
             ):
                 return False
         return True
@@ -290,7 +295,7 @@ class Target:
         with _LOCK:
             undo, taps = [], {}
             try:
-                if rec is not None and L > 1:
+                if rec is not None and 1 < L <= MAX_REPLAY:
                     undo = rb.install_spies(self.layers, self._mixers,
                                             lambda m, a, k: rec.calls.append(rb._Call(m, a, k)))
                 for i in set(capture):

@@ -167,3 +167,25 @@ def test_concatenate_cache_drops_its_rows():
         return [ConcatenateKVCache() for _ in model.layers]
 
     _run_cycles(model, t, make, make, seed=11)
+
+
+def test_long_forward_keeps_no_replay_inputs():
+    """A prefill chunk longer than a verify holds no activations for a rollback:
+    it can only be undone whole."""
+    from mlx_dflash.target import MAX_REPLAY
+
+    t = Target(build("qwen3_next"))
+    c = t.make_cache()
+    t(mx.arange(4, 4 + MAX_REPLAY + 1)[None] % 512, c)
+    assert not t._rec.calls
+    assert t.can_trim(c, MAX_REPLAY + 1) and not t.can_trim(c, 1)
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "falcon_h1", "gpt_oss"])
+def test_features_are_the_captured_layer_outputs(family):
+    """Target.features (training: no cache, stops after the last tap) gives the
+    same rows as the decode-time capture."""
+    t = Target(build(family))
+    x = mx.arange(4, 20)[None]
+    _, feats = t(x, t.make_cache(), [0, 2])
+    assert _close(t.features(x, [0, 2]), feats, 1e-5)
