@@ -26,8 +26,8 @@ FIELDS = {
     "intermediate_size": ("top", "required", "SiLU-gated MLP width"),
     "num_hidden_layers": ("top", "required", "number of draft layers"),
     "num_attention_heads": ("top", "required", "query heads"),
-    "num_key_value_heads": ("top", "num_attention_heads", "key/value heads (GQA)"),
-    "head_dim": ("top", "hidden_size // num_attention_heads", "per-head width"),
+    "num_key_value_heads": ("top", "32 (Qwen3Config; null: num_attention_heads)", "key/value heads (GQA)"),
+    "head_dim": ("top", 128, "per-head width (Qwen3Config default)"),
     "vocab_size": ("top", "required", "must equal the target's vocabulary"),
     "rms_norm_eps": ("top", 1e-6, "epsilon of every RMSNorm"),
     "rope_theta": ("top", "rope_parameters.rope_theta, else 10000.0", "RoPE base"),
@@ -151,8 +151,11 @@ class DrafterConfig:
         except KeyError as e:
             raise DrafterError(f"drafter config is missing {e.args[0]!r}") from None
         n_layers = kw["num_hidden_layers"]
-        kw["num_key_value_heads"] = int(cfg.get("num_key_value_heads") or kw["num_attention_heads"])
-        kw["head_dim"] = int(cfg.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"])
+        # Absent fields take transformers' Qwen3Config defaults, as the torch reference
+        # does (the MLX one requires them): 32 KV heads (null: one per query head), head_dim 128.
+        kv = cfg.get("num_key_value_heads", 32)
+        kw["num_key_value_heads"] = int(kv if kv is not None else kw["num_attention_heads"])
+        kw["head_dim"] = int(cfg.get("head_dim") or 128)
         if dv("mask_token_id") is None:
             raise DrafterError("drafter config is missing 'mask_token_id' (in dflash_config or at the top level)")
         kw["mask_token_id"] = int(dv("mask_token_id"))

@@ -423,5 +423,7 @@ def test_dflash_config_wins_over_the_top_level():
     c = DrafterConfig.from_dict(bare)
     assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings, c.head_dim, c.num_key_value_heads,
             c.block_size, c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping,
-            c.is_causal, c.attention_bias, c.kinds()) == (10000.0, 1e-6, 32768, H // 4, 4, 8, 1.0, 1.0, None,
+            c.is_causal, c.attention_bias, c.kinds()) == (10000.0, 1e-6, 32768, 128, 32, 8, 1.0, 1.0, None,
                                                          None, False, ["full_attention"] * 3)
+    bare["num_key_value_heads"] = None  # transformers: null means one KV head per query head
+    assert DrafterConfig.from_dict(bare).num_key_value_heads == 4
