@@ -9,7 +9,11 @@ conversation 2 (system S + question B), streamed and timed. Both servers must
 give conversation 2 the same text (the script asserts it).
 
     python scripts/bench_prompt_cache.py [--model embedded/target] [--model-dir DIR]
-        [--system-tokens 1000] [--repeats 5] [--max-tokens 16]
+        [--system-tokens 1000] [--repeats 5] [--max-tokens 16] [--block-size W]
+
+--block-size sets the model's verify width in both servers' settings (a fixed
+width: every cycle drafts; the default width runs the guard, whose plain steps
+add no drafter context, which bounds what a later request can reuse).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server_ttft import ROOT, _port, _stream, _text  # noqa: E402
 
 
-def _serve(model: str, model_dir, budget_mb: int):
+def _serve(model: str, model_dir, budget_mb: int, block_size=None):
     home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-"))
     g = {"prompt_cache_mb": budget_mb}
     if model_dir:
         g["model_dirs"] = [str(Path(model_dir).resolve())]
-    (home / "settings.json").write_text(json.dumps({"version": 1, "global": g, "models": {}}))
+    models = {model: {"block_size": block_size}} if block_size else {}
+    (home / "settings.json").write_text(json.dumps({"version": 1, "global": g, "models": models}))
     port = _port()
     log = open(home / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port)],
@@ -62,10 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1000, help="approximate length of the shared system prompt")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="verify width for both servers (default: the model's)")
     args = ap.parse_args(argv)
 
-    servers = {"prompt cache": _serve(args.model, args.model_dir, 2048),
-               "no cache (prompt_cache_mb 0)": _serve(args.model, args.model_dir, 0)}
+    servers = {"prompt cache": _serve(args.model, args.model_dir, 2048, args.block_size),
+               "no cache (prompt_cache_mb 0)": _serve(args.model, args.model_dir, 0, args.block_size)}
     rows = {k: [] for k in servers}
     try:
         for s in servers.values():
