@@ -77,9 +77,8 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
     elif drafter is not None:
         d = load_drafter(drafter)
         validate(d, Target(m))
-    if d is not None:
-        if _cpu():  # the checkpoint's dtype, widened exactly to float32 on the CPU like the target
-            _cast(d, mx.float32)
+    if d is not None and dtype is not None:  # else the drafter runs in its checkpoint's dtype
+        _cast(d, dtype)  # the compute dtype the user asked for applies to both models
     return m, tok, d
 
 

@@ -262,3 +262,15 @@ def test_inspect_prints_every_field_and_its_effect(tmp_path, capsys):
     assert inspect_cmd.run(argparse.Namespace(path=str(tmp_path), json=True)) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fields"]["final_logit_softcapping"] == 20.0 and info["fields"]["rope_theta"] == 500000.0
+
+
+def test_loaded_drafter_keeps_its_checkpoint_dtype(pairs, tmp_path, monkeypatch):
+    """The drafter runs in its checkpoint's dtype (not the target's); a compute dtype the
+    user asks for (argument or $MLX_DFLASH_DTYPE) applies to both models."""
+    monkeypatch.delenv("MLX_DFLASH_DTYPE", raising=False)
+    d = pairs("qwen3", version=2)
+    bf = save_drafter(load_drafter(str(d / "drafter")), tmp_path / "bf16", dtype=mx.bfloat16, layout="factorised")
+    model, _, dr = load(str(d / "target"), str(bf))
+    assert {v.dtype for _, v in tree_flatten(dr.parameters())} == {mx.bfloat16}
+    _, _, dr = load(str(d / "target"), str(bf), dtype="float32")
+    assert {v.dtype for _, v in tree_flatten(dr.parameters())} == {mx.float32}
