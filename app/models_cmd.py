@@ -96,17 +96,21 @@ def _show(args, store) -> int:
 
 
 def _pull(args, store) -> int:
-    from mlx_dflash.manager import pull, resolve
+    from mlx_dflash.manager import pull_with_drafter, resolve
 
     from mlx_dflash.settings import SettingsError
 
-    path = pull(args.repo)
+    path, drepo, dpath, dproblem = pull_with_drafter(args.repo)  # the target's drafter too (registry.py)
     try:
         e = resolve(args.repo, store)
     except SettingsError:
         raise SettingsError(f"downloaded {args.repo} to {path}, but it holds no model mlx-dflash can use "
                             "(needs config.json and .safetensors weights)") from None
     print(f"downloaded {e.id} ({e.kind_label}, {human(e.size_bytes)}) to {path}")
+    if dpath is not None:
+        print(f"downloaded its DFlash drafter {drepo} to {dpath}")
+    elif dproblem:
+        print(f"its DFlash drafter {drepo} was not downloaded: {dproblem}")
     return 0
 
 
