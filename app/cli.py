@@ -63,6 +63,11 @@ def main(argv=None) -> int:
         return mods[args.command].run(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `mlx-dflash models list | head`: the reader has gone; nothing to report
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush goes nowhere
+        return 0
     except _user_errors() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         sys.stderr.write(f"mlx-dflash {args.command}: error: {msg}\n")

@@ -41,6 +41,22 @@ def _model_view(store, model_id: str) -> dict:
     return {k: getattr(s, f) for k, f in MODEL_KEYS.items()}
 
 
+SECRET_KEYS = ("api_key",)
+
+
+def mask(value):
+    """A secret as shown: never whole (it would land in terminal scrollback and logs)."""
+    if not value:
+        return value
+    return "****" + (value[-4:] if len(value) >= 12 else "")
+
+
+def _globals_shown(g) -> dict:
+    from dataclasses import asdict
+
+    return {k: mask(v) if k in SECRET_KEYS else v for k, v in asdict(g).items()}
+
+
 def _print(value, as_json: bool) -> None:
     if isinstance(value, dict) and not as_json:
         for k, v in value.items():
@@ -50,8 +66,6 @@ def _print(value, as_json: bool) -> None:
 
 
 def _get(store, a, as_json) -> int:
-    from dataclasses import asdict
-
     from mlx_dflash.settings import model_field
 
     from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
@@ -59,7 +73,7 @@ def _get(store, a, as_json) -> int:
     if len(a) > 2:
         raise SettingsError("usage: mlx-dflash settings get [MODEL] [KEY]")
     if not a:
-        out = {"file": str(store.path), "global": asdict(store.globals()),
+        out = {"file": str(store.path), "global": _globals_shown(store.globals()),
                "models": {m: store.explicit(m) for m in store.models()}}
         if as_json:
             print(json.dumps(out, indent=2))
@@ -71,7 +85,7 @@ def _get(store, a, as_json) -> int:
                 _print(kv, False)
         return 0
     if len(a) == 1 and _is_global(store, a[0]):
-        _print(getattr(store.globals(), a[0]), as_json)
+        _print(_globals_shown(store.globals())[a[0]], as_json)
         return 0
     view = _model_view(store, _model(store, a[0])[0])
     if len(a) == 1:
@@ -111,7 +125,7 @@ def _set(store, a) -> int:
 
     if len(a) == 2 and _is_global(store, a[0]):
         g = store.set_global(**{a[0]: parse_value(a[0], a[1])})
-        print(f"{a[0]} = {json.dumps(getattr(g, a[0]))}")
+        print(f"{a[0]} = {json.dumps(_globals_shown(g)[a[0]])}")
         return 0
     if len(a) == 2 and a[0] in MODEL_KEYS:
         raise SettingsError(f"'{a[0]}' is a model setting; name the model: mlx-dflash settings set MODEL {a[0]} {a[1]}")

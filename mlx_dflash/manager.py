@@ -188,18 +188,18 @@ def check_files(path) -> None:
         raise HubError(why)
 
 
-def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None,
-         store: Optional[SettingsStore] = None):
+def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: Optional[SettingsStore] = None,
+         **kw):
     """`mlx_dflash.load`: loader.load with names. `model` and `drafter` may be
-    folders, Hugging Face repo ids or any id `models list` prints. Returns
-    (model, tokenizer, drafter or None)."""
+    folders, Hugging Face repo ids or any id `models list` prints; other keyword
+    arguments (dtype, ...) are loader.load's. Returns (model, tokenizer, drafter or None)."""
     from . import loader
 
     if model is not None:
         model = model_path(model, store)
     if drafter is not None:
         drafter = model_path(drafter, store)
-    return _load_files(loader.load, model, drafter, dtype=dtype)
+    return _load_files(loader.load, model, drafter, **kw)
 
 
 def _load_files(load_fn, model, drafter, **kw):
@@ -331,7 +331,9 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
         did, dpath = _pick_drafter(entry, s, entries, store)
         if dpath is None:
             notices.append(f"no compatible DFlash drafter found for '{entry.id}'; using plain decoding")
-    model, tok, drafter = _load_files(load_files, str(entry.path), dpath)
+    # DFlash off: no drafter at all (the loader would otherwise look one up);
+    # on with none found here: the loader may still find a published one (registry)
+    model, tok, drafter = _load_files(load_files, str(entry.path), dpath, auto_drafter=on)
     if drafter is not None:
         tdt = _param_dtype(model)
         act, why = safe_activation_dtype(s.drafter_activation_dtype, tdt)

@@ -339,3 +339,26 @@ def test_settings_cli_suggests(store, capsys, argv, hint):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and hint in err, err
     assert not store.path.exists()
+
+
+def test_settings_cli_masks_the_api_key(store, capsys):
+    key = "sk-verysecret-1234"
+    assert _cli("settings", "set", "api_key", key) == 0
+    for argv in (("settings", "get"), ("settings", "get", "--json"), ("settings", "get", "api_key")):
+        assert _cli(*argv) == 0
+    out = capsys.readouterr().out
+    assert key not in out and "****1234" in out
+    assert store.globals().api_key == key  # stored as given
+
+
+def test_models_list_into_a_closed_pipe_ends_quietly(store):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = f"'{sys.executable}' -m app.cli settings get --json | head -c 1 >/dev/null; echo rc=${{PIPESTATUS[0]}}"
+    big = {f"org/m{i}": {"top_k": i + 1} for i in range(3000)}  # more than a pipe buffer of output
+    store.path.parent.mkdir(parents=True, exist_ok=True)
+    store.path.write_text(json.dumps({"version": 1, "global": {}, "models": big}))
+    r = subprocess.run(["bash", "-c", cmd], cwd=root, capture_output=True, text=True, timeout=300)
+    assert "rc=0" in r.stdout and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
