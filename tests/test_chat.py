@@ -271,7 +271,9 @@ def test_history_reopens_after_restart_and_skips_corrupt_files(backend, tmp_path
 
 
 def test_regenerate_copy_and_token_colours(backend, tmp_path):
-    backend.store.set_model("target", max_tokens=16)
+    # a width other than the default: the engine's guard (which may choose plain
+    # decoding where drafting cannot pay) stays off, so drafts are always verified
+    backend.store.set_model("target", max_tokens=16, block_size=4)
 
     async def go():
         from drafters import OracleDrafter
