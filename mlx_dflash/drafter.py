@@ -10,7 +10,6 @@ attention, bidirectional or causal inside the block (drafter_config.py)."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -350,3 +349,8 @@ def param_counts(model: Drafter) -> dict:
         out[part] += v.size
     out["total"] = sum(out.values())
     return out
+
+
+__all__ = ["ARCH_V1", "ARCH_V2", "FIELDS", "Drafter", "DrafterConfig", "DrafterError", "Proposal",
+           "build_target_layer_ids", "default_target_layer_ids", "load_drafter", "param_counts", "read_config",
+           "save_drafter", "validate"]
