@@ -428,3 +428,27 @@ def test_dflash_config_wins_over_the_top_level():
                                                          None, False, ["full_attention"] * 3)
     bare["num_key_value_heads"] = None  # transformers: null means one KV head per query head
     assert DrafterConfig.from_dict(bare).num_key_value_heads == 4
+
+
+@pytest.mark.parametrize("variant", ["plain", "logit_transform", "published_dflash2_style"])
+def test_selector_sampling_distribution_matches_reference(tmp_path, ref_load, target, variant):
+    """At temperature > 0 the reference samples each position from softmax(S_t(prev, .)/T)
+    over its candidates. Along the reference's own sampled path, the project's pair
+    scores give the same rows; the project's first proposal row is the reference's."""
+    ours, r = _pair(tmp_path, ref_load, base_config(2, **VARIANTS[variant]), seed=12)
+    t = Target(target)
+    r.bind(target)
+    feats = mx.random.normal((1, 10, 2 * H), key=mx.random.key(4))
+    anchor, T = 17, 0.7
+    block = mx.array([[anchor] + [5] * 7])
+    h_ref = r.hidden_states(block, feats, r.make_cache())[:, 1:]
+    mx.random.seed(0)
+    path, cands, q_ref = r.candidate_selector.select(h_ref, r.compute_logits(h_ref), block[:, 0], T)
+    h = ours(t.embed(block), feats, ours.make_cache())[0, 1:]
+    logits = ours.logits(t, h)
+    prev = mx.concatenate([mx.array([anchor]), path[0, :-1].astype(mx.int32)])
+    c = cands[0].astype(mx.int32)
+    S = ours.candidate_selector.pair_scores(prev, c, mx.take_along_axis(logits, c, axis=-1), h, t.embed_tokens)
+    assert mx.allclose(mx.softmax(S / T, axis=-1), q_ref[0], atol=1e-4).item()
+    _, q, _ = ours.candidate_selector.walk(logits, h, anchor, t.embed_tokens, T, key=mx.random.key(1))
+    assert mx.allclose(mx.take(q[0], c[0]), q_ref[0, 0], atol=1e-4).item()  # position 0: the anchor's row
