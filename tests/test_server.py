@@ -31,11 +31,15 @@ def _free_port() -> int:
 class Server:
     """`python -m app.cli serve ...` in a subprocess with its own settings home."""
 
-    def __init__(self, home: Path, *args, model="qwen"):
+    def __init__(self, home: Path, *args, model="qwen", key=None, key_env=True):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / f"server-{self.port}.log"
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         env = {**os.environ, "MLX_DFLASH_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+        env.pop("MLX_DFLASH_API_KEY", None)
+        if key and key_env:  # from the environment: a key on the command line would show in `ps`
+            env["MLX_DFLASH_API_KEY"] = key
         cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args]
         if model:
             cmd += ["--model", model]
@@ -46,14 +50,17 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log.read_text()}")
             try:
-                h = httpx.get(self.url + "/health", timeout=2).json()
-                if h["model"] == model:  # loaded at start when --model is given
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and \
+                        (not model or self.metrics()["loaded"] is not None):  # loaded at start with --model
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not come up: {self.log.read_text()}")
+
+    def metrics(self) -> dict:
+        return httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).json()
 
     def stop(self):
         self.proc.terminate()
@@ -300,10 +307,10 @@ def test_switching_models(server):
     r = c.completions.create(model="llama", prompt="hello", max_tokens=5, temperature=0)
     assert r.model == "llama" and r.usage.completion_tokens == 5
     assert r.model_dump()["dflash"]["mode"] == "dflash"
-    assert httpx.get(server.url + "/health").json()["model"] == "llama"
+    assert server.metrics()["loaded"] == "llama"
     r2 = c.completions.create(model="qwen", prompt="hello", max_tokens=5, temperature=0)
     assert r2.model == "qwen"
-    m = httpx.get(server.url + "/metrics").json()["models"]
+    m = server.metrics()["models"]
     assert m["llama"]["requests"] >= 1 and m["qwen"]["requests"] >= 1
     assert m["qwen"]["completion_tokens"] > 0 and m["qwen"]["cycles"] > 0
 
@@ -319,7 +326,8 @@ def _err(r, status):
 
 def test_bad_requests(server):
     u = server.url + "/v1"
-    post = lambda path, **kw: httpx.post(u + path, timeout=60, **kw)  # noqa: E731
+    json_type = {"Content-Type": "application/json"}  # httpx sets it for json= only
+    post = lambda path, **kw: httpx.post(u + path, timeout=60, headers=json_type, **kw)  # noqa: E731
     msgs = [{"role": "user", "content": "hi"}]
     _err(post("/chat/completions", content=b"{not json"), 400)
     _err(post("/chat/completions", content=b"\xff\xfe"), 400)
@@ -358,7 +366,7 @@ def test_sse_wire_format(server):
 
 
 def test_disconnect_cancels_generation(server):
-    before = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    before = server.metrics()["models"]["qwen"]
     body = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         it = r.iter_lines()
@@ -368,7 +376,7 @@ def test_disconnect_cancels_generation(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200
-    after = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    after = server.metrics()["models"]["qwen"]
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["completion_tokens"] - before["completion_tokens"] < 3000 - 100
     # a non-streaming client that gives up waiting cancels its generation too
@@ -378,7 +386,7 @@ def test_disconnect_cancels_generation(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200
-    last = httpx.get(server.url + "/metrics").json()["models"]["qwen"]
+    last = server.metrics()["models"]["qwen"]
     assert last["cancelled"] == after["cancelled"] + 1
     assert last["completion_tokens"] - after["completion_tokens"] < 4000 - 100
 
@@ -440,7 +448,7 @@ def test_fuzz_never_500(server, ref):
 
 @pytest.fixture(scope="module")
 def locked(models):
-    s = Server(models[1], "--queue-size", "1", "--api-key", "sekret", "--cors", "http://app.example", model=None)
+    s = Server(models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
     yield s
     s.stop()
 
@@ -461,14 +469,14 @@ def test_cors(locked):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
     r = httpx.options(locked.url + "/v1/chat/completions",
                       headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
-    assert "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
 
 
 def test_model_loads_on_first_use(locked):
-    assert httpx.get(locked.url + "/health").json()["model"] is None  # no --model: nothing loaded yet
+    assert locked.metrics()["loaded"] is None  # no --model: nothing loaded yet
     r = locked.client("sekret").completions.create(model="llama", prompt="hi", max_tokens=2)
     assert r.usage.completion_tokens == 2
-    assert httpx.get(locked.url + "/health").json()["model"] == "llama"  # and it stays
+    assert locked.metrics()["loaded"] == "llama"  # and it stays
     # a request that names no model gets the settings' default model
     r = httpx.post(locked.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                    headers={"Authorization": "Bearer sekret"}, timeout=60)
@@ -489,7 +497,7 @@ def test_queue_full_is_429(locked):
         assert next(ln for ln in it if ln.startswith("data: "))  # the worker is busy with this one
         t = threading.Thread(target=wait_in_queue)
         t.start()
-        while httpx.get(locked.url + "/health").json()["queued"] < 1:
+        while locked.metrics()["queued"] < 1:
             time.sleep(0.05)
         e = _err(httpx.post(locked.url + "/v1/completions", headers=h, timeout=60,
                             json={"model": "qwen", "prompt": "ok", "max_tokens": 2}), 429)

@@ -8,11 +8,13 @@ JSON body. Every response carries `usage`, llama.cpp-style `timings` and a
 (logprobs, penalties, logit_bias) run on plain decoding, which applies them,
 and `dflash.mode` / `dflash.fallback` say so; anything else unknown is a 400.
 
-    mlx-dflash serve [--model M] [--host H] [--port P] [--api-key K]
-                     [--cors ORIGIN ...] [--queue-size N]
+    mlx-dflash serve [--model M] [--host H] [--port P] [--api-key-file F]
+                     [--cors ORIGIN ...] [--allowed-hosts NAME ...] [--queue-size N]
+                     [--grace S] [--quiet]
 
 Modules: errors (OpenAI-format errors), schemas (request bodies), worker (the
-generation thread, the catalog), app (the FastAPI app, shared routes),
+generation thread, the catalog), security (Host / Origin / content-type / body
+checks, the API key, the request log), app (the FastAPI app, shared routes),
 openai_api (chat/completions), cli (arguments, start-up).
 """
 

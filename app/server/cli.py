@@ -1,12 +1,19 @@
-"""`mlx-dflash serve`: arguments and start-up."""
+"""`mlx-dflash serve`: arguments, the API key, start-up and shutdown."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
 import sys
+from pathlib import Path
+from typing import Optional
 
 from .errors import _line
 from .app import create_app
 from .worker import ManagerCatalog
+
+KEY_ENV = "MLX_DFLASH_API_KEY"
 
 
 def add_parser(sub):
@@ -15,17 +22,49 @@ def add_parser(sub):
                    help="model id (or folder) to load at start and use by default (see `mlx-dflash models list`)")
     p.add_argument("--host", default=None, help="address to listen on (default from settings: 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default from settings: 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default from settings: none)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help=f"require this API key (first line of FILE) as 'Authorization: Bearer KEY' or "
+                        f"'x-api-key: KEY' (default: ${KEY_ENV}, else settings api_key, else none)")
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: it would show in `ps`
     p.add_argument("--cors", nargs="+", default=None, metavar="ORIGIN",
-                   help="allow browser requests from these origins (default from settings: none)")
+                   help="web pages (origins such as http://localhost:3000) allowed to call the server from a "
+                        "browser; '*' for any (default from settings: none)")
+    p.add_argument("--allowed-hosts", nargs="+", default=(), metavar="NAME",
+                   help="extra names clients may reach the server by (Host header; '*.example.org' for a domain, "
+                        "'*' for any); IP addresses, localhost and this machine's name always work")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the worker (default 8)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on Ctrl-C, how long running generations may go on before they are stopped (default 10)")
+    p.add_argument("--quiet", action="store_true", help="no log line per request")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def api_key(args, settings_key: Optional[str]) -> Optional[str]:
+    """--api-key-file, else $MLX_DFLASH_API_KEY, else the settings' api_key. A key
+    on the command line is refused: every user of the machine could read it."""
+    if args.api_key is not None:
+        raise ValueError(f"--api-key would show the key to anyone who runs `ps`; set {KEY_ENV} "
+                         "or use --api-key-file FILE")
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the API key file {args.api_key_file} "
+                             f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"the API key file {args.api_key_file} is empty")
+        return key
+    env = os.environ.get(KEY_ENV)
+    if env is not None:
+        if not env.strip():
+            raise ValueError(f"{KEY_ENV} is set but empty; unset it or give it a key")
+        return env.strip()
+    return settings_key or None
 
 
 def run(args) -> int:
     import socket
-
-    import uvicorn
 
     from mlx_dflash.settings import SettingsStore
 
@@ -37,7 +76,9 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     if args.queue_size < 1:
         raise ValueError(f"--queue-size must be >= 1, got {args.queue_size}")
-    key = args.api_key if args.api_key is not None else g.api_key
+    if not 0 <= args.grace <= 3600:  # also refuses nan
+        raise ValueError(f"--grace must be in 0..3600 seconds, got {args.grace}")
+    key = api_key(args, g.api_key)
     cors = tuple(args.cors if args.cors is not None else g.cors_origins)
     catalog = ManagerCatalog(store)
     model = None
@@ -47,7 +88,7 @@ def run(args) -> int:
         entry = resolve(args.model, store)
         if entry.kind != "target":
             raise ValueError(f"'{entry.id}' is a {entry.kind_label}, not a model to serve; "
-                            "pick a target from `mlx-dflash models list`")
+                             "pick a target from `mlx-dflash models list`")
         model = entry.id
     else:
         from mlx_dflash.manager import resolve
@@ -64,8 +105,52 @@ def run(args) -> int:
             s.bind((host, port))
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
-    app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, model=model)
+    app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, model=model,
+                     allowed_hosts=(*args.allowed_hosts, host), log=not args.quiet)
     sys.stderr.write(f"mlx-dflash: serving on http://{host}:{port}/v1"
                      f"{' (API key required)' if key else ''}; Ctrl-C stops\n")
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level)
-    return 0
+    if not key and not _loopback(host):
+        sys.stderr.write(f"mlx-dflash: warning: {host} is reachable from other machines and no API key is set "
+                         f"(set {KEY_ENV} or use --api-key-file)\n")
+    return _serve(app, host, port, args)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _serve(app, host, port, args) -> int:
+    """uvicorn, with our own Ctrl-C handling (uvicorn alone waits for every
+    queued and running request): the first stops accepting, answers the queue
+    503 and gives running generations `--grace` seconds; a second exits now."""
+    import uvicorn
+
+    worker = app.state.worker
+
+    class Server(uvicorn.Server):
+        stopped_by: Optional[int] = None
+
+        def handle_exit(self, sig, frame):
+            if self.stopped_by is None:
+                self.stopped_by = sig
+                sys.stderr.write(f"mlx-dflash: stopping; running requests have {args.grace:g} s to finish "
+                                 "(Ctrl-C again to stop now)\n")
+                worker.close(args.grace)
+                super().handle_exit(sig, frame)
+                getattr(self, "_captured_signals", []).clear()  # run() gives the exit status, not a re-raise
+                return
+            worker.halt()  # a second signal: stop at once, without running Python's exit (the worker
+            sys.stderr.write("mlx-dflash: stopped\n")  # may be inside MLX, which must not be torn down)
+            sys.stderr.flush()
+            os._exit(130 if sig == signal.SIGINT else 143)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.grace + 5)  # a backstop: the worker cancels first
+    server = Server(config)
+    server.run()
+    return 130 if server.stopped_by == signal.SIGINT else 0

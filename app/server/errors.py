@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Optional
 
 from fastapi.responses import JSONResponse
@@ -18,10 +20,28 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+        body = {"error": {"message": scrub_paths(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+# an absolute path: "/" + a name, then more "/name" parts (quotes, spaces, ':' end it)
+_PATH = re.compile(r"(?<![\w.~/-])(~|/[^\s'\"`/:,;()<>\[\]{}]+)((?:/[^\s'\"`/:,;()<>\[\]{}]*)+)")
+
+
+def scrub_paths(text: str) -> str:
+    """`text` without this machine's folder names (an error a client sees may
+    quote a path): /Users/me/models/x/config.json -> .../config.json. Only paths
+    under a top-level folder that exists here, so URL paths (/v1/models) stay."""
+    def short(m):
+        root = m.group(1)
+        if root != "~" and not os.path.isdir(root):
+            return m.group(0)
+        tail = m.group(2).rstrip("/").rsplit("/", 1)[-1]
+        return ".../" + tail if tail else "..."
+
+    return _PATH.sub(short, text)
 
 
 def _line(e: BaseException) -> str:

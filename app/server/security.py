@@ -1,0 +1,221 @@
+"""What every request passes before any work is done, as one ASGI middleware
+(outermost, so nothing else runs first), plus the API key check and the
+one-line request log.
+
+- Host header allow-list: a DNS-rebinding page reaches 127.0.0.1 under its own
+  domain name, so only IP literals, localhost names, this machine's name, the
+  bound address and `--allowed-hosts` are served.
+- Origin: a browser says where a page came from; a cross-origin page is served
+  only if its origin was given with `--cors` (then with CORS headers).
+- Content type: POST bodies must be application/json; forms and text/plain are
+  exactly what a page can send without a CORS preflight.
+- Body size: Content-Length is checked first, then bytes are counted while they
+  arrive; the 413 goes out as soon as the limit is passed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+from starlette.requests import Request
+
+from .errors import APIError
+
+MAX_BODY = 64 << 20  # bytes; far above any context this runs
+STATS_KEY = "mlx_dflash.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
+
+
+@dataclass
+class Policy:
+    """Which hosts and origins are served, and how large a body may be."""
+
+    hosts: Tuple[str, ...] = ()  # extra Host names ("*" any, "*.example" a domain)
+    origins: Tuple[str, ...] = ()  # cross-origin pages allowed ("*" any)
+    max_body: int = MAX_BODY
+    local_names: frozenset = field(default_factory=lambda: _machine_names())
+
+    def host_ok(self, host: str) -> bool:
+        name = _host_name(host)
+        if not name or name in self.local_names or name == "localhost" or name.endswith(".localhost"):
+            return True  # no Host (HTTP/1.0 tools) cannot come from a browser
+        try:
+            ipaddress.ip_address(name)
+            return True  # an IP literal is no DNS name a rebinding page could own
+        except ValueError:
+            pass
+        for h in self.hosts:
+            h = h.lower().rstrip(".")
+            if h == "*" or h == name or (h.startswith("*.") and name.endswith(h[1:])):
+                return True
+        return False
+
+    def origin_ok(self, origin: str, host: str, scheme: str) -> bool:
+        if "*" in self.origins or origin in self.origins:
+            return True
+        return origin.lower() == f"{scheme}://{host}".lower()  # same origin as this server
+
+
+def _machine_names() -> frozenset:
+    try:
+        n = socket.gethostname().lower()
+    except OSError:
+        return frozenset()
+    short = n.split(".")[0]
+    return frozenset({n, short, f"{short}.local"})
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        return host[1:host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _header(scope, name: bytes) -> Optional[str]:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class Guard:
+    """The ASGI middleware: reject early, add CORS headers, count the body, log."""
+
+    def __init__(self, app, policy: Policy, log: bool = True, out=None):
+        self.app, self.policy, self.log = app, policy, log
+        self.out = out or sys.stderr
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        state = scope.setdefault("state", {})
+        seen = {"status": None, "closed": False}
+        origin = _header(scope, b"origin")
+        cors = origin is not None and (origin in self.policy.origins or "*" in self.policy.origins)
+
+        async def send_(msg):
+            if seen["closed"]:  # we answered already (413 mid-body): drop the app's reply
+                return
+            if msg["type"] == "http.response.start":
+                seen["status"] = msg["status"]
+                if cors:
+                    msg = {**msg, "headers": [*msg.get("headers", []), *_cors_headers(origin, self.policy)]}
+            await send(msg)
+
+        try:
+            err = self._check(scope, origin)
+            if err is not None:
+                return await _reply(send_, err, close=err.status == 413)
+            if origin is not None and scope["method"] == "OPTIONS" and \
+                    _header(scope, b"access-control-request-method") is not None:
+                return await _preflight(send_, scope, origin, self.policy)
+            await self.app(scope, self._counted(receive, send_, seen), send_)
+        finally:
+            if self.log:
+                self._log(scope, seen["status"], state.get(STATS_KEY), t0)
+
+    def _check(self, scope, origin) -> Optional[APIError]:
+        host = _header(scope, b"host") or ""
+        if not self.policy.host_ok(host):
+            return APIError(403, f"host '{_host_name(host)}' is not served here; start the server with "
+                                 f"--allowed-hosts {_host_name(host)} if you trust that name", code="host_not_allowed")
+        if origin is not None and not self.policy.origin_ok(origin, host, scope.get("scheme", "http")):
+            return APIError(403, f"requests from web pages at {origin} are not allowed; start the server with "
+                                 f"--cors {origin} if you trust that page", code="origin_not_allowed")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                return APIError(415, "send the request body as JSON with the header "
+                                     "'Content-Type: application/json'", code="unsupported_media_type")
+        length = _header(scope, b"content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                return APIError(400, "invalid Content-Length header")
+            if int(length) > self.policy.max_body:
+                return _too_large(self.policy.max_body)
+        return None
+
+    def _counted(self, receive, send, seen):
+        """`receive`, counting body bytes; past the limit the client gets its 413
+        at once and the app sees a disconnect."""
+        total = 0
+        limit = self.policy.max_body
+
+        async def receive_():
+            nonlocal total
+            msg = await receive()
+            if msg["type"] == "http.request":
+                total += len(msg.get("body", b""))
+                if total > limit:
+                    if seen["status"] is None:
+                        await _reply(send, _too_large(limit), close=True)
+                    seen["closed"] = True
+                    return {"type": "http.disconnect"}
+            return msg
+
+        return receive_
+
+    def _log(self, scope, status, stats, t0):
+        ms = (time.perf_counter() - t0) * 1000
+        extra = ""
+        if stats is not None:
+            extra = f" tokens={stats.generation_tokens} tau={stats.tau:.2f}"
+        try:
+            self.out.write(f"mlx-dflash: {scope['method']} {scope['path']} {status or 499}{extra} {ms:.0f} ms\n")
+            self.out.flush()
+        except (OSError, ValueError):  # stderr gone (closed pipe): never fail a request for a log line
+            pass
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over {limit >> 20} MiB", code="request_too_large")
+
+
+async def _reply(send, err: APIError, close: bool = False):
+    resp = err.response()
+    if close:  # the rest of the body is never read: the connection cannot be reused
+        resp.headers["connection"] = "close"
+    await resp({"type": "http"}, None, send)
+
+
+def _cors_headers(origin: str, policy: Policy):
+    allow = "*" if "*" in policy.origins else origin
+    return [(b"access-control-allow-origin", allow.encode("latin-1")), (b"vary", b"Origin")]
+
+
+async def _preflight(send, scope, origin: str, policy: Policy):
+    """The answer to a CORS preflight from an allowed origin (send_ adds the origin headers)."""
+    asked = _header(scope, b"access-control-request-headers") or ""
+    headers = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"), (b"access-control-max-age", b"600"),
+               (b"content-length", b"0")]
+    if asked:
+        headers.append((b"access-control-allow-headers", asked.encode("latin-1")))
+    await send({"type": "http.response.start", "status": 204, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def make_auth(api_key: Optional[str]) -> Callable:
+    """The FastAPI dependency that checks the API key: 'Authorization: Bearer K'
+    (OpenAI clients) or 'x-api-key: K' (Anthropic clients), in constant time."""
+    want = api_key.encode("utf-8") if api_key is not None else None
+
+    async def auth(request: Request):
+        if want is None:
+            return
+        h = request.headers.get("authorization", "")
+        scheme, _, token = h.partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), want):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' "
+                                "or 'x-api-key: <key>')", code="invalid_api_key")
+
+    return auth
