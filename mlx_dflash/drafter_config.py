@@ -195,6 +195,9 @@ class DrafterConfig:
         if act not in ("silu", "swish"):
             raise DrafterError(f"drafter config 'hidden_act' is {act!r}; only silu drafters are supported")
         prf = cfg.get("partial_rotary_factor")
+        rope_kind = (rope or {}).get("type") or (rope or {}).get("rope_type")
+        if prf is None and rope_kind != "proportional":  # transformers 5 keeps it in rope_parameters
+            prf = (rope or {}).get("partial_rotary_factor")
         if prf is not None and float(prf) != 1.0:
             raise DrafterError(f"drafter config 'partial_rotary_factor' is {prf}; only full-width RoPE is supported")
         for k in ("quantization", "quantization_config"):

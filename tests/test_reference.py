@@ -363,6 +363,8 @@ REFUSED = [
     ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor"),
     ({"quantization": {"bits": 4, "group_size": 64}}, "quantization"),
     ({"dc_conv_group_size": 24}, "conv_group_size"),
     ({"dc_conv_kernel_size": 0}, "conv_kernel_size"),
