@@ -44,7 +44,9 @@ def run(args):
     if c.version == 2:
         layout = ("published [V, r] codebooks" if c.selector_codebooks
                   else "factorised projections of the target embedding")
-    info = {"path": str(path), "version": c.version,
+    info = {"path": str(path), "version": c.version, "block_size": c.block_size,
+            "target_layer_ids": c.target_layer_ids, "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "mask_token_id": c.mask_token_id,
             "fields": {k: v for k, v, _ in rows}, "effects": {k: e for k, _, e in rows},
             "attention": attention_summary(c), "selector_layout": layout,
             "checkpoint_dtypes": dtypes, "params": counts, "extra_fields": sorted(c.extra)}
