@@ -35,11 +35,15 @@ def _user_errors():
     return (UserError, HubError, TargetError, ValueError, FileNotFoundError, PermissionError)
 
 
+broken = {}  # command -> why its parser could not be set up
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="mlx-dflash", description="Lossless DFlash speculative decoding on MLX")
     ap.add_argument("--version", action="version", version=f"mlx-dflash {mlx_dflash.__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     mods = {}
+    broken.clear()
     for name, modname in COMMANDS.items():
         try:
             mod = importlib.import_module(modname)
@@ -48,13 +52,21 @@ def build_parser():
                 continue
             sys.stderr.write(f"mlx-dflash: '{name}' unavailable ({e}); reinstall mlx-dflash\n")
             continue
-        mod.add_parser(sub)
+        try:
+            mod.add_parser(sub)
+        except Exception as e:  # one broken command must not take the others down
+            broken[name] = f"{type(e).__name__}: {e}"
+            continue
         mods[name] = mod
     return ap, mods
 
 
 def main(argv=None) -> int:
     ap, mods = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in broken:
+        sys.stderr.write(f"mlx-dflash: '{argv[0]}' unavailable ({broken[argv[0]]}); reinstall mlx-dflash\n")
+        return 2
     args = ap.parse_args(argv)
     if not args.command:
         ap.print_help()
