@@ -1,7 +1,8 @@
 """Which drafter goes with a target, so that `--model TARGET` alone finds it.
 
 Two sources, in this order:
-1. a local scan (the embedded models, extra folders, the Hugging Face cache) for
+1. a local scan (the embedded models, $MLX_DFLASH_MODELS_DIR, the settings'
+   model_dirs, the Hugging Face cache) for
    DFlash drafters that fit the target's shapes and either are a registry drafter
    of the target or name the target in their config (`target_model`, `base_model`)
    or model card (`base_model:`);
@@ -97,9 +98,9 @@ def _card_base_models(folder: Path) -> list:
 
 
 def hf_cache_dir() -> Path:
-    from huggingface_hub import constants
+    from .discovery import hf_cache_dir as cache  # the environment, read at call time
 
-    return Path(constants.HF_HUB_CACHE)
+    return cache()
 
 
 def _candidates(roots: Iterable[Path]) -> Iterable[tuple]:
@@ -151,6 +152,12 @@ def default_roots() -> list:
     extra = os.environ.get("MLX_DFLASH_MODELS_DIR")
     if extra:
         roots.append(Path(extra))
+    try:  # the user's model folders (`settings set model_dirs ...`)
+        from .settings import SettingsStore
+
+        roots += [Path(d) for d in SettingsStore().globals().model_dirs]
+    except Exception:  # an unreadable settings file must not stop a load; `settings` reports it
+        pass
     roots.append(hf_cache_dir())
     return roots
 

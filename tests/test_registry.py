@@ -141,3 +141,17 @@ def test_pull_fetches_the_target_and_its_drafter(tmp_path, monkeypatch):
     monkeypatch.setattr(manager, "pull", failing)
     path, repo, dpath, problem = manager.pull_with_drafter("Qwen/Qwen3-8B")
     assert dpath is None and "no network" in problem and path.exists()
+
+
+def test_settings_model_dirs_are_scanned(tmp_path, monkeypatch):
+    from mlx_dflash.settings import SettingsStore
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLX_DFLASH_MODELS_DIR", raising=False)
+    mine = tmp_path / "my-models"
+    d = _put(mine / "qwen8-drafter", _drafter_cfg(2, target_model="Qwen/Qwen3-8B"))
+    target = _put(tmp_path / "Qwen3-8B-8bit", TARGET_CFG)
+    monkeypatch.setattr(registry, "hf_cache_dir", lambda: tmp_path / "empty-cache")
+    assert find_drafter("Qwen3-8B-8bit", target, TARGET_CFG).path is None  # only the registry's repo
+    SettingsStore().set_global(model_dirs=[str(mine)])
+    assert find_drafter("Qwen3-8B-8bit", target, TARGET_CFG).path == d
