@@ -311,7 +311,11 @@ def save_drafter(model: Drafter, out, dtype=None, embed=None, layout: str = "pub
         params = {k: v.astype(dtype) for k, v in params.items()}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    cfg = model.config.to_dict()
+    kinds = {str(v.dtype).rsplit(".", 1)[-1] for v in params.values()}
+    if len(kinds) == 1:  # what transformers-based runtimes read to pick the weights' dtype
+        cfg["dtype"] = cfg["torch_dtype"] = kinds.pop()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
 
