@@ -162,12 +162,13 @@ def test_generate_refuses_bad_values_in_one_line(listed, capsys, args, msg):
     assert cap.err.count("\n") == 1 and msg in cap.err and cap.out == "", cap.err
 
 
-def test_generate_reads_the_prompt_from_stdin(listed):
-    ref = cli("generate", "--model", "target", "--prompt", "hello there", "--max-tokens", "5", "--json")
+def test_generate_reads_the_prompt_from_stdin(listed, capsys):
+    assert main("generate", "--model", "target", "--prompt", "hello there", "--max-tokens", "5", "--json") == 0
+    ref = json.loads(capsys.readouterr().out)
     got = cli("generate", "--model", "target", "--prompt", "-", "--max-tokens", "5", "--json",
               input="hello there\n")
     assert got.returncode == 0, got.stderr
-    assert json.loads(got.stdout)["token_ids"] == json.loads(ref.stdout)["token_ids"]
+    assert json.loads(got.stdout)["token_ids"] == ref["token_ids"] and ref["stats"]["prompt_tokens"] > 3
 
 
 def test_generate_into_a_closed_pipe_ends_quietly(listed):
