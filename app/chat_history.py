@@ -71,7 +71,7 @@ class HistoryStore:
         for p in sorted(self.root.glob("*.json")):
             try:
                 chats.append(Chat.from_dict(json.loads(p.read_text(encoding="utf-8"))))
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # never a crash at start
                 notices.append(f"skipped unreadable chat file {p.name} ({type(e).__name__}); it was left as is")
         chats.sort(key=lambda c: c.updated, reverse=True)
         return chats, notices

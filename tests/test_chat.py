@@ -225,6 +225,8 @@ def test_history_reopens_after_restart_and_skips_corrupt_files(backend, tmp_path
     chats.mkdir()
     bad = chats / "broken.json"
     bad.write_text("{not json")
+    (chats / "deep.json").write_text("[" * 100_000)  # RecursionError in the JSON parser
+    (chats / "utf16.json").write_bytes('{"id": "x", "messages": []}'.encode("utf-16"))
     old = Chat(title="an older chat", messages=[ChatMessage("user", "old question"),
                                                  ChatMessage("assistant", "old answer", [["old answer", False]], {})])
     HistoryStore(chats).save(old)
@@ -237,7 +239,8 @@ def test_history_reopens_after_restart_and_skips_corrupt_files(backend, tmp_path
         app = make_app(backend, tmp_path, reopen_last=False)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
-            assert any("broken.json" in n.message for n in app._notifications)
+            for name in ("broken.json", "deep.json", "utf16.json"):
+                assert any(name in n.message for n in app._notifications), name
             assert not app.query(UserBubble)  # --new: an empty chat
             answer = await say(pilot, "remember me")
             return app.chat.id, answer.content
