@@ -20,15 +20,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 pytest.importorskip("dflash")  # skipped only when the reference is not installed (bootstrap installs it)
 import dflash.model_mlx as ref  # noqa: E402  (installed but broken: fail, do not skip)
 
-from mlx_dflash.drafter import ARCH_V1, ARCH_V2, Drafter, DrafterConfig, DrafterError, load_drafter, save_drafter  # noqa: E402
+from mlx_dflash.drafter import Drafter, DrafterConfig, load_drafter, save_drafter  # noqa: E402
 from mlx_dflash.target import Target  # noqa: E402
-
-H, V, TL = 64, 256, 4  # hidden, vocabulary, target layers
+from reference_configs import H, SLIDE, TL, V, VARIANTS, _randomize, base_config, write_published  # noqa: E402
 
 
 @pytest.fixture
@@ -51,89 +50,6 @@ def target():
     m.lm_head.weight = m.lm_head.weight * 6.0  # peaked logits: no near-ties between the two argmaxes
     mx.eval(m.parameters())
     return m
-
-
-def base_config(version, **over):
-    dc = {"mask_token_id": 5, "target_layer_ids": [1, 2], "block_size": 8}
-    if version == 2:
-        dc.update(conv_group_size=16, conv_kernel_size=2, selector_rank=32, selector_top_k=8)
-    cfg = {"architectures": [ARCH_V2 if version == 2 else ARCH_V1], "model_type": "qwen3", "hidden_size": H,
-           "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 16, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-           "max_position_embeddings": 4096, "num_target_layers": TL, "dflash_config": dc}
-    for k, v in over.items():
-        if k.startswith("dc_"):
-            dc[k[3:]] = v
-        elif v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    return cfg
-
-
-SLIDE = ["sliding_attention", "sliding_attention", "full_attention"]
-VARIANTS = {  # name -> config changes; every one is run as DFlash 1 and DFlash 2
-    "plain": {},
-    "rope_parameters_only": {"rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
-    "rope_yarn": {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 1024}},
-    "rope_llama3": {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 64}},
-    "rope_linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
-    "rope_dynamic": {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16},
-    "sliding_default_causal": {"layer_types": SLIDE, "sliding_window": 6},
-    "sliding_bidirectional": {"layer_types": SLIDE, "sliding_window": 7, "is_causal": False},
-    "all_sliding": {"layer_types": ["sliding_attention"] * 3, "sliding_window": 5},
-    "causal_full": {"is_causal": True},
-    "head_dim_24": {"head_dim": 24},
-    "logit_transform": {"dc_output_multiplier": 0.37, "dc_final_logit_softcapping": 2.5},
-    "softcap_top_level": {"final_logit_softcapping": 1.5},
-    "input_embedding_scale": {"dc_input_embedding_scale": 8.0},
-    # the shape of a published DFlash 2 config: every layer sliding yet bidirectional, RoPE
-    # only in rope_parameters, scaled and soft-capped logits
-    "published_dflash2_style": {"layer_types": ["sliding_attention"] * 3, "sliding_window": 6, "is_causal": False,
-                                "rope_theta": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-                                "dc_output_multiplier": 0.196, "dc_final_logit_softcapping": 2.0,
-                                "use_sliding_window": True, "max_window_layers": 3},
-}
-
-
-def _randomize(model, seed):
-    """Random weights at sensible scales (norms near 1, convs near identity)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for k, v in tree_flatten(model.parameters()):
-        shape = v.shape
-        if k.endswith("norm.weight"):
-            a = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif k.endswith("base_kernel"):
-            a = 0.4 * rng.standard_normal(shape)
-            a[:, 0, :] += 1.0
-        elif k.endswith("kernel_projection.weight"):
-            a = 0.1 * rng.standard_normal(shape) / np.sqrt(shape[-1])
-        elif k.endswith("_codebook"):
-            a = rng.standard_normal(shape)
-        elif k.endswith(".bias"):
-            a = 0.3 * rng.standard_normal(shape)
-        else:
-            a = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        out.append((k, mx.array(a.astype(np.float32))))
-    model.update(tree_unflatten(out))
-    mx.eval(model.parameters())
-
-
-def write_published(folder, cfg, seed=0):
-    """A drafter folder in the published layout, written from the config alone
-    (weights named and shaped as the published checkpoints: no project save code)."""
-    c = DrafterConfig.from_dict(cfg)
-    c.selector_codebooks = c.version == 2
-    m = Drafter(c)
-    _randomize(m, seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(m.parameters())))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
 
 
 def ref_tokens(r, h, block):
@@ -273,14 +189,6 @@ def test_top_level_mask_and_taps(tmp_path, ref_load, target, version):
     run_cycles(ours, r, target)
 
 
-@pytest.mark.parametrize("draft_layers,n_target,want", [(3, 12, [1, 5, 9]), (5, 36, [1, 9, 17, 25, 33]),
-                                                        (1, 12, [6]), (2, 4, [1, 1])])
-def test_default_taps_follow_the_reference_formula(draft_layers, n_target, want):
-    cfg = base_config(1, num_hidden_layers=draft_layers, num_target_layers=n_target)
-    cfg["dflash_config"].pop("target_layer_ids")
-    assert DrafterConfig.from_dict(cfg).target_layer_ids == want
-
-
 def test_default_taps_draft_like_the_reference(tmp_path, ref_load, target):
     cfg = base_config(2, num_hidden_layers=3, num_target_layers=12)
     cfg["dflash_config"].pop("target_layer_ids")
@@ -350,86 +258,6 @@ def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version,
         assert got.from_draft[:full] == flags[:full]
         accepted += sum(flags[:full])
     assert accepted > 10  # drafts were accepted: the comparison has content
-
-
-# -- refusals: one line, naming the field ---------------------------------------
-
-REFUSED = [
-    ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
-    ({"layer_types": ["full_attention"] * 2}, "layer_types"),
-    ({"layer_types": SLIDE}, "sliding_window"),
-    ({"layer_types": SLIDE, "sliding_window": 0}, "sliding_window"),
-    ({"rope_scaling": {"rope_type": "no-such-rope", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
-     "partial_rotary_factor"),
-    ({"quantization": {"bits": 4, "group_size": 64}}, "quantization"),
-    ({"dc_conv_group_size": 24}, "conv_group_size"),
-    ({"dc_conv_kernel_size": 0}, "conv_kernel_size"),
-    ({"dc_mask_token_id": None}, "mask_token_id"),
-    ({"dc_target_layer_ids": None, "num_target_layers": None}, "target_layer_ids"),
-    ({"hidden_size": None}, "hidden_size"),
-]
-
-
-@pytest.mark.parametrize("over,field", REFUSED)
-def test_refused_fields_name_themselves(over, field):
-    cfg = base_config(2)
-    for k, v in over.items():
-        if k.startswith("dc_"):
-            if v is None:
-                cfg["dflash_config"].pop(k[3:])
-            else:
-                cfg["dflash_config"][k[3:]] = v
-        elif v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    with pytest.raises(DrafterError, match=field) as e:
-        DrafterConfig.from_dict(cfg)
-    assert "\n" not in str(e.value)
-
-
-def test_quantized_weights_refused_in_one_line(tmp_path):
-    d = write_published(tmp_path / "q", base_config(1), seed=9)
-    w = mx.load(str(d / "model.safetensors"))
-    w["fc.scales"] = mx.zeros((H, 4))
-    mx.save_safetensors(str(d / "model.safetensors"), w)
-    with pytest.raises(DrafterError, match="quantized") as e:
-        load_drafter(str(d))
-    assert "\n" not in str(e.value)
-
-
-def test_drafter_keeps_its_checkpoint_dtype(tmp_path):
-    d = write_published(tmp_path / "bf", base_config(2), seed=10)
-    w = mx.load(str(d / "model.safetensors"))
-    mx.save_safetensors(str(d / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in w.items()})
-    m = load_drafter(str(d))
-    assert {v.dtype for _, v in tree_flatten(m.parameters())} == {mx.bfloat16}
-
-
-def test_dflash_config_wins_over_the_top_level():
-    """The reference's precedence: dflash_config, then the top level, then the default."""
-    cfg = base_config(2, mask_token_id=1, block_size=4, output_multiplier=0.5, conv_kernel_size=3,
-                      dc_output_multiplier=0.25)
-    c = DrafterConfig.from_dict(cfg)
-    assert (c.mask_token_id, c.block_size, c.output_multiplier) == (5, 8, 0.25)
-    assert c.conv_kernel_size == 2  # dflash_config has it
-    cfg["dflash_config"].pop("conv_kernel_size")
-    cfg["dflash_config"].pop("block_size")
-    c = DrafterConfig.from_dict(cfg)
-    assert (c.conv_kernel_size, c.block_size) == (3, 4)
-    bare = base_config(1, rope_theta=None, rms_norm_eps=None, max_position_embeddings=None, head_dim=None,
-                       num_key_value_heads=None)
-    c = DrafterConfig.from_dict(bare)
-    assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings, c.head_dim, c.num_key_value_heads,
-            c.block_size, c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping,
-            c.is_causal, c.attention_bias, c.kinds()) == (10000.0, 1e-6, 32768, 128, 32, 8, 1.0, 1.0, None,
-                                                         None, False, ["full_attention"] * 3)
-    bare["num_key_value_heads"] = None  # transformers: null means one KV head per query head
-    assert DrafterConfig.from_dict(bare).num_key_value_heads == 4
 
 
 @pytest.mark.parametrize("variant", ["plain", "logit_transform", "published_dflash2_style"])
