@@ -130,7 +130,7 @@ def _check_report(d, finish_cut=False):
     if f["mode"] == "dflash":
         assert f["verify_width"] >= 2 and f["fallback"] is None
         assert t["draft_n"] <= f["cycles"] * (f["verify_width"] - 1)
-        assert f["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
+        assert f["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0)
     if not finish_cut:  # every token after the prefill's came from a verify cycle
         assert f["tau"] * f["cycles"] == pytest.approx(u["completion_tokens"] - 1)
 
@@ -335,8 +335,8 @@ def test_bad_requests(server):
     _err(post("/chat/completions", json={"model": "qwen"}), 400)  # no messages
     e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "temperature": "hot"}), 400)
     assert e["param"] == "temperature"
-    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "tools": []}), 400)
-    assert e["param"] == "tools" and e["code"] == "unsupported_parameter"  # never silently ignored
+    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "modalities": ["audio"]}), 400)
+    assert e["param"] == "modalities" and e["code"] == "unsupported_parameter"  # never silently ignored
     _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "n": 2}), 400)
     _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "top_p": 0}), 400)
     _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "max_tokens": 0}), 400)
@@ -466,7 +466,7 @@ def test_cors(locked):
     r = httpx.options(locked.url + "/v1/chat/completions",
                       headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
                                "Access-Control-Request-Headers": "authorization,content-type"})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    assert r.status_code in (200, 204) and r.headers["access-control-allow-origin"] == "http://app.example"
     r = httpx.options(locked.url + "/v1/chat/completions",
                       headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
