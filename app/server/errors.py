@@ -16,11 +16,12 @@ class APIError(Exception):
              413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        message = scrub_paths(message)  # here, so every API's error format gets it
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": scrub_paths(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
+        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(body, status_code=self.status, headers=headers)
