@@ -331,12 +331,13 @@ class SettingsStore:
     def _move_aside(self, why: str) -> None:
         """Move the unreadable file to a named backup (under the lock, unless held)."""
         def move():
-            try:
-                data = self.path.read_bytes()
-            except FileNotFoundError:
-                return  # another process moved it already
-            if self._problem(data)[1] is None:
-                return  # another process fixed it already
+            if not self.path.is_dir():
+                try:
+                    data = self.path.read_bytes()
+                except FileNotFoundError:
+                    return  # another process moved it already
+                if self._problem(data)[1] is None:
+                    return  # another process fixed it already
             backup = self._backup_path()
             try:
                 os.replace(self.path, backup)
@@ -378,6 +379,9 @@ class SettingsStore:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return {"version": VERSION, "global": {}, "models": {}}
+        except IsADirectoryError:
+            self._move_aside("a folder, not a file")
+            return self._read_raw()
         except OSError as e:
             raise SettingsError(f"cannot read settings file {self.path}: {e.strerror}") from None
         raw, why = self._problem(data)

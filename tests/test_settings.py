@@ -141,6 +141,15 @@ def test_unreadable_file_is_moved_aside_and_defaults_apply(store, capsys, name):
     assert capsys.readouterr().err == ""
 
 
+def test_a_folder_in_place_of_the_file_is_moved_aside(store, capsys):
+    (store.path / "x").mkdir(parents=True)
+    assert store.globals() == GlobalSettings()
+    assert "a folder, not a file" in capsys.readouterr().err
+    assert [p.is_dir() for p in store.path.parent.glob("settings.json.corrupt-*")] == [True]
+    store.set_global(port=8001)
+    assert SettingsStore(store.path).globals().port == 8001
+
+
 def test_second_bad_file_gets_its_own_backup(store):
     store.path.parent.mkdir(parents=True)
     store.path.write_text("{")
