@@ -352,3 +352,31 @@ def test_ctrl_c_on_idle_server_exits_cleanly(srv):
     srv.proc.send_signal(signal.SIGINT)
     assert _wait_exit(srv, 30) in (0, 130)
     _clean_log(srv)
+
+
+# -- the rules themselves (no server) ----------------------------------------------------
+
+def test_host_and_origin_rules():
+    from app.server.security import Policy
+
+    p = Policy(hosts=("my.box", "*.lan"), origins=(APP,))
+    for ok in ("", "localhost:8000", "LOCALHOST", "x.localhost", "127.0.0.1:1", "10.1.2.3", "[::1]:8000",
+               "my.box", "my.box.", "pc.lan", f"{socket.gethostname()}:8000"):
+        assert p.host_ok(ok), ok
+    for bad in ("evil.example", "localhost.evil.example", "my.box.evil", "lan", "127.0.0.1.nip.io:8000"):
+        assert not p.host_ok(bad), bad
+    assert Policy(hosts=("*",)).host_ok("anything.example")
+    assert p.origin_ok(APP, "127.0.0.1:8000", "http")
+    assert p.origin_ok("http://127.0.0.1:8000", "127.0.0.1:8000", "http")  # same origin
+    for bad in (EVIL, "null", "http://127.0.0.1:9999", APP + ".evil.example"):
+        assert not p.origin_ok(bad, "127.0.0.1:8000", "http"), bad
+
+
+def test_error_messages_lose_folders(tmp_path):
+    from app.server.errors import APIError
+
+    f = tmp_path / "models" / "x" / "model.safetensors"
+    e = APIError(503, f"model 'x' cannot be loaded: {f} is truncated; see GET /v1/models or ~/m/config.json")
+    assert e.message == "model 'x' cannot be loaded: .../model.safetensors is truncated; see GET /v1/models " \
+                        "or .../config.json"
+    assert str(tmp_path) not in e.response().body.decode()

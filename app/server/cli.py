@@ -153,4 +153,9 @@ def _serve(app, host, port, args) -> int:
                             timeout_graceful_shutdown=args.grace + 5)  # a backstop: the worker cancels first
     server = Server(config)
     server.run()
-    return 130 if server.stopped_by == signal.SIGINT else 0
+    rc = 130 if server.stopped_by == signal.SIGINT else 0
+    worker.stop()
+    if not worker.parked.wait(5):  # still inside MLX (a model load): Python's exit would abort there
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
