@@ -117,9 +117,9 @@ def checkpoint(cache_list):
             if isinstance(x, ArraysCache):
                 x.cache, x.lengths, x.left_padding = list(st[0]), st[1], st[2]
             else:
-                for k, v in zip(_FIELDS, st):
+                for k, v in zip(_FIELDS, st):  # a fresh shallow copy: restore() can run again
                     if hasattr(x, k):
-                        setattr(x, k, v)
+                        setattr(x, k, mx.array(v) if isinstance(v, mx.array) else v)
     return restore
 
 
