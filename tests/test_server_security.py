@@ -380,3 +380,28 @@ def test_error_messages_lose_folders(tmp_path):
     assert e.message == "model 'x' cannot be loaded: .../model.safetensors is truncated; see GET /v1/models " \
                         "or .../config.json"
     assert str(tmp_path) not in e.response().body.decode()
+
+
+def test_model_folder_with_wrong_config_types_is_no_500(setup, tmp_path, monkeypatch):
+    """A config.json that parses but holds nonsense (a null layer count) made
+    the model listing a 500 TypeError."""
+    from mlx_dflash.settings import SettingsStore
+    from starlette.testclient import TestClient
+
+    from app.server import ManagerCatalog, create_app
+
+    root = tmp_path / "models"
+    bad = root / "odd"
+    shutil.copytree(setup[2], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(num_hidden_layers=None, hidden_size="wide")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (root / "qwen").symlink_to(setup[0] / "qwen")
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
+    (tmp_path / "settings.json").write_text(json.dumps({"version": 1, "global": {"model_dirs": [str(root)]}}))
+    app = create_app(ManagerCatalog(SettingsStore()))
+    c = TestClient(app, base_url="http://localhost")
+    for r in (c.get("/v1/models"), c.post("/v1/completions", json={"model": "odd", "prompt": "x"})):
+        assert r.status_code != 500 and r.status_code in (200, 404, 503), r.text
+        if r.status_code != 200:
+            assert r.json()["error"]["message"] and str(tmp_path) not in r.text
