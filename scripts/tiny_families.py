@@ -94,7 +94,7 @@ def _peak(model) -> None:
 
 def build(family: str, seed: int = 0, bits: int = 0, group_size: int = 64, dtype=None, **over):
     """A tiny random model of `family` (evaluated). bits: quantize it with mlx
-    (4 or 8 bits, `group_size`); dtype: cast its float parameters."""
+    (4, 8 or "mixed" bits, `group_size`); dtype: cast its float parameters."""
     from mlx_lm.utils import _get_classes
 
     cfg = config(family, **over)
@@ -104,8 +104,13 @@ def build(family: str, seed: int = 0, bits: int = 0, group_size: int = 64, dtype
     _peak(model)
     if dtype is not None:
         model.set_dtype(dtype)
-    if bits:
-        nn.quantize(model, group_size=group_size, bits=bits,
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
+    if bits:  # bits="mixed": 8-bit embedding and head, 4-bit elsewhere (a mixed-precision predicate)
+        def pred(path, m):
+            if not (hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0):
+                return False
+            if bits == "mixed":
+                return {"bits": 8 if ("embed" in path or "lm_head" in path) else 4, "group_size": group_size}
+            return True
+        nn.quantize(model, group_size=group_size, bits=4 if bits == "mixed" else bits, class_predicate=pred)
     mx.eval(model.parameters())
     return model

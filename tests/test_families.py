@@ -30,7 +30,7 @@ _models = {}
 
 def model_of(family):
     if family not in _models:
-        _models[family] = build(family, **QUANT.get(family, {}))
+        _models[family] = build(family, **QUANT_ALL.get(family, {}))
     return _models[family]
 
 
@@ -44,7 +44,12 @@ def tok(tmp_path_factory):
     return load_tokenizer(d)
 
 
-@pytest.mark.parametrize("family", ALL)
+MORE_QUANT = {"gpt_oss:q8": dict(bits=8, group_size=32), "lfm2:mixed": dict(bits="mixed", group_size=32),
+              "granitemoehybrid:q8": dict(bits=8, group_size=64)}
+QUANT_ALL = dict(QUANT, **MORE_QUANT)
+
+
+@pytest.mark.parametrize("family", ALL + list(MORE_QUANT))
 def test_logits_are_the_models_own(family):
     model = model_of(family)
     t = Target(model)
@@ -66,7 +71,7 @@ def _widths(family):
     return WIDTHS
 
 
-@pytest.mark.parametrize("family", ALL)
+@pytest.mark.parametrize("family", ALL + list(MORE_QUANT))
 def test_greedy_equals_mlx_lm(family, tok):
     model = model_of(family)
     vocab = 512
