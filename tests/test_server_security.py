@@ -237,10 +237,18 @@ def _serve_cli(home, *args, timeout=60):
 def test_api_key_on_the_command_line_is_refused(setup):
     r = _serve_cli(setup[1], "--api-key", "sekret")
     assert r.returncode == 2 and "MLX_DFLASH_API_KEY" in r.stderr and "Traceback" not in r.stderr
+    from argparse import Namespace
+
+    from app.server.cli import api_key
+
     empty = setup[1] / "empty-key"
     empty.write_text("\n")
-    r = _serve_cli(setup[1], "--api-key-file", str(empty))
-    assert r.returncode == 2 and "empty" in r.stderr
+    with pytest.raises(ValueError, match="empty"):
+        api_key(Namespace(api_key=None, api_key_file=str(empty)), None)
+    with pytest.raises(ValueError, match="cannot read"):
+        api_key(Namespace(api_key=None, api_key_file=str(setup[1] / "nope")), None)
+    (setup[1] / "key").write_text("k1 \nignored\n")
+    assert api_key(Namespace(api_key=None, api_key_file=str(setup[1] / "key")), "from-settings") == "k1"
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +256,7 @@ def keyed(setup, tmp_path_factory):
     """A key from a file (never on the command line); a queue of two; a short grace."""
     f = tmp_path_factory.mktemp("key") / "key.txt"
     f.write_text("s3cret-key\n")
-    s = Server(setup[1], "--api-key-file", str(f), "--queue-size", "2", "--grace", "1", "--quiet",
+    s = Server(setup[1], "--api-key-file", str(f), "--queue-size", "2", "--grace", "0.5", "--quiet",
                key="s3cret-key", key_env=False)
     yield s
     s.stop()
@@ -315,7 +323,7 @@ def test_ctrl_c_answers_queue_503_and_cancels_after_grace(keyed):
     _err(queued["r"], 503, "server_shutting_down")
     t.join(30)
     assert not t.is_alive()
-    # the stream was stopped after the 1 s grace, and says so in-band
+    # the stream was stopped after the 0.5 s grace, and says so in-band
     errors = [json.loads(x)["error"] for x in got["lines"] if x.startswith('{"error"')]
     assert errors and errors[0]["code"] == "server_shutting_down"
     assert got["lines"][-1] == "[DONE]"
