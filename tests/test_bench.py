@@ -41,7 +41,7 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert meta["skipped"] == {}
     rows = {r["method"]: r for r in res["methods"]}
     kinds = {r["kind"] for r in res["methods"]}
-    assert kinds == set(bench.KINDS)
+    assert kinds == set(bench.DEFAULT_KINDS)
     assert res["methods"][0]["method"] == "mlx-lm"
     base = rows["mlx-lm"]
     for name, r in rows.items():
@@ -55,26 +55,26 @@ def test_quick_json(pairs, tmp_path, capsys):
         assert r["efficiency"] == pytest.approx(r["ratio"] / r["limit"])
         if r["acceptance"] is not None:
             assert 0.0 <= r["acceptance"] <= 1.0
-        if r["kind"] in ("dflash1", "dflash2", "adaptive"):
+        if r["kind"] in bench.OURS:
             sh = r["shares"]
             assert set(sh) == {"draft", "select", "verify", "book", "other"}
             assert sum(sh.values()) == pytest.approx(1.0)
             assert all(v >= 0 for k, v in sh.items() if k != "other") and sh["other"] > -0.05
-            assert sh["verify"] > 0 and sh["draft"] > 0
+            assert sh["verify"] > 0  # drafts are computed with the verify (one readback a cycle)
         if r["kind"] in ("dflash1", "dflash2"):  # fixed width: limit = tau / (c(w) + d(w))
             assert r["limit"] == pytest.approx(r["tau"] / (r["c"] + r["d"]))
             assert r["c"] == meta["costs"]["dflash1" if r["kind"] == "dflash1" else "dflash2"]["c"][str(r["width"])]
-        if r["kind"] == "dflash2":
-            assert r["shares"]["select"] > 0  # DFlash 2's path selector
-        if r["kind"] == "dflash1":
-            assert r["shares"]["select"] == 0
+        if r["kind"] in ("default", "lookup"):  # per-cycle widths: limit from the cycles' own costs
+            assert r["c"] is None and r["limit"] is not None and r["limit"] > 0
+        if r["kind"] == "lookup":
+            assert r["lookup_cycles"] >= 0 and "lookup" in " ".join(r["policy"])
     assert base["tau"] == 1.0 and base["limit"] == 1.0 and base["shares"] is None
     spec = [r for r in res["methods"] if r["kind"] == "mlx-lm-spec"]
     assert len(spec) == 1 and spec[0]["limit"] == pytest.approx(spec[0]["tau"] / (spec[0]["c"] + spec[0]["d"]))
     ad = [r for r in res["methods"] if r["kind"] == "adaptive"][0]
     assert ad["cycles"] >= ad["plain_cycles"] >= 0 and len(ad["adaptive"]["final_states"]) == 3
     c = meta["costs"]["dflash2"]
-    widest = max(r["width"] for r in res["methods"] if r["kind"] in ("dflash2", "adaptive"))
+    widest = max(r["width"] for r in res["methods"] if r["kind"] in ("dflash2", "adaptive", "default"))
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
@@ -145,3 +145,116 @@ def test_goals_follow_the_rows():
     assert not g["efficiency"]["met"]
     a = g["adaptive_vs_best_fixed"]
     assert a["value"] == pytest.approx(35 / 36) and not a["better"] and a["within_3pct"]
+
+
+# -- issue 17: the model's own drafter, the output folder, the chart's title -----------------
+
+
+def _named_pair(pairs, tmp_path):
+    """The v2 test pair as a models folder where the drafter names its target."""
+    import shutil
+
+    d = pairs("qwen3", version=2)
+    root = tmp_path / "models"
+    shutil.copytree(d / "target", root / "mytarget")
+    shutil.copytree(d / "drafter", root / "mytarget-dflash")
+    cfg_path = root / "mytarget-dflash" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["target_model"] = "mytarget"
+    cfg_path.write_text(json.dumps(cfg))
+    return root
+
+
+def test_model_without_drafter_uses_its_resolved_drafter(pairs, tmp_path, capsys, monkeypatch):
+    root = _named_pair(pairs, tmp_path)
+    monkeypatch.setenv("MLX_DFLASH_MODELS_DIR", str(root))
+    rc = main(["bench", "--model", str(root / "mytarget"), "--methods", "mlx-lm,dflash2", "--widths", "2",
+               "--quick", "--json", "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert res["meta"]["models"]["dflash2"] == str(root / "mytarget-dflash")
+    assert "drafter for" in cap.err and "names this target" in cap.err
+    row = [r for r in res["methods"] if r["kind"] == "dflash2"][0]
+    assert row["mismatches"] == 0 and row["tau"] >= 1.0
+
+
+def test_model_without_any_drafter_says_so(pairs, tmp_path, capsys, monkeypatch):
+    d = pairs("qwen3", version=2)
+    monkeypatch.setenv("MLX_DFLASH_MODELS_DIR", str(tmp_path / "empty"))
+    rc = main(["bench", "--model", str(d / "target"), "--methods", "mlx-lm,dflash2", "--quick",
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "method dflash2 needs --drafter" in err[-1] and "no DFlash drafter is known" in err[-1]
+    # the default methods: the drafter-less ones still run, and the skip says why
+    rc = main(["bench", "--model", str(d / "target"), "--quick", "--json", "--out", str(tmp_path / "o2")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert "no DFlash drafter is known" in res["meta"]["skipped"]["dflash2"]
+    assert {r["kind"] for r in res["methods"]} == {"mlx-lm", "lookup"}
+    assert "no DFlash drafter is known" in (tmp_path / "o2" / "results.md").read_text()
+
+
+def test_default_output_folder_is_ignored_by_git(tmp_path):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(bench.__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for name in ("bench-humaneval-20260101-000000", "bench-realistic-20260101-000000"):
+        r = subprocess.run(["git", "check-ignore", "-q", f"{name}/results.json"], cwd=root)
+        assert r.returncode == 0, name
+
+
+def test_chart_title_names_model_drafter_and_machine():
+    from app.bench_report import title
+
+    res = {"meta": {"models": {"model": "/x/models/target", "dflash2": "/x/models/dflash2"},
+                    "machine": {"machine": "x86_64", "cpus": 2, "device": "Device(cpu, 0)", "mlx": "0.32.4"}}}
+    t = title(res)
+    assert "model target" in t and "drafter dflash2" in t and "x86_64 2 cores" in t and "cpu" in t
+
+
+# -- issue 16: the realistic regime ----------------------------------------------------------
+
+
+def test_alpha_replays_the_published_mean():
+    from app.bench_realistic import alpha_for
+
+    a = alpha_for(6.5)
+    assert 1 + sum(a ** i for i in range(1, 16)) == pytest.approx(6.5, abs=1e-6)
+    assert alpha_for(1.0) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_realistic_tiny(tmp_path, capsys, monkeypatch):
+    """The realistic mode end to end on a tiny target: every row lossless against
+    mlx-lm, the replayed accept lengths reach the loop, the cost model's columns hold."""
+    from app import bench_realistic as br
+
+    tiny = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=512)
+    monkeypatch.setitem(br.TARGETS, "tiny", (tiny, 0, "tiny Qwen3"))
+    rc = main(["bench", "--realistic", "--targets", "tiny", "--num-prompts", "2", "--max-tokens", "40",
+               "--draft-layers", "1", "--json", "--out", str(tmp_path / "r")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert json.loads((tmp_path / "r" / "results.json").read_text()) == res
+    t = res["targets"][0]
+    rows = {r["method"]: r for r in t["methods"]}
+    assert set(rows) == {"mlx-lm", "default (dflash2, guard)", "dflash2-w5", "dflash2-w8", "dflash2-w16"}
+    for name, r in rows.items():
+        assert r["mismatches"] == 0, name  # greedy: the replay never changes the output
+        assert r["efficiency"] == pytest.approx(r["ratio"] / r["limit"])
+    for w in (5, 8, 16):
+        r = rows[f"dflash2-w{w}"]
+        assert 1.0 < r["tau"] <= w and r["limit"] == pytest.approx(r["tau"] / (r["c"] + r["d"]))
+        assert r["d"] > 0  # the real drafter forward is paid
+    assert rows["dflash2-w16"]["tau"] > rows["dflash2-w5"]["tau"]
+    assert 0 < t["alpha"] < 1 and t["replayed_mean_accept_len"] is not None
+    assert [g["method"] for g in res["goals"]] == ["dflash2-w5", "dflash2-w8", "dflash2-w16"]
+    md = (tmp_path / "r" / "results.md").read_text()
+    assert "tiny Qwen3" in md and "shared with other jobs" in md
