@@ -240,7 +240,7 @@ class ScriptCatalog:
 class LocalServer:
     """create_app(catalog) on uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, catalog, **kw):
+    def __init__(self, catalog, model="script", **kw):
         import uvicorn
 
         from app.server import create_app
@@ -249,7 +249,7 @@ class LocalServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(catalog, model="script", **kw)
+        self.app = create_app(catalog, model=model, **kw)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -160,3 +160,59 @@ def test_hybrid_target_reuses_only_full_prefixes(pair, family):
     cont = list(ent.tokens) + [5, 6, 7]  # the whole entry starts this one
     r, c = go(cont)
     assert r.stats.reused_tokens == len(cont) - 3 and r.token_ids == c.token_ids
+
+
+class PairCatalog:
+    """The test pair behind a server, with a prompt-cache budget in bytes."""
+
+    def __init__(self, folder, budget):
+        from mlx_dflash.settings import ModelSettings
+
+        self.folder, self.budget = folder, budget
+        self.settings_ = ModelSettings(max_tokens=N, block_size=W)
+
+    def targets(self):
+        return [{"id": "pair", "owned_by": "tests", "drafters": []}]
+
+    def default(self):
+        return "pair"
+
+    def settings(self, model_id):
+        return self.settings_
+
+    def prompt_cache_bytes(self):
+        return self.budget
+
+    def load(self, model_id):  # on the worker's thread (MLX streams are per thread)
+        from types import SimpleNamespace
+
+        model, tok, drafter = load(str(self.folder / "target"), str(self.folder / "drafter"))
+        return SimpleNamespace(id="pair", model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
+
+
+def test_server_small_budget_same_text_as_big(pairs):
+    """Through HTTP: a budget that holds one conversation gives the same text as
+    one that holds all of them; it only reuses less."""
+    import openai
+    from scripted import LocalServer
+
+    def serve(budget):
+        srv = LocalServer(PairCatalog(pairs(), budget), model="pair")
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            out = []
+            for q in ("Tell me about lists.", "Tell me about dicts.", "Tell me about lists.", "And sets?"):
+                r = c.chat.completions.create(model="pair", temperature=0, messages=[
+                    {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+            return out, srv.worker.store
+        finally:
+            srv.stop()
+
+    big, store = serve(1 << 30)
+    one = max(b for _, b in store.entries.values())
+    small, store = serve(int(one * 1.5))  # room for about one conversation
+    assert store.stats.evictions > 0 and len(store) == 1
+    assert [t for t, _ in small] == [t for t, _ in big]
+    assert all(n > 0 for _, n in big[1:])  # the shared system prompt, at least
+    assert big[2][1] > small[2][1]  # the repeated question is all cached only with room for it
