@@ -354,14 +354,6 @@ def test_second_ctrl_c_exits_at_once(setup):
     assert "GET /health" not in s.log.read_text()  # --quiet
 
 
-def test_ctrl_c_on_idle_server_exits_cleanly(srv):
-    """Last test using `srv`: it has answered requests; one Ctrl-C ends it, no abort."""
-    assert _completion(srv, n=2).status_code == 200
-    srv.proc.send_signal(signal.SIGINT)
-    assert _wait_exit(srv, 30) in (0, 130)
-    _clean_log(srv)
-
-
 # -- the rules themselves (no server) ----------------------------------------------------
 
 def test_host_and_origin_rules():
@@ -413,3 +405,18 @@ def test_model_folder_with_wrong_config_types_is_no_500(setup, tmp_path, monkeyp
         assert r.status_code != 500 and r.status_code in (200, 404, 503), r.text
         if r.status_code != 200:
             assert r.json()["error"]["message"] and str(tmp_path) not in r.text
+
+
+def test_anthropic_path_gets_anthropic_error_format(srv):
+    r = httpx.post(srv.url + "/v1/messages", content="{}", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["type"] == "error" and r.json()["error"]["message"]
+    r = httpx.post(srv.url + "/v1/messages", json={}, headers={"Host": "attacker.example"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+def test_ctrl_c_on_idle_server_exits_cleanly(srv):
+    """Last test using `srv`: it has answered requests; one Ctrl-C ends it, no abort."""
+    assert _completion(srv, n=2).status_code == 200
+    srv.proc.send_signal(signal.SIGINT)
+    assert _wait_exit(srv, 30) in (0, 130)
+    _clean_log(srv)

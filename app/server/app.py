@@ -26,6 +26,15 @@ from .security import MAX_BODY, STATS_KEY, Guard, Policy, make_auth
 from .worker import Job, ManagerCatalog, Worker
 
 
+def _render_error(path: str, e: APIError):
+    """An error in the format of the API at `path` (for security.Guard)."""
+    if path.startswith("/v1/messages"):
+        from .anthropic_api import error_response
+
+        return error_response(e)
+    return e.response()
+
+
 @dataclass
 class ServerContext:
     """What every API module needs from the app (each module's `register(app, ctx)`)."""
@@ -73,7 +82,8 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     app = FastAPI(title="mlx-dflash", version=mlx_dflash.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=log)
+    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=log,
+                       render=_render_error)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):

@@ -89,9 +89,12 @@ def _header(scope, name: bytes) -> Optional[str]:
 class Guard:
     """The ASGI middleware: reject early, add CORS headers, count the body, log."""
 
-    def __init__(self, app, policy: Policy, log: bool = True, out=None):
+    def __init__(self, app, policy: Policy, log: bool = True, out=None, render: Optional[Callable] = None):
+        """`render(path, APIError) -> Response`: the error format of the API at
+        that path (default: OpenAI's)."""
         self.app, self.policy, self.log = app, policy, log
         self.out = out or sys.stderr
+        self.render = render or (lambda path, e: e.response())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -114,11 +117,11 @@ class Guard:
         try:
             err = self._check(scope, origin)
             if err is not None:
-                return await _reply(send_, err, close=err.status == 413)
+                return await _reply(send_, self.render(scope["path"], err), close=err.status == 413)
             if origin is not None and scope["method"] == "OPTIONS" and \
                     _header(scope, b"access-control-request-method") is not None:
                 return await _preflight(send_, scope, origin, self.policy)
-            await self.app(scope, self._counted(receive, send_, seen), send_)
+            await self.app(scope, self._counted(scope, receive, send_, seen), send_)
         finally:
             if self.log:
                 self._log(scope, seen["status"], state.get(STATS_KEY), t0)
@@ -144,7 +147,7 @@ class Guard:
                 return _too_large(self.policy.max_body)
         return None
 
-    def _counted(self, receive, send, seen):
+    def _counted(self, scope, receive, send, seen):
         """`receive`, counting body bytes; past the limit the client gets its 413
         at once and the app sees a disconnect."""
         total = 0
@@ -157,7 +160,7 @@ class Guard:
                 total += len(msg.get("body", b""))
                 if total > limit:
                     if seen["status"] is None:
-                        await _reply(send, _too_large(limit), close=True)
+                        await _reply(send, self.render(scope["path"], _too_large(limit)), close=True)
                     seen["closed"] = True
                     return {"type": "http.disconnect"}
             return msg
@@ -180,8 +183,7 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is over {limit >> 20} MiB", code="request_too_large")
 
 
-async def _reply(send, err: APIError, close: bool = False):
-    resp = err.response()
+async def _reply(send, resp, close: bool = False):
     if close:  # the rest of the body is never read: the connection cannot be reused
         resp.headers["connection"] = "close"
     await resp({"type": "http"}, None, send)
