@@ -90,9 +90,9 @@ def main(argv=None) -> int:
             if proc.poll() is not None:
                 sys.exit(f"server exited: {(home / 'server.log').read_text().strip()}")
             try:
-                h = httpx.get(url + "/health", timeout=2).json()
-                if h["model"] is not None:
-                    model = h["model"]
+                h = httpx.get(url + "/metrics", timeout=2).json()  # /health says only "ok"
+                if h["loaded"] is not None:
+                    model = h["loaded"]
                     break
             except httpx.HTTPError:
                 pass
