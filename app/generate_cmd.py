@@ -37,6 +37,9 @@ def add_parser(sub):
     modes = _verify_modes()
     p.add_argument("--verify-mode", default=None, metavar="MODE",
                    help=f"{' | '.join(modes)} (default from settings: dflash)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="the target's compute dtype: auto | float32 | bfloat16 | float16 (default from settings: "
+                        "auto = $MLX_DFLASH_DTYPE, else the checkpoint's; float32 is faster on a CPU)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system prompt (chat template only; default from settings)")
@@ -109,12 +112,16 @@ def run(args):
     from mlx_dflash import stream_generate
     from mlx_dflash.manager import acceptance_warning, load_model, settings_store
 
+    from mlx_dflash.settings import COMPUTE_DTYPES, SettingsError
+
+    if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
+        raise SettingsError(f"--dtype: unknown dtype '{args.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
     prompt_text = _read_prompt(args.prompt)
     store = settings_store()
     dflash = None if args.verify_mode is None else args.verify_mode != "off"
     if args.drafter is not None and dflash is None:
         dflash = True  # naming a drafter asks for it
-    lm = load_model(args.model, store, drafter=args.drafter, dflash=dflash, download=True)
+    lm = load_model(args.model, store, drafter=args.drafter, dflash=dflash, download=True, dtype=args.dtype)
     s = effective_settings(lm.settings, args)
     if lm.drafter is not None and args.block_size is not None and s.block_size > lm.drafter.block_size:
         from .cli import UserError
@@ -144,12 +151,15 @@ def run(args):
             return 0
         s = r.stats
         if args.json:
+            from mlx_dflash.loader import model_dtype
+
             res = {"text": "".join(text), "token_ids": ids, "finish_reason": r.finish_reason, "model": lm.id,
-                   "drafter": lm.drafter_id,
+                   "drafter": lm.drafter_id, "dtype": model_dtype(lm.model),
                    "stats": {"tau": s.tau, "cycles": s.cycles, "drafted": s.drafted, "accepted": s.accepted,
                              "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.generation_tps,
                              "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
                              "prompt_tps": s.prompt_tps, "mode": s.mode, "fallback": s.fallback,
+                             "policy": s.policy,
                              "block_size": s.block_size, "peak_memory_gb": s.peak_memory}}
             out.write(json.dumps(res) + "\n")
         else:

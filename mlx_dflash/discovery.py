@@ -140,17 +140,24 @@ def _cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
-def _weight_bytes(path: Path) -> tuple:
-    """(bytes as loaded here, bytes per activation). On the CPU backend the loader
-    widens half-precision weights to float32 (see loader.load)."""
-    cpu = _cpu()
+def _weight_bytes(path: Path, dtype=None) -> tuple:
+    """(bytes as loaded here, bytes per activation). Float weights take the compute
+    dtype when one is asked for (`dtype`, else $MLX_DFLASH_DTYPE: see
+    loader.compute_dtype), else stay as stored."""
+    try:
+        from .loader import compute_dtype
+
+        want = compute_dtype(dtype)[0]
+    except (ImportError, ValueError):  # an unknown $MLX_DFLASH_DTYPE: the loader says so when loading
+        want = None
+    size = want.size if want is not None else None
     total, act = 0, 0
     for dt, nb in _tensors(path):
-        if cpu and dt in ("F16", "BF16"):
-            nb *= 2
+        if size and dt in ("F32", "F16", "BF16"):
+            nb = nb // _DTYPE_BYTES[dt] * size
         total += nb
         if dt in ("F32", "F16", "BF16") and not act:
-            act = 4 if cpu else _DTYPE_BYTES[dt]
+            act = size or _DTYPE_BYTES[dt]
     return total, act or 4
 
 
@@ -183,7 +190,11 @@ def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=No
     cfg = read_config(path)
     if cfg is None or not any(Path(path).glob("*.safetensors")):
         return None
-    wbytes, act = _weight_bytes(path)
+    try:
+        ms = store.model(model_id)
+    except SettingsError:
+        ms = ModelSettings()
+    wbytes, act = _weight_bytes(path, None if ms.dtype == "auto" else ms.dtype)
     kind = _kind(cfg, model_id.rsplit("/", 1)[-1], wbytes)
     if kind is None:
         return None
@@ -192,10 +203,7 @@ def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=No
     if kind in ("dflash1", "dflash2"):
         dc = cfg.get("dflash_config") or {}
         block = int(dc.get("block_size", cfg.get("block_size", 16)))
-    try:
-        ctx = store.model(model_id).max_context if kind == "target" else 0
-    except SettingsError:
-        ctx = ModelSettings().max_context
+    ctx = ms.max_context if kind == "target" else 0
     heads = t.get("num_attention_heads") or 1
     kv = t.get("num_key_value_heads") or heads
     head_dim = t.get("head_dim") or (t.get("hidden_size", 0) // heads)

@@ -294,11 +294,12 @@ def _pick_drafter(entry: ModelEntry, s: ModelSettings, entries: list, store=None
 
 def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = None, *,
                drafter: Optional[str] = None, dflash: Optional[bool] = None,
-               download: bool = False) -> LoadedModel:
+               download: bool = False, dtype: Optional[str] = None) -> LoadedModel:
     """Load a target and, when DFlash is on, its drafter (the chosen one, else the
     best compatible one found), quantized and typed as the settings say.
     `drafter` (a name) overrides the settings' choice; `dflash` forces DFlash on or
-    off; `download` fetches a Hugging Face repo id not on this machine."""
+    off; `download` fetches a Hugging Face repo id not on this machine; `dtype`
+    overrides the `dtype` setting (the target's compute dtype)."""
     from .loader import _param_dtype
     from .loader import load as load_files
 
@@ -333,7 +334,10 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
             notices.append(f"no compatible DFlash drafter found for '{entry.id}'; using plain decoding")
     # DFlash off: no drafter at all (the loader would otherwise look one up);
     # on with none found here: the loader may still find a published one (registry)
-    model, tok, drafter = _load_files(load_files, str(entry.path), dpath, auto_drafter=on)
+    if dtype is not None:
+        s = replace(s, dtype=dtype)
+    model, tok, drafter = _load_files(load_files, str(entry.path), dpath, auto_drafter=on,
+                                      dtype=None if s.dtype == "auto" else s.dtype)
     if drafter is not None:
         tdt = _param_dtype(model)
         act, why = safe_activation_dtype(s.drafter_activation_dtype, tdt)

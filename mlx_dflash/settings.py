@@ -36,6 +36,7 @@ FILE_NAME = "settings.json"
 QUANT_BITS = (None, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 ACTIVATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: $MLX_DFLASH_DTYPE, else the checkpoint's
 
 
 class SettingsError(ValueError):
@@ -86,6 +87,7 @@ class ModelSettings:
     max_tokens: int = 512
     system_prompt: str = ""
     max_context: int = 4096
+    dtype: str = "auto"  # the target's compute dtype (float32 is several times faster on a CPU)
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments for `stream_generate`."""
@@ -126,6 +128,7 @@ MODEL_KEYS = {
     "max_tokens": "max_tokens",
     "system_prompt": "system_prompt",
     "max_context": "max_context",
+    "dtype": "dtype",
 }
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
 _FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
@@ -134,7 +137,7 @@ _TYPES = {  # field -> (type, optional)
     "verify_mode": (str, False), "drafter_quant_bits": (int, True), "drafter_quant_group_size": (int, False),
     "drafter_activation_dtype": (str, False), "temperature": (float, False), "top_p": (float, False),
     "top_k": (int, False), "min_p": (float, False), "max_tokens": (int, False), "system_prompt": (str, False),
-    "max_context": (int, False),
+    "max_context": (int, False), "dtype": (str, False),
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
 }
@@ -227,6 +230,8 @@ def check_model(s: ModelSettings) -> None:
     for name in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below
         if not math.isfinite(getattr(s, name)):
             raise SettingsError(f"{name} must be a finite number, got {getattr(s, name)}")
+    if s.dtype not in COMPUTE_DTYPES:
+        raise SettingsError(f"unknown dtype '{s.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
     from .sampling import SamplingParams  # here: reading settings should not need mlx
 
     try:  # the engine's own checks, so settings never hold values generation refuses

@@ -460,11 +460,17 @@ def test_settings_panel_is_usable_at_80x24(backend, tmp_path):
                     assert form.region.contains_region(w.region) or form.region.overlaps(w.region), w.id
                 await pilot.press("tab")
             assert seen == {name for name, _, _ in SETTINGS_FIELDS}
-            # and a change is saved from there
+            # and changes are saved from there; a new compute dtype loads the model again in it
             scr.query_one("#f-max_tokens").value = "9"
+            scr.query_one("#f-dtype").value = "bfloat16"
             await pilot.press("ctrl+s")
             await until(pilot, lambda: not isinstance(app.screen, SettingsScreen), "the panel to close")
-            assert backend.store.model("target").max_tokens == 9
+            s = backend.store.model("target")
+            assert (s.max_tokens, s.dtype) == (9, "bfloat16")
+            await until(pilot, lambda: app.loaded is not None and app.loaded.settings.dtype == "bfloat16", "the reload")
+            from mlx_dflash.loader import model_dtype
+
+            assert model_dtype(app.loaded.model) == "bfloat16"
 
     run(go())
 
@@ -598,7 +604,8 @@ def test_low_acceptance_warns_once_in_the_chat(backend, tmp_path):
 
 
 def _snap_app(backend, tmp_path):
-    backend.store.set_model("target", max_tokens=6)
+    # a width other than the default: no timing-driven guard deciding what the screen shows
+    backend.store.set_model("target", max_tokens=6, block_size=4)
     return make_app(backend, tmp_path, mask_timings=True)
 
 

@@ -123,6 +123,19 @@ def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
     assert out["stats"]["generation_tokens"] == 6 and out["stats"]["mode"] == "off" and out["drafter"] is None
 
 
+def test_generate_dtype_flag_and_setting(listed, capsys):
+    from mlx_dflash.manager import settings_store
+
+    settings_store().set_model("target", dtype="bfloat16")
+    assert main("generate", "--model", "target", "--prompt", "hi", "--max-tokens", "2", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    assert main("generate", "--model", "target", "--prompt", "hi", "--max-tokens", "2", "--json",
+                "--dtype", "float32") == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    assert main("generate", "--model", "target", "--prompt", "hi", "--dtype", "f8") == 2
+    assert "--dtype: unknown dtype 'f8'" in capsys.readouterr().err
+
+
 def test_generate_embedded_name(capsys):
     assert main("generate", "--model", "embedded/target", "--drafter", "embedded/dflash2", "--prompt", "hi",
                 "--max-tokens", "3", "--json") == 0

@@ -383,6 +383,22 @@ def test_activation_dtype_guard_keeps_drafts_alive(world):
     assert _greedy(guarded, "for i in").token_ids == plain.token_ids
 
 
+def test_compute_dtype_setting(world, monkeypatch):
+    """`dtype` (setting, or load_model's argument over it) is the target's compute
+    dtype; the memory estimate follows it."""
+    monkeypatch.delenv("MLX_DFLASH_DTYPE", raising=False)
+    store = world["store"]
+    full = by_id(store)["flat-target"].est_memory_bytes  # the test pair is stored in float32
+    store.set_model("flat-target", dtype="bfloat16")
+    assert by_id(store)["flat-target"].est_memory_bytes == full // 2
+    lm = load_model("flat-target", store)
+    assert lm.model.model.norm.weight.dtype == mx.bfloat16 and lm.settings.dtype == "bfloat16"
+    over = load_model("flat-target", store, dtype="float32")
+    assert over.model.model.norm.weight.dtype == mx.float32
+    with pytest.raises(SettingsError, match="unknown dtype 'f8'"):
+        store.set_model("flat-target", dtype="f8")
+
+
 def test_activation_dtype_is_applied(world):
     store = world["store"]
     store.set_model("embedded/target", **{"drafter.activation_dtype": "bfloat16"})

@@ -227,6 +227,8 @@ VALIDATION = [
     ({"dflash_enabled": "maybe"}, "dflash.enabled must be true or false"),
     ({"block_size": None}, "block_size cannot be empty"),
     ({"speed": 3}, "unknown model setting 'speed'; valid: dflash.enabled, drafter, block_size"),
+    ({"dtype": "int4"}, "unknown dtype 'int4'; valid: auto, float32, bfloat16, float16"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
 ]
 
 

@@ -43,7 +43,7 @@ class ManagerBackend:
 
 
 # settings whose change needs the drafter (or model) loaded again
-RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype")
+RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype", "dtype")
 
 # stats the chat keeps per answer (GenerationStats.to_dict keys)
 STATS_KEYS = ("mode", "fallback", "policy", "block_size", "prompt_tokens", "reused_tokens", "generation_tokens",

@@ -21,6 +21,7 @@ SETTINGS_FIELDS = [
     ("block_size", "Verify width (block size)", "int"),
     ("verify_mode", "Verify mode", "mode"),
     ("drafter_quant_bits", "Quantized drafter", "quant"),
+    ("dtype", "Compute dtype", "dtype"),
     ("temperature", "Temperature", "float"),
     ("top_p", "Top p", "float"),
     ("top_k", "Top k (0 = off)", "int"),
@@ -42,7 +43,7 @@ class SettingsScreen(ModalScreen):
         self.model_id, self.settings, self._save, self.max_block = model_id, settings, save, max_block
 
     def compose(self) -> ComposeResult:
-        from mlx_dflash.settings import verify_modes
+        from mlx_dflash.settings import COMPUTE_DTYPES, verify_modes
 
         s = self.settings
         with Vertical(classes="dialog"):
@@ -54,8 +55,9 @@ class SettingsScreen(ModalScreen):
                         v = getattr(s, name)
                         if kind == "switch":
                             yield Checkbox("enabled", value=bool(v), id=f"f-{name}")
-                        elif kind == "mode":
-                            yield Select([(m, m) for m in verify_modes()], value=v, allow_blank=False,
+                        elif kind in ("mode", "dtype"):
+                            choices = verify_modes() if kind == "mode" else COMPUTE_DTYPES
+                            yield Select([(m, m) for m in choices], value=v, allow_blank=False,
                                          compact=True, id=f"f-{name}")
                         elif kind == "quant":
                             yield Select(QUANT_OPTIONS, value="none" if v is None else str(v), allow_blank=False,
@@ -88,7 +90,7 @@ class SettingsScreen(ModalScreen):
             w = self.query_one(f"#f-{name}")
             if kind == "switch":
                 v = w.value
-            elif kind == "mode":
+            elif kind in ("mode", "dtype"):
                 v = w.value
             elif kind == "quant":
                 v = None if w.value == "none" else int(w.value)
