@@ -140,3 +140,33 @@ def test_second_conversation_cached(srv, client):
     assert cold.usage.cache_read_input_tokens == 0
     assert cold.usage.input_tokens == warm.usage.input_tokens + warm.usage.cache_read_input_tokens
     assert warm.content[0].text == cold.content[0].text == "Echo: second task"
+
+
+def test_claude_code_fields_are_accepted(client):
+    """What Claude Code sends besides the basics: context_management, tool
+    extras, output_config effort, cache_control, thinking, metadata."""
+    tools = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}, "defer_loading": False,
+              "input_examples": [{"city": "Rome"}], "strict": False}]
+    m = client.messages.create(
+        model="script", max_tokens=200, tools=tools, metadata={"user_id": "u1"},
+        system=[{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "RAW:" + CALL,
+                                                "cache_control": {"type": "ephemeral"}}]}],
+        thinking={"type": "disabled"},
+        extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+                    "output_config": {"effort": "high"}})
+    assert m.stop_reason == "tool_use" and m.content[0].input == {"city": "Paris"}
+    assert m.model_dump()["context_management"] == {"applied_edits": []}
+
+
+def test_output_format_is_a_constrained_decode(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = send(client, 'RAW:{"ok": true}', extra_body={"output_config": {"format": {"type": "json_schema",
+                                                                                  "schema": schema}}})
+    assert json.loads(m.content[0].text) == {"ok": True} and m.model_dump()["dflash"]["mode"] == "off"
+    m = send(client, 'RAW:{"fine": 1}', max_tokens=4,
+             extra_body={"output_format": {"type": "json_schema", "schema": schema}})
+    assert m.content[0].text.startswith('{"') and "fine" not in m.content[0].text
+    with pytest.raises(anthropic.BadRequestError, match="json_schema"):
+        send(client, "x", extra_body={"output_format": {"type": "xml"}})

@@ -148,3 +148,37 @@ def test_second_conversation_cached(srv, client):
     cold = client.responses.create(model="script", input="second", instructions=instructions)
     assert cold.usage.input_tokens_details.cached_tokens == 0
     assert warm.output_text == cold.output_text == "Echo: second"
+
+
+CODEX_TOOLS = [{"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {
+    "command": {"type": "array", "items": {"type": "string"}}}}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/s"}},
+    {"type": "web_search"}]
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch"
+
+
+def test_codex_tools_custom_call_round_trip(client):
+    """A Codex-like tool array: function + freeform custom tool + a built-in."""
+    raw = "RAW:<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}}) + "\n</tool_call>"
+    items = [{"role": "user", "content": raw}]
+    r = client.responses.create(model="script", input=items, tools=CODEX_TOOLS, store=False)
+    [c] = r.output
+    assert c.type == "custom_tool_call" and c.name == "apply_patch" and c.input == PATCH
+    d = r.model_dump()
+    assert d["dflash"]["tools_not_offered"] == ["web_search"] and len(d["tools"]) == 3
+    items += [{"type": "custom_tool_call", "call_id": c.call_id, "name": c.name, "input": c.input},
+              {"type": "custom_tool_call_output", "call_id": c.call_id, "output": "Done!"}]
+    r2 = client.responses.create(model="script", input=items, tools=CODEX_TOOLS, store=False)
+    assert r2.output_text == "Answer: Done!"
+    evs, final = _events(client, input=[{"role": "user", "content": raw}], tools=CODEX_TOOLS)
+    types = [e.type for e in evs]
+    i = types.index("response.custom_tool_call_input.delta")
+    assert types[i - 1: i + 3] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                                   "response.custom_tool_call_input.done", "response.output_item.done"]
+    assert evs[i].delta == PATCH and final.output[0].input == PATCH
+    fn = "RAW:<tool_call>\n" + json.dumps({"name": "shell", "arguments": {"command": ["ls"]}}) + "\n</tool_call>"
+    r3 = client.responses.create(model="script", input=fn, tools=CODEX_TOOLS)
+    assert r3.output[0].type == "function_call" and json.loads(r3.output[0].arguments) == {"command": ["ls"]}
+    with pytest.raises(openai.BadRequestError, match="tool type 'frobnicator'"):
+        client.responses.create(model="script", input="x", tools=[{"type": "frobnicator"}])

@@ -33,8 +33,19 @@ class Tool(_Strict):
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     input_schema: dict
-    type: Optional[Literal["custom"]] = None
+    type: Optional[Literal["custom"]] = None  # server tools (web search, code execution) run at Anthropic only
     cache_control: Optional[dict] = None  # a caching hint: this server caches every prompt prefix anyway
+    # sent by Claude Code; accepted, not applied (README): deferred loading (every tool
+    # is in the prompt), examples (not rendered), strict (tool inputs are not constrained)
+    defer_loading: Optional[bool] = None
+    input_examples: Optional[list] = None
+    strict: Optional[bool] = None
+    eager_input_streaming: Optional[bool] = None
+
+
+class OutputConfig(_Strict):
+    effort: Optional[str] = None  # a hint to Anthropic models; nothing to apply here
+    format: Optional[dict] = None  # {"type": "json_schema", "schema": {...}}: a constrained decode
 
 
 class ToolChoice(_Strict):
@@ -62,6 +73,12 @@ class MessagesRequest(_Strict):
     tool_choice: Optional[ToolChoice] = None
     metadata: Optional[dict] = None  # user_id: the caller's metadata, nothing to apply
     thinking: Optional[Thinking] = None  # passed to the template as enable_thinking
+    output_config: Optional[OutputConfig] = None
+    output_format: Optional[dict] = None  # the older name of output_config.format
+    # Claude Code sends these; accepted, not applied: no context edits are made (the
+    # response says so in context_management.applied_edits), one service tier
+    context_management: Optional[dict] = None
+    service_tier: Optional[str] = None
 
 
 class CountRequest(_Strict):
@@ -149,8 +166,17 @@ def _gen(req) -> GenRequest:
     kw = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else {}
     g = GenRequest(req.model, _messages(req), tools, choice, parallel, template_kwargs=kw)
     if isinstance(req, MessagesRequest):
+        from .structured import parse_format
+
         g.max_tokens, g.temperature, g.top_p, g.top_k = req.max_tokens, req.temperature, req.top_p, req.top_k
         g.stop, g.stream = list(req.stop_sequences or []), req.stream
+        fmt, param = req.output_format, "output_format"
+        if req.output_config is not None and req.output_config.format is not None:
+            fmt, param = req.output_config.format, "output_config.format"
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+                raise _bad(f"{param}.type must be 'json_schema'", param)
+            g.response_format = parse_format("json_schema", fmt.get("schema"), param)
     return g
 
 
@@ -195,6 +221,8 @@ def register(app, ctx) -> None:
         body = {"id": mid_, "type": "message", "role": "assistant", "model": mid, "content": content,
                 "stop_reason": _stop_reason(end), "stop_sequence": end.get("stop_sequence"),
                 "usage": _usage(end), "dflash": relay.stats_fields(end)["dflash"]}
+        if req.context_management is not None:
+            body["context_management"] = {"applied_edits": []}
         return JSONResponse(body)
 
     @app.post("/v1/messages/count_tokens")

@@ -1,7 +1,7 @@
-"""OpenAI's Responses API, /v1/responses: input items (messages, function
-calls and their outputs), instructions, function tools, previous_response_id
-(conversations kept in memory, bounded), usage with cached tokens, and the
-typed event stream (response.created ... response.completed)."""
+"""OpenAI's Responses API, /v1/responses: input items (messages, function and
+custom tool calls and their outputs), instructions, tools (responses_items),
+previous_response_id (conversations kept in memory, bounded), usage with cached
+tokens, and the typed event stream (response.created ... response.completed)."""
 
 from __future__ import annotations
 
@@ -17,23 +17,12 @@ from pydantic import Field
 
 from . import relay
 from .errors import APIError, _bad
+from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, to_messages,
+                              tool_choice)
 from .schemas import _Strict
-from .tools import GenRequest, call_id, check_tool_choice
+from .tools import GenRequest
 
 MAX_STORED = 256  # responses kept for previous_response_id (least recently used go first)
-
-
-class FunctionTool(_Strict):
-    type: Literal["function"]
-    name: str = Field(min_length=1, max_length=128)
-    description: Optional[str] = None
-    parameters: Optional[dict] = None
-    strict: Optional[bool] = None
-
-
-class NamedTool(_Strict):
-    type: Literal["function"]
-    name: str
 
 
 class TextFormat(_Strict):
@@ -53,8 +42,8 @@ class ResponsesRequest(_Strict):
     model: Optional[str] = None
     input: Union[str, List[dict]]
     instructions: Optional[str] = None
-    tools: Optional[List[FunctionTool]] = None
-    tool_choice: Union[Literal["auto", "none", "required"], NamedTool, None] = None
+    tools: Optional[List[dict]] = None  # function, custom (freeform) and built-in tools (responses_items)
+    tool_choice: Union[Literal["auto", "none", "required"], NamedTool, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
     previous_response_id: Optional[str] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
@@ -74,74 +63,6 @@ class ResponsesRequest(_Strict):
     truncation: Optional[Literal["disabled"]] = None
 
 
-# -- input items -> template messages ---------------------------------------------------
-
-def _text_of(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of parts", where)
-    out = []
-    for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(p.get("text"), str):
-            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise _bad(f"{where}.content[{j}]: content type '{kind}' is not supported (text only)", where)
-        out.append(p["text"])
-    return "".join(out)
-
-
-def _messages(items: List[dict]) -> List[dict]:
-    msgs: List[dict] = []
-    for i, it in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(it, dict):
-            raise _bad(f"{where} must be an object", where)
-        t = it.get("type", "message")
-        if t == "message":
-            role = it.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise _bad(f"{where}.role must be user, system, developer or assistant", where)
-            msgs.append({"role": "system" if role == "developer" else role,
-                         "content": _text_of(it.get("content"), where)})
-        elif t == "function_call":
-            if not all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise _bad(f"{where}: a function_call needs call_id, name and arguments (strings)", where)
-            from .tools import arguments_dict
-
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": arguments_dict(it["arguments"])}}
-            last = msgs[-1] if msgs else None
-            if last is not None and last["role"] == "assistant":  # parallel calls: one assistant turn
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif t == "function_call_output":
-            if not isinstance(it.get("call_id"), str):
-                raise _bad(f"{where}: a function_call_output needs call_id", where)
-            out = it.get("output")
-            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": out if isinstance(out, str) else _text_of(out, where)})
-        elif t == "reasoning":  # an earlier turn's reasoning: templates drop it too
-            continue
-        else:
-            raise _bad(f"{where}: input item type '{t}' is not supported", where)
-    return msgs
-
-
-# -- output ---------------------------------------------------------------------------------
-
-def _msg_item(text: str, status: str = "completed", iid: Optional[str] = None) -> dict:
-    return {"type": "message", "id": iid or "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def _call_item(c: dict, status: str = "completed", args: Optional[str] = None) -> dict:
-    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": c.get("call_id") or call_id(),
-            "name": c["name"], "status": status,
-            "arguments": args if args is not None else json.dumps(c["arguments"], ensure_ascii=False)}
-
-
 def _usage(end: dict) -> dict:
     s = end["stats"]
     return {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": s.reused_tokens},
@@ -152,7 +73,7 @@ def _usage(end: dict) -> dict:
 def register(app, ctx) -> None:
     stored: "OrderedDict[str, List[dict]]" = OrderedDict()  # response id -> the conversation so far
 
-    def base(rid: str, req: ResponsesRequest, mid: str, created: int, status: str) -> dict:
+    def base(rid: str, req: ResponsesRequest, mid: str, created: int, status: str, tools: Tools) -> dict:
         choice = req.tool_choice
         return {"id": rid, "object": "response", "created_at": created, "status": status, "model": mid,
                 "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
@@ -161,21 +82,20 @@ def register(app, ctx) -> None:
                 "previous_response_id": req.previous_response_id, "temperature": req.temperature,
                 "top_p": req.top_p, "store": req.store, "text": {"format": {"type": "text"}},
                 "tool_choice": choice.model_dump() if isinstance(choice, NamedTool) else (choice or "auto"),
-                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "truncation": "disabled",
+                "tools": tools.echo, "truncation": "disabled",
                 "usage": None}
 
-    def finish(body: dict, end: dict, history: List[dict], out: relay.Result, req: ResponsesRequest) -> dict:
+    def finish(body: dict, end: dict, history: List[dict], out: relay.Result, req: ResponsesRequest,
+               tools: Tools) -> dict:
         incomplete = end["finish_reason"] == "length"
+        stats = relay.stats_fields(end)["dflash"]
+        if tools.not_offered:
+            stats["tools_not_offered"] = tools.not_offered
         body.update(status="incomplete" if incomplete else "completed", usage=_usage(end),
                     incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                    completed_at=int(time.time()), **{"dflash": relay.stats_fields(end)["dflash"]})
+                    completed_at=int(time.time()), dflash=stats)
         if req.store:
-            turn = {"role": "assistant", "content": out.text}
-            calls = [i for i in body["output"] if i["type"] == "function_call"]
-            if calls:
-                turn["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {
-                    "name": c["name"], "arguments": json.loads(c["arguments"])}} for c in calls]
-            stored[body["id"]] = history + [turn]
+            stored[body["id"]] = history + [history_turn(out.text, body["output"])]
             while len(stored) > MAX_STORED:
                 stored.popitem(last=False)
         return body
@@ -194,43 +114,41 @@ def register(app, ctx) -> None:
             stored.move_to_end(req.previous_response_id)
             history = list(stored[req.previous_response_id])
         items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-        history += _messages(items)
+        history += to_messages(items)
         if not history:
             raise _bad("input is empty", "input")
         msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in req.tools] if req.tools else None
-        choice = {"name": req.tool_choice.name} if isinstance(req.tool_choice, NamedTool) else req.tool_choice
-        check_tool_choice(tools, choice)
-        g = GenRequest(req.model, msgs, tools, choice, req.parallel_tool_calls is not False,
+        tools = Tools.parse(req.tools)
+        choice = tool_choice(req.tool_choice, tools)
+        g = GenRequest(req.model, msgs, tools.template or None, choice, req.parallel_tool_calls is not False,
                        req.max_output_tokens, req.temperature, req.top_p, stream=req.stream, response_format=fmt)
-        return g, history
+        return g, history, tools
 
     @app.post("/v1/responses", dependencies=[Depends(ctx.auth)])
     async def responses(request: Request):
         req = await ctx.parse(request, ResponsesRequest)
-        g, history = build(req)
+        g, history, tools = build(req)
         try:
             job, mid, _ = await relay.start(ctx, request, "chat", g, req.model)
         except relay.ClientGone:
             return JSONResponse({}, status_code=499)
         rid, created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
         if req.stream:
-            return StreamingResponse(stream(job, request, req, rid, mid, created, history),
+            return StreamingResponse(stream(job, request, req, rid, mid, created, history, tools),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             out = await relay.collect(ctx, job, request)
         except relay.ClientGone:
             return JSONResponse({}, status_code=499)
-        body = base(rid, req, mid, created, "completed")
+        body = base(rid, req, mid, created, "completed", tools)
         if out.text:
-            body["output"].append(_msg_item(out.text))
-        body["output"] += [_call_item(c) for c in out.calls]
+            body["output"].append(msg_item(out.text))
+        body["output"] += [call_item(c, tools) for c in out.calls]
         body["output_text"] = out.text
-        return JSONResponse(finish(body, out.end, history, out, req))
+        return JSONResponse(finish(body, out.end, history, out, req, tools))
 
-    async def stream(job, request, req, rid, mid, created, history):
+    async def stream(job, request, req, rid, mid, created, history, tools):
         seq = 0
 
         def ev(kind: str, **data) -> str:
@@ -239,7 +157,7 @@ def register(app, ctx) -> None:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-        body = base(rid, req, mid, created, "in_progress")
+        body = base(rid, req, mid, created, "in_progress", tools)
         yield ev("response.created", response=body)
         yield ev("response.in_progress", response=body)
         out, msg, text = relay.Result(), None, []  # msg: the open message item
@@ -247,7 +165,7 @@ def register(app, ctx) -> None:
         def close_msg():
             nonlocal msg
             idx, full = len(body["output"]) - 1, "".join(text)
-            done = _msg_item(full, iid=msg["id"])
+            done = msg_item(full, iid=msg["id"])
             body["output"][idx] = done
             part = done["content"][0]
             parts = [ev("response.output_text.done", item_id=msg["id"], output_index=idx, content_index=0,
@@ -263,7 +181,7 @@ def register(app, ctx) -> None:
             async for kind, v in relay.events(ctx, job, request, poll=False):
                 if kind == "text":
                     if msg is None:
-                        msg = _msg_item("", "in_progress")
+                        msg = msg_item("", "in_progress")
                         msg["content"] = []
                         body["output"].append(msg)
                         idx = len(body["output"]) - 1
@@ -279,21 +197,22 @@ def register(app, ctx) -> None:
                     if msg is not None:
                         for e in close_msg():
                             yield e
-                    item = _call_item(v)
+                    item = call_item(v, tools)
                     idx = len(body["output"])
                     body["output"].append(item)
+                    key, kind = ("arguments", "function_call_arguments") if item["type"] == "function_call" \
+                        else ("input", "custom_tool_call_input")
                     yield ev("response.output_item.added", output_index=idx,
-                             item={**item, "status": "in_progress", "arguments": ""})
-                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                             delta=item["arguments"])
-                    yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                             name=item["name"], arguments=item["arguments"])
+                             item={**item, "status": "in_progress", key: ""})
+                    yield ev(f"response.{kind}.delta", item_id=item["id"], output_index=idx, delta=item[key])
+                    yield ev(f"response.{kind}.done", item_id=item["id"], output_index=idx,
+                             **({"name": item["name"]} if key == "arguments" else {}), **{key: item[key]})
                     yield ev("response.output_item.done", output_index=idx, item=item)
                 else:
                     if msg is not None:
                         for e in close_msg():
                             yield e
-                    finish(body, v, history, out, req)
+                    finish(body, v, history, out, req, tools)
                     kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
                     yield ev(kind, response=body)
         except relay.ClientGone:

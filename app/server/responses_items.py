@@ -1,0 +1,188 @@
+"""Responses API items and tools, to and from the chat-template form.
+
+Tools: `function` tools as they are; `custom` (freeform) tools, such as Codex's
+apply_patch, are shown to the model as a function with one string parameter
+`input`, and its calls come back as `custom_tool_call` items carrying that
+string; built-in tools (web_search, file_search, code_interpreter, ...) run at
+OpenAI, not here: they are not offered to the model, and the response lists
+them under `dflash.tools_not_offered`."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from pydantic import Field, ValidationError
+
+from .errors import _bad
+from .schemas import _Strict, _validation_message
+from .tools import arguments_dict, call_id, check_tool_choice
+
+BUILTIN = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+           "image_generation", "mcp", "local_shell")
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class CustomTool(_Strict):
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    format: Optional[dict] = None  # text or a grammar: described to the model, not enforced
+
+
+class NamedTool(_Strict):
+    type: Literal["function", "custom"]
+    name: str
+
+
+@dataclass
+class Tools:
+    """The request's tools, split by kind."""
+
+    template: List[dict] = field(default_factory=list)  # for the chat template
+    custom: set = field(default_factory=set)  # names of freeform tools
+    not_offered: List[str] = field(default_factory=list)  # built-in tools (run at OpenAI)
+    echo: List[dict] = field(default_factory=list)  # as the client sent them, for the response body
+
+    @classmethod
+    def parse(cls, raw: Optional[list]) -> "Tools":
+        t = cls()
+        for i, d in enumerate(raw or []):
+            kind = d.get("type") if isinstance(d, dict) else None
+            try:
+                if kind == "function":
+                    f = FunctionTool.model_validate(d)
+                    t.template.append({"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)})
+                elif kind == "custom":
+                    c = CustomTool.model_validate(d)
+                    desc = (c.description or "") + _format_note(c.format)
+                    t.template.append({"type": "function", "function": {
+                        "name": c.name, "description": desc.strip(),
+                        "parameters": {"type": "object", "properties": {"input": {
+                            "type": "string", "description": "the raw input, as text (not JSON)"}},
+                            "required": ["input"]}}})
+                    t.custom.add(c.name)
+                elif kind in BUILTIN or (isinstance(kind, str) and kind.startswith("web_search")):
+                    t.not_offered.append(kind)
+                else:
+                    raise _bad(f"tools[{i}]: tool type '{kind}' is not supported", f"tools[{i}].type")
+            except ValidationError as e:
+                err = _validation_message(e)
+                err.message, err.param = f"tools[{i}]: {err.message}", f"tools[{i}]"
+                raise err from None
+            t.echo.append(d)
+        return t
+
+
+def _format_note(fmt) -> str:
+    if not isinstance(fmt, dict) or fmt.get("type") != "grammar":
+        return ""
+    return f"\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt.get('definition', '')}"
+
+
+def tool_choice(choice, tools: Tools):
+    """The request's tool_choice in GenRequest form, checked against the tools."""
+    if isinstance(choice, NamedTool):
+        choice = {"name": choice.name}
+    elif isinstance(choice, dict):  # e.g. {"type": "web_search"}: a built-in, not offered here
+        raise _bad(f"tool_choice type '{choice.get('type')}' is not supported", "tool_choice")
+    check_tool_choice(tools.template or None, choice)
+    return choice
+
+
+# -- input items -> template messages ---------------------------------------------------
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of parts", where)
+    out = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
+                or not isinstance(p.get("text"), str):
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise _bad(f"{where}.content[{j}]: content type '{kind}' is not supported (text only)", where)
+        out.append(p["text"])
+    return "".join(out)
+
+
+def _add_call(msgs: List[dict], call: dict) -> None:
+    last = msgs[-1] if msgs else None
+    if last is not None and last["role"] == "assistant":  # parallel calls: one assistant turn
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def to_messages(items: List[dict]) -> List[dict]:
+    msgs: List[dict] = []
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise _bad(f"{where} must be an object", where)
+        t = it.get("type", "message")
+        if t == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be user, system, developer or assistant", where)
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": _text_of(it.get("content"), where)})
+        elif t in ("function_call", "custom_tool_call"):
+            key = "arguments" if t == "function_call" else "input"
+            if not all(isinstance(it.get(k), str) for k in ("call_id", "name", key)):
+                raise _bad(f"{where}: a {t} needs call_id, name and {key} (strings)", where)
+            args = arguments_dict(it[key]) if t == "function_call" else {"input": it[key]}
+            _add_call(msgs, {"id": it["call_id"], "type": "function",
+                             "function": {"name": it["name"], "arguments": args}})
+        elif t in ("function_call_output", "custom_tool_call_output"):
+            if not isinstance(it.get("call_id"), str):
+                raise _bad(f"{where}: a {t} needs call_id", where)
+            out = it.get("output")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
+                         "content": out if isinstance(out, str) else _text_of(out, where)})
+        elif t == "reasoning":  # an earlier turn's reasoning: templates drop it too
+            continue
+        else:
+            raise _bad(f"{where}: input item type '{t}' is not supported", where)
+    return msgs
+
+
+# -- output items ------------------------------------------------------------------------------
+
+def msg_item(text: str, status: str = "completed", iid: Optional[str] = None) -> dict:
+    return {"type": "message", "id": iid or "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(c: dict, tools: Tools) -> dict:
+    """A parsed call as a function_call item, or a custom_tool_call with its raw input."""
+    if c["name"] in tools.custom:
+        args = c["arguments"]
+        strings = [v for v in args.values() if isinstance(v, str)]
+        raw = args["input"] if isinstance(args.get("input"), str) else \
+            (strings[0] if len(args) == 1 and strings else json.dumps(args, ensure_ascii=False))
+        return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call_id(),
+                "name": c["name"], "input": raw, "status": "completed"}
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call_id(),
+            "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"}
+
+
+def history_turn(text: str, output: List[dict]) -> dict:
+    """The assistant turn a response adds to its conversation (previous_response_id)."""
+    turn = {"role": "assistant", "content": text}
+    calls = [{"id": i["call_id"], "type": "function", "function": {
+        "name": i["name"], "arguments": arguments_dict(i["arguments"]) if i["type"] == "function_call"
+        else {"input": i["input"]}}} for i in output if i["type"] in ("function_call", "custom_tool_call")]
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
