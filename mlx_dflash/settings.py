@@ -13,52 +13,34 @@ deep, a number too long, the wrong shape) is moved aside to a named backup
 (never overwritten) and the defaults apply, with one line naming both files:
 whatever is in the file, the CLI keeps working.
 
-This module knows nothing of model files: checks that need them (does the
+The keys, their types and the value checks are in settings_schema.py (its names
+are importable from here too). This module knows nothing of model files: checks that need them (does the
 drafter fit the target, is the default model installed) are passed in as a
 `checker` (mlx_dflash.manager.settings_store() makes a store with them), so
 the dependency runs one way, manager -> settings."""
 
 from __future__ import annotations
 
-import difflib
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from .settings_schema import (ACTIVATION_DTYPES, COMPUTE_DTYPES, GLOBAL_KEYS, GROUP_SIZES, MODEL_KEYS,  # noqa: F401
+                              QUANT_BITS, GlobalSettings, ModelSettings, SettingsError, _check_type, _FIELD_TO_KEY,
+                              check_global, check_model, did_you_mean, global_field, model_field, parse_value,
+                              verify_modes)
+
 VERSION = 1
 FILE_NAME = "settings.json"
-QUANT_BITS = (None, 4, 8)
-GROUP_SIZES = (32, 64, 128)
-ACTIVATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: $MLX_DFLASH_DTYPE, else the checkpoint's
-
-
-class SettingsError(ValueError):
-    """A bad setting, an unreadable settings file or an unknown model (one line)."""
 
 
 class CorruptSettings(SettingsError):
     """The settings file exists but is not what this module writes, and could not be moved aside."""
-
-
-def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
-    """" (did you mean 'port'?)" for a near miss, else ""."""
-    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
-    return f" (did you mean '{near[0]}'?)" if near else ""
-
-
-def verify_modes() -> tuple:
-    """Valid verify modes: the engine's, plus "adaptive" (settings may name it
-    before the engine has it; `generation_kwargs` then maps it to "dflash")."""
-    from .generate import VERIFY_MODES
-
-    return tuple(VERIFY_MODES) + (() if "adaptive" in VERIFY_MODES else ("adaptive",))
 
 
 def home() -> Path:
@@ -69,189 +51,6 @@ def home() -> Path:
     from platformdirs import user_config_dir
 
     return Path(user_config_dir("mlx-dflash", appauthor=False))
-
-
-@dataclass
-class ModelSettings:
-    dflash_enabled: bool = True
-    drafter: Optional[str] = None  # path or model id; None: the best compatible one found
-    block_size: int = 5
-    verify_mode: str = "dflash"
-    drafter_quant_bits: Optional[int] = None  # None | 4 | 8
-    drafter_quant_group_size: int = 64
-    drafter_activation_dtype: str = "auto"  # auto = the target's dtype
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 512
-    system_prompt: str = ""
-    max_context: int = 4096
-    dtype: str = "auto"  # the target's compute dtype (float32 is several times faster on a CPU)
-
-    def generation_kwargs(self) -> dict:
-        """Keyword arguments for `stream_generate`."""
-        from .generate import VERIFY_MODES
-
-        mode = self.verify_mode if self.dflash_enabled else "off"
-        if mode not in VERIFY_MODES:  # "adaptive" before the engine has it
-            mode = "dflash"
-        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, min_p=self.min_p, block_size=self.block_size,
-                    verify_mode=mode, max_context=self.max_context)
-
-
-@dataclass
-class GlobalSettings:
-    model_dirs: list = field(default_factory=list)
-    default_model: Optional[str] = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: Optional[str] = None
-    cors_origins: list = field(default_factory=list)
-    prompt_cache_mb: int = 2048  # server: memory for cached prompt prefixes across requests (0: none)
-
-
-# user-facing key (file, CLI) -> dataclass field
-MODEL_KEYS = {
-    "dflash.enabled": "dflash_enabled",
-    "drafter": "drafter",
-    "block_size": "block_size",
-    "verify_mode": "verify_mode",
-    "drafter.quant_bits": "drafter_quant_bits",
-    "drafter.quant_group_size": "drafter_quant_group_size",
-    "drafter.activation_dtype": "drafter_activation_dtype",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "max_tokens": "max_tokens",
-    "system_prompt": "system_prompt",
-    "max_context": "max_context",
-    "dtype": "dtype",
-}
-GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
-_FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
-_TYPES = {  # field -> (type, optional)
-    "dflash_enabled": (bool, False), "drafter": (str, True), "block_size": (int, False),
-    "verify_mode": (str, False), "drafter_quant_bits": (int, True), "drafter_quant_group_size": (int, False),
-    "drafter_activation_dtype": (str, False), "temperature": (float, False), "top_p": (float, False),
-    "top_k": (int, False), "min_p": (float, False), "max_tokens": (int, False), "system_prompt": (str, False),
-    "max_context": (int, False), "dtype": (str, False),
-    "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
-    "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
-}
-
-
-def model_field(key: str) -> str:
-    """A model key as the user writes it ("dflash.enabled") or a field name -> the field."""
-    if key in MODEL_KEYS:
-        return MODEL_KEYS[key]
-    if key in _FIELD_TO_KEY:
-        return key
-    raise SettingsError(f"unknown model setting '{key}'{did_you_mean(key, MODEL_KEYS)}; "
-                        f"valid: {', '.join(MODEL_KEYS)}")
-
-
-def global_field(key: str) -> str:
-    if key in GLOBAL_KEYS:
-        return key
-    raise SettingsError(f"unknown global setting '{key}'{did_you_mean(key, GLOBAL_KEYS)}; "
-                        f"valid: {', '.join(GLOBAL_KEYS)}")
-
-
-def parse_value(name: str, text: str):
-    """A value typed on the command line -> the field's type ("none" clears an optional)."""
-    typ, optional = _TYPES[name]
-    t = text.strip()
-    if optional and t.lower() in ("none", "null", ""):
-        return None
-    try:
-        if typ is bool:
-            v = {"true": True, "on": True, "yes": True, "1": True,
-                 "false": False, "off": False, "no": False, "0": False}[t.lower()]
-            return v
-        if typ is int:
-            return int(t)
-        if typ is float:
-            v = float(t)
-            if not math.isfinite(v):
-                raise ValueError
-            return v
-        if typ is list:
-            return [s.strip() for s in t.split(",") if s.strip()]
-    except (KeyError, ValueError):
-        want = {bool: "true or false", int: "an integer", float: "a finite number"}[typ]
-        raise SettingsError(f"{_FIELD_TO_KEY.get(name, name)} must be {want}, got '{text}'") from None
-    return text
-
-
-def _check_type(name: str, v):
-    """Coerce JSON/Python values to the field's type; one-line error if impossible."""
-    typ, optional = _TYPES[name]
-    key = _FIELD_TO_KEY.get(name, name)
-    if v is None:
-        if optional:
-            return None
-        raise SettingsError(f"{key} cannot be empty")
-    if typ is float and isinstance(v, (int, float)) and not isinstance(v, bool):
-        try:
-            f = float(v)  # an int too large for a float overflows
-        except OverflowError:
-            f = math.inf
-        if not math.isfinite(f):
-            raise SettingsError(f"{key} must be a finite number, got {str(v)[:20]}")
-        return f
-    if typ is list and isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
-        return list(v)
-    if typ is list and isinstance(v, str):
-        return parse_value(name, v)
-    if typ is not list and isinstance(v, typ) and not (typ is int and isinstance(v, bool)):
-        return v
-    if isinstance(v, str) and typ is not str:
-        return parse_value(name, v)
-    raise SettingsError(f"{key} must be {typ.__name__}{' or none' if optional else ''}, got {v!r}")
-
-
-def check_model(s: ModelSettings) -> None:
-    """Checks that need no model files (see `SettingsStore.set_model` for those that do)."""
-    modes = verify_modes()
-    if s.verify_mode not in modes:
-        raise SettingsError(f"unknown verify mode '{s.verify_mode}'; valid: {', '.join(modes)}")
-    if s.block_size < 1:
-        raise SettingsError(f"block_size must be >= 1, got {s.block_size}")
-    if s.drafter_quant_bits not in QUANT_BITS:
-        raise SettingsError(f"drafter.quant_bits must be none, 4 or 8, got {s.drafter_quant_bits}")
-    if s.drafter_quant_group_size not in GROUP_SIZES:
-        raise SettingsError(f"drafter.quant_group_size must be 32, 64 or 128, got {s.drafter_quant_group_size}")
-    if s.drafter_activation_dtype not in ACTIVATION_DTYPES:
-        raise SettingsError(f"unknown drafter.activation_dtype '{s.drafter_activation_dtype}'; "
-                            f"valid: {', '.join(ACTIVATION_DTYPES)}")
-    for name in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below
-        if not math.isfinite(getattr(s, name)):
-            raise SettingsError(f"{name} must be a finite number, got {getattr(s, name)}")
-    if s.dtype not in COMPUTE_DTYPES:
-        raise SettingsError(f"unknown dtype '{s.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
-    from .sampling import SamplingParams  # here: reading settings should not need mlx
-
-    try:  # the engine's own checks, so settings never hold values generation refuses
-        SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p)
-    except ValueError as e:
-        raise SettingsError(str(e)) from None
-    if s.max_tokens < 1:
-        raise SettingsError(f"max_tokens must be >= 1, got {s.max_tokens}")
-    if s.max_context < 1:
-        raise SettingsError(f"max_context must be >= 1, got {s.max_context}")
-
-
-def check_global(g: GlobalSettings) -> None:
-    """Checks that need no model files (see `SettingsStore.set_global` for those that do)."""
-    if not 0 < g.port < 65536:
-        raise SettingsError(f"port must be in 1..65535, got {g.port}")
-    if not g.host:
-        raise SettingsError("host cannot be empty")
-    if g.prompt_cache_mb < 0:
-        raise SettingsError(f"prompt_cache_mb must be >= 0 (0 turns the prompt cache off), got {g.prompt_cache_mb}")
 
 
 def _warn(msg: str) -> None:
