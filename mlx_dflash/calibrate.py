@@ -1,15 +1,16 @@
 """Calibration: what speculation costs for one model (+ drafter) on this machine.
 
-Two records, both cached per model, drafter and machine (`cost_key`):
+`Costs` is the cost curve in 1-token target steps: verify c(w), draft d(w),
+and t_plain, a token of pipelined plain decoding (how plain decoding really
+runs). `measure_costs` times them in interleaved rounds (ratios within a round,
+median over rounds: load drift cancels), within a wall-clock budget; the
+result is cached on disk per model, drafter and machine (`cost_key`) and
+measured again when older than a month. The default mode's guard needs only
+widths 1 and w (`get_costs(..., widths=(1, w))`, ~0.2 s once per machine);
+verify mode `adaptive` needs every width.
 
-- `Costs`: the verify / draft cost curve c(w), d(w) in 1-token target steps,
-  timed up front (`measure_costs`, budgeted) for verify mode `adaptive`, which
-  plans over every width.
-- `Observed`: what the decode loop itself measured while it ran: seconds per
-  plain token (pipelined, as plain decoding really runs), seconds per
-  draft + verify cycle at each width, tokens per cycle. The guard of the default
-  mode (policy.Guard) needs nothing else, so the first request pays no
-  calibration time; the record is refreshed by every run and dropped when stale.
+`Observed` carries the guard's live acceptance and backoff from one request
+to the next one on the same model objects (this process only).
 
 Nothing here decides anything: policy.py does, from these numbers."""
 
@@ -23,14 +24,13 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
 COST_CONTEXT = 256  # tokens of cached context the cost curve is measured at
 COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
 COST_MAX_AGE_S = 30 * 86400  # re-measure monthly: a curve taken on a busy day must not stick
-OBSERVED_MAX_AGE_S = 7 * 86400  # live timings older than a week are not trusted as a prior
 
 
 @dataclass
@@ -66,7 +66,8 @@ def _median(xs):
 
 
 def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
-                  budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25) -> Costs:
+                  budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25,
+                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8) -> Costs:
     """Time target forwards of 1..max_width tokens over `context` cached tokens
     (capturing the drafter's tapped layers, as the decode loop does), drafter
     proposals of 2..max_width positions, in interleaved rounds, and a short run
@@ -102,7 +103,7 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
         mx.eval(p.tokens)
         return time.perf_counter() - t0
 
-    def plain(n=8):  # pipelined like the loop's plain path: queue step i+1 before reading i
+    def plain(n=plain_steps):  # pipelined like the loop's plain path: queue step i+1 before reading i
         y = ids[-1:]
         t0 = time.perf_counter()
         for _ in range(n):
@@ -116,8 +117,8 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
         target.trim(cache, n)
         return dt
 
-    widths = range(1, max_width + 1)
-    dwidths = range(2, max_width + 1) if real_drafter else ()
+    widths = sorted(set(widths or range(1, max_width + 1)) | {1})
+    dwidths = [w for w in widths if w > 1] if real_drafter else ()
     for w in widths:  # warm-up: first calls at a new shape are slow
         verify(w)
     for w in dwidths:
@@ -141,8 +142,8 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
     c = {w: _median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
     d = {1: 0.0}
     d.update({w: (_median([a / b for a, b in zip(td[w], tv[1])]) if real_drafter else 0.0)
-              for w in range(2, max_width + 1)})
-    return Costs(t1, c, d, context, time.time(), _median(tp))
+              for w in widths if w > 1})
+    return Costs(t1, c, d, context, time.time(), t1 * _median([a / b for a, b in zip(tp, tv[1])]))
 
 
 # -- the per-model, per-machine cache -----------------------------------------------
@@ -206,8 +207,7 @@ def cost_key(model, drafter=None) -> dict:
                     "blas_threads": os.environ.get("MLX_DFLASH_BLAS_THREADS")},
     }
     key = json.loads(json.dumps(key, default=str, sort_keys=True))
-    if drafter is None or hasattr(drafter, "parameters"):  # test doubles change behaviour, not shape
-        _KEYS[(id(model), id(drafter))] = (_ref(model), _ref(drafter), key)
+    _KEYS[(id(model), id(drafter))] = (_ref(model), _ref(drafter), key)
     return key
 
 
@@ -236,13 +236,15 @@ def _write(p: Path, key: dict, body: dict) -> Path:
     return p
 
 
-def load_cached(key: dict, max_width: int) -> Optional[Costs]:
+def load_cached(key: dict, max_width: int = 0, widths: Sequence[int] = ()) -> Optional[Costs]:
+    """The cached curve if it has widths 1..max_width (and `widths`) and is fresh."""
     j = _read(cost_path(key), key)
     try:
         costs = Costs.from_json(j["costs"]) if j else None
     except (KeyError, ValueError, TypeError):
         return None
-    if costs is None or costs.max_width < max_width or time.time() - costs.measured_at > COST_MAX_AGE_S:
+    need = set(range(1, max_width + 1)) | set(widths)
+    if costs is None or not need <= set(costs.c) or time.time() - costs.measured_at > COST_MAX_AGE_S:
         return None
     return costs
 
@@ -254,16 +256,19 @@ def save_cached(key: dict, costs: Costs) -> Path:
 _MEMO: Dict[str, Costs] = {}  # one process measures (or reads) each curve once
 
 
-def get_costs(model, drafter=None, max_width: int = 5, refresh: bool = False) -> Costs:
-    """The cost curve for this model + drafter on this machine: memoised, then
-    the on-disk cache, else measured now (and cached)."""
+def get_costs(model, drafter=None, max_width: int = 0, refresh: bool = False,
+              widths: Sequence[int] = (), **measure) -> Costs:
+    """The cost curve for this model + drafter on this machine, with widths
+    1..max_width (and `widths`): memoised, then the on-disk cache, else measured
+    now (`measure`: budget and rounds for measure_costs) and cached."""
     key = cost_key(model, drafter)
     k = json.dumps(key, sort_keys=True)
+    need = set(range(1, max_width + 1)) | set(widths) | {1}
     got = None if refresh else _MEMO.get(k)
-    if got is None or got.max_width < max_width:
-        got = None if refresh else load_cached(key, max_width)
+    if got is None or not need <= set(got.c) or (not got.t_plain and widths):
+        got = None if refresh else load_cached(key, max_width, widths)
         if got is None:
-            got = measure_costs(model, drafter, max_width)
+            got = measure_costs(model, drafter, max(need), widths=sorted(need), **measure)
             try:
                 save_cached(key, got)
             except OSError:
@@ -287,52 +292,23 @@ def remember(model, drafter, costs: Costs) -> None:
 
 @dataclass
 class Observed:
-    """Live timings of one model + drafter on this machine (seconds), and the
-    guard's state worth carrying to the next request of the same objects."""
+    """The guard's live state worth carrying to the next request on the same
+    model objects (acceptance depends on the prompts, so it is not written to disk)."""
 
-    t_plain: float = 0.0  # per plain token, pipelined (0: not seen)
-    t_cycle: Dict[int, float] = field(default_factory=dict)  # per draft + verify cycle, by width
     tau: Dict[int, float] = field(default_factory=dict)  # tokens per cycle, by width
-    updated_at: float = 0.0
-    backoff: int = 0  # the guard's plain-run length when the last request ended (process only)
-
-    def to_json(self) -> dict:
-        return {"t_plain": self.t_plain, "t_cycle": {str(k): v for k, v in self.t_cycle.items()},
-                "updated_at": self.updated_at}
-
-    @classmethod
-    def from_json(cls, j: dict) -> "Observed":
-        return cls(float(j["t_plain"]), {int(k): float(v) for k, v in j["t_cycle"].items()},
-                   updated_at=float(j.get("updated_at", 0.0)))
+    backoff: int = 0  # the guard's next plain-run length (0: the first)
+    wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
 
 
-_OBS: Dict[tuple, tuple] = {}  # (id(model), id(drafter)) -> (weakrefs, Observed): this process
+_OBS: Dict[tuple, tuple] = {}  # (id(model), id(drafter)) -> (weakrefs, Observed)
 
 
 def load_observed(model, drafter) -> Optional[Observed]:
-    """This process's record for these very objects (costs, acceptance, backoff),
-    else the machine's timings from disk (costs only: acceptance depends on the
-    prompts, which the next process does not share), else None."""
     memo = _OBS.get((id(model), id(drafter)))
     if memo and memo[0]() is model and memo[1]() is drafter:
         return memo[2]
-    key = cost_key(model, drafter)
-    j = _read(_path(key, "observed"), key)
-    try:
-        obs = Observed.from_json(j["observed"]) if j else None
-    except (KeyError, ValueError, TypeError):
-        return None
-    if obs is None or time.time() - obs.updated_at > OBSERVED_MAX_AGE_S:
-        return None
-    return obs
+    return None
 
 
-def save_observed(model, drafter, obs: Observed, to_disk: bool = True) -> None:
-    obs.updated_at = time.time()
+def save_observed(model, drafter, obs: Observed) -> None:
     _OBS[(id(model), id(drafter))] = (_ref(model), _ref(drafter), obs)
-    if to_disk and obs.t_plain and obs.t_cycle:
-        key = cost_key(model, drafter)
-        try:
-            _write(_path(key, "observed"), key, {"observed": obs.to_json()})
-        except OSError:
-            pass  # read-only cache dir: this process still remembers

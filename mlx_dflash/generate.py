@@ -32,6 +32,9 @@ from .target import Target
 
 VERIFY_MODES = ("dflash", "adaptive", "lookup", "off")
 DEFAULT_BLOCK_SIZE = 5
+# the guard's calibration, once per model, drafter and machine (then cached on
+# disk): widths 1 and w, ~0.2 s on the embedded pair
+GUARD_CALIBRATION = dict(budget_s=0.15, min_rounds=3, plain_steps=4, context=128)
 
 
 @dataclass
@@ -99,7 +102,8 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
     if mode == "adaptive":  # per-cycle width from the measured cost curve
         run.policy = policy.AdaptiveWidth(calibrate.get_costs(target.model, drafter, w), w)
     elif mode == "dflash" and (guard if guard is not None else block_size in (None, DEFAULT_BLOCK_SIZE)) and w > 1:
-        run.policy = policy.Guard(w, calibrate.load_observed(target.model, drafter))
+        costs = calibrate.get_costs(target.model, drafter, widths=(1, w), **GUARD_CALIBRATION)
+        run.policy = policy.Guard(w, costs, calibrate.load_observed(target.model, drafter))
     elif mode != "off":
         run.policy = policy.Fixed(w)
     if mode == "lookup":
@@ -175,19 +179,23 @@ def _draft(run, target, pc, token, new_feats, width, sp):
 
 
 def _verify(target, pc, token, drafts, q, sp, capture):
-    """Verify [anchor, drafts] in one forward and accept on the device; the
-    accept count and the emitted tokens come back in ONE readback (the drafts
-    are evaluated in the same graph). Returns (a, emitted tokens, features)."""
-    n = drafts.shape[0]
+    """Verify [anchor, drafts] in one forward and accept on the device, lazily.
+    Returns (the result row for `_readback`, the captured features)."""
     vin = mx.concatenate([mx.array([token], mx.int32), drafts.astype(mx.int32)])[None]
     logits, f = target(vin, pc.target, capture)
     if sp.greedy:
         a, tgt = accept_greedy(logits[0], drafts)
-        r = mx.concatenate([a[None], tgt]).tolist()
-        return r[0], r[1: r[0] + 2], f
+        return mx.concatenate([a[None], tgt]), f  # emitted = tgt[:a+1]
     a, nxt = accept_sampled(probs(logits[0], sp), drafts, q)
-    r = mx.concatenate([a[None], drafts.astype(mx.int32), nxt.astype(mx.int32)[None]]).tolist()
-    return r[0], r[1: r[0] + 1] + [r[-1]], f
+    return mx.concatenate([a[None], drafts.astype(mx.int32), nxt.astype(mx.int32)[None]]), f
+
+
+def _readback(res, sp):
+    """The cycle's ONE host sync: the drafts, the verify and the acceptance are
+    evaluated together. Returns (accepted count a, emitted tokens)."""
+    r = res.tolist()
+    a = r[0]
+    return a, (r[1: a + 2] if sp.greedy else r[1: a + 1] + [r[-1]])
 
 
 def _bookkeep(target, pc, token, out, a, n, f, new_feats):
@@ -270,25 +278,19 @@ def stream_generate(
         return
 
     pol, index = run.policy, run.index
-    timed = hasattr(pol, "observe_plain")  # Fixed / Guard: judged on wall time between decisions
-    pending = None  # (tokens, start) of the last cycle: observed at the next decision
+    simple = hasattr(pol, "observe_plain")  # Fixed / Guard (else AdaptiveWidth: its own hooks)
     try:
         while True:
-            if pending is not None:
-                pol.observe(pending[0], time.perf_counter() - pending[1])
-                pending = None
-                stats.policy = pol.reason
-
             # -- plain steps (a policy fallback, or lookup with nothing to look up) --
             burst = pol.plain_steps()
-            if burst > (0 if timed else 1) or (index is not None and run.drafter is None and not index.match()[0]):
-                t0, before = time.perf_counter(), stats.plain_cycles
+            if burst > (0 if simple else 1) or (index is not None and run.drafter is None and not index.match()[0]):
+                before = stats.plain_cycles
                 token, new_feats = yield from _plain(
                     target, pc, token, sp, emit, stats, gen_tic, run.capture, burst or None, new_feats,
-                    _on_plain(pol, index, run, stats, timed))
-                if timed:
-                    pol.observe_plain(stats.plain_cycles - before, time.perf_counter() - t0)
-                    stats.policy = pol.reason
+                    _on_plain(pol, index, run, stats, simple))
+                if simple:
+                    pol.observe_plain(stats.plain_cycles - before)
+                    _report(pol, stats)
                 if token is None:
                     return
                 continue
@@ -298,11 +300,13 @@ def stream_generate(
             w = max(1, min(pol.width(), max_tokens - len(emit.tokens)))  # never draft past max_tokens
             prop, source = _draft(run, target, pc, token, new_feats, w, sp)
             drafts, q = (prop.tokens, prop.q) if prop is not None else (mx.zeros((0,), mx.int32), None)
-            conf = None
+            conf, t_cut = None, 0.0
             if prop is not None and source == "dflash":
                 new_feats = None  # the drafter took them into its context
-                if not timed:  # adaptive: verify only the drafts worth their cost (reads conf back)
+                if not simple:  # adaptive: verify only the drafts worth their cost (reads conf back)
+                    t_cut = time.perf_counter()
                     mx.eval(prop.tokens, prop.conf)
+                    t_cut = time.perf_counter() - t_cut
                     conf = prop.conf.tolist() if isinstance(prop.conf, mx.array) else prop.conf
                     k = pol.cut(Proposal(prop.tokens.tolist(), prop.q, 0.0, conf))
                     drafts, conf = drafts[:k], conf[:k]
@@ -311,7 +315,9 @@ def stream_generate(
 
             # -- verify + accept (the one readback) --
             t2 = time.perf_counter()
-            a, out, f = _verify(target, pc, token, drafts, q, sp, run.capture)
+            res, f = _verify(target, pc, token, drafts, q, sp, run.capture)
+            t_wait = time.perf_counter()
+            a, out = _readback(res, sp)
             t3 = time.perf_counter()
 
             # -- roll back, keep context features --
@@ -319,7 +325,7 @@ def stream_generate(
             if index is not None:
                 index.extend(out)
             token = out[-1]
-            cyc = CycleStats(n + 1, a, 0, t2 - t0, 0.0, t3 - t2, time.perf_counter() - t3, source)
+            cyc = CycleStats(n + 1, a, 0, t2 - t0, 0.0, t3 - t2, time.perf_counter() - t3, source, t3 - t_wait + t_cut)
 
             # -- emit --
             resps = []
@@ -329,11 +335,12 @@ def stream_generate(
                 if emit.done:
                     break
             stats.add(cyc)  # before yielding, so every token of the cycle sees it
-            if timed:
-                pending = (a + 1, t0)
+            if simple:
+                if n:
+                    pol.observe(a + 1)
             else:
                 pol.observe(cyc, conf)
-                stats.adaptive, stats.policy = pol.summary(), pol.reason
+            _report(pol, stats)
             stats.generation_time = time.perf_counter() - gen_tic
             yield from resps
             if emit.done:
@@ -342,11 +349,17 @@ def stream_generate(
         _remember(run, target, drafter)
 
 
-def _on_plain(pol, index, run, stats, timed):
+def _report(pol, stats) -> None:
+    stats.policy = pol.reason
+    if hasattr(pol, "summary"):
+        stats.adaptive = pol.summary()
+
+
+def _on_plain(pol, index, run, stats, simple):
     """Per plain token: adaptive observes it; lookup indexes it and ends the run
     once the context has a match (returns True)."""
     def on(tok, cyc):
-        if not timed:
+        if not simple:
             pol.observe(cyc)
             stats.adaptive = pol.summary()
         if index is not None:
@@ -373,10 +386,14 @@ def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, 
     tokens, or one token after `on_token(tok, cycle)` returns True, and returns
     (the last token, emitted but not fed: the next anchor, or None when
     generation is over; the captured features of every row fed, after `feats`)."""
+    queued = [0.0]  # seconds in async_eval: on mlx-cpu it can block on the step before
+
     def feed(tok):
         logits, f = target(tok.reshape(1, 1), pc.target, capture)
         nxt = _lazy_pick(logits[0, -1], sp)
+        t = time.perf_counter()
         mx.async_eval(nxt, *([f] if f is not None else []))
+        queued[0] += time.perf_counter() - t
         return nxt, f
 
     y, f = feed(mx.array(token))
@@ -388,12 +405,14 @@ def _plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, 
         nxt = None
         if not last and len(emit.tokens) + 1 < emit.max_tokens and (steps is None or n + 1 < steps):
             nxt, f = feed(y)  # y may not be the last token: queue its step now
+        t_wait = time.perf_counter()
         tok = int(y.item())
+        t_wait, queued[0] = time.perf_counter() - t_wait + queued[0], 0.0
         if nxt is not None:  # its KV row went in with the queued step: the cache and
             pc.tokens.append(tok)  # pc.tokens agree at every yield, even if the caller stops
             feats.append(f)
         n += 1
-        cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0)
+        cyc = CycleStats(1, 0, 1, t_verify=time.perf_counter() - t0, t_wait=t_wait)
         stats.add(cyc)
         if on_token is not None and on_token(tok, cyc):
             last = True  # the step already queued on tok gives the run's last token

@@ -5,9 +5,10 @@ the costs.
 
 - `Fixed`: always width w (an explicit block size).
 - `Guard`: the default mode (verify mode `dflash`, default width): drafts at
-  width w while tau / k(w) >= 1, where k(w) is a cycle's cost in plain tokens
-  (both timed by the loop itself), else runs plain decoding, re-probing after
-  16, 32, ... 256 plain tokens. Reversible, and it says why (`reason`).
+  width w while tau / k(w) >= 1, where k(w) is a cycle's calibrated cost in
+  plain tokens and tau the live acceptance, else runs plain decoding,
+  re-probing after 16, 32, ... 256 plain tokens. Reversible, and it says why
+  (`reason`).
 - `AdaptiveWidth`: verify mode `adaptive`, per-cycle width and cut from the
   measured cost curve c(w), d(w) and the drafts' confidences:
 
@@ -40,10 +41,10 @@ class Fixed:
     def width(self) -> int:
         return self.w
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int) -> None:
         pass
 
-    def observe_plain(self, steps: int, seconds: float) -> None:
+    def observe_plain(self, steps: int) -> None:
         pass
 
 
@@ -63,64 +64,51 @@ class _Ema:
 
 
 class Guard:
-    """Never slower than plain decoding, by measurement.
+    """Never slower than plain decoding, by prediction from calibrated costs.
 
-    Predicted speedup = tau / k, tau = tokens per draft + verify cycle (running
-    mean), k = seconds per cycle / seconds per plain token (running means of
-    what the loop timed, each including everything between two decisions).
-    The loop asks `plain_steps()` (> 0: run that many plain tokens, pipelined)
-    and otherwise drafts at `width()`; it reports back with `observe` /
-    `observe_plain`."""
+    Predicted speedup = tau / k: tau = tokens per draft + verify cycle (running
+    mean of what the verifies accepted), k = a cycle's cost in plain tokens,
+    (c(w) + d(w)) * t1 / t_plain, from the calibrated curve (calibrate.py: ratios
+    measured within a round, so the machine's load drift cancels; live wall
+    times on a shared machine do not). The loop asks `plain_steps()` (> 0: run
+    that many plain tokens, pipelined) and otherwise drafts at `width()`; it
+    reports back with `observe` / `observe_plain`."""
 
     MIN_CYCLES = 3  # cycles of evidence before judging (also the length of a probe)
-    MEASURE = 8  # plain tokens timed when there is no plain timing yet
     BACKOFF0, BACKOFF_MAX = 16, 256  # plain tokens before the next probe (doubling)
-    ALPHA_TAU, ALPHA_T = 0.1, 0.2
+    ALPHA_TAU = 0.1
 
-    def __init__(self, width: int, prior: Optional[Observed] = None):
+    def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None):
         self.w = width
+        self.k = (costs.c[width] + costs.d.get(width, 0.0)) * costs.t1 / (costs.t_plain or costs.t1)
         prior = prior or Observed()
         self.tau = _Ema(self.ALPHA_TAU, prior.tau.get(width))
-        self.t_cycle = _Ema(self.ALPHA_T, prior.t_cycle.get(width))
-        self.t_plain = _Ema(self.ALPHA_T, prior.t_plain or None)
         self.backoff = prior.backoff or self.BACKOFF0
         self.state = "draft"  # "draft" | "plain"
         self.n = 0  # cycles since this drafting phase began
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
-        s = self.speedup()
-        if s is not None and s < 1.0:  # what this pair did last time: start plain, probe soon
-            self._to_plain(self.backoff)
-        if self.ceiling() is not None and self.ceiling() < 1.0:  # not even all drafts accepted would pay
+        if self.ceiling() < 1.0:  # not even every draft accepted would pay
             self._to_plain(self.BACKOFF_MAX)
+        elif prior.wait:  # the last request on these objects ended plain: so does this one begin
+            self._to_plain(prior.wait)
         self.reason = self._reason()
 
     # -- the prediction --------------------------------------------------------
-    def cost(self) -> Optional[float]:
-        """A cycle's cost in plain tokens, k(w)."""
-        if self.t_cycle.value is None or not self.t_plain.value:
-            return None
-        return self.t_cycle.value / self.t_plain.value
-
     def speedup(self) -> Optional[float]:
-        k = self.cost()
-        return None if k is None or self.tau.value is None else self.tau.value / k
+        return None if self.tau.value is None else self.tau.value / self.k
 
-    def ceiling(self) -> Optional[float]:
-        k = self.cost()
-        return None if k is None else self.w / k
+    def ceiling(self) -> float:
+        return self.w / self.k
 
     def _reason(self) -> str:
-        s, k, tau = self.speedup(), self.cost(), self.tau.value
-        why = f"{s:.2f}x predicted (tau {tau:.2f}, cycle = {k:.2f} plain tokens)" if s is not None else ""
+        s, tau = self.speedup(), self.tau.value
+        if self.ceiling() < 1.0:
+            return f"plain: width {self.w} cannot pay here (a cycle costs {self.k:.2f} plain tokens)"
+        why = f"{s:.2f}x predicted (tau {tau:.2f}, cycle = {self.k:.2f} plain tokens)" if s is not None else ""
         if self.state == "plain":
-            c = self.ceiling()
-            if c is not None and c < 1.0:
-                return f"plain: width {self.w} cannot pay here (cycle = {self.cost():.2f} plain tokens); probe in {self.wait}"
-            if s is None:
-                return "dflash: timing plain decoding"
-            return f"plain: DFlash {why}; probe in {self.wait}"
-        return f"dflash: {why}" if s is not None else "dflash: measuring"
+            return f"plain: DFlash {why}; probe in {self.wait}" if s is not None else f"plain: probe in {self.wait}"
+        return f"dflash: {why}" if s is not None else f"dflash: measuring (cycle = {self.k:.2f} plain tokens)"
 
     def _to_plain(self, n: int) -> None:
         self.state, self.wait = "plain", n
@@ -132,58 +120,42 @@ class Guard:
     def width(self) -> int:
         return self.w
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One draft + verify cycle emitted `tokens` in `seconds`."""
+    def observe(self, tokens: int) -> None:
+        """One draft + verify cycle emitted `tokens` (accepted + 1)."""
         self.n += 1
         self.tau.update(tokens, max(self.ALPHA_TAU, 1 / (self.n + 1)))  # a probe's own cycles count more
-        self.t_cycle.update(seconds)
         if self.n >= self.MIN_CYCLES:
             self._judge()
         self.reason = self._reason()
 
-    def observe_plain(self, steps: int, seconds: float) -> None:
-        """A run of `steps` plain tokens took `seconds`."""
-        if steps <= 0:
-            return
-        timing_run = self.speedup() is None
-        self.t_plain.update(seconds / steps)
-        self.wait = max(0, self.wait - steps)
-        if self.state == "plain" and self.wait == 0:
-            if timing_run:  # judge now, on the first plain timing
-                self.state = "draft"
-                self._judge()
-            else:  # probe: draft again, judged after MIN_CYCLES
-                self.state, self.n = "draft", 0
-                self.probes += 1
+    def observe_plain(self, steps: int) -> None:
+        """A run of `steps` plain tokens ended."""
+        self.wait = max(0, self.wait - max(steps, 0))
+        if self.state == "plain" and self.wait == 0:  # probe: draft again, judged after MIN_CYCLES
+            self.state, self.n = "draft", 0
+            self.probes += 1
         self.reason = self._reason()
 
     def _judge(self) -> None:
-        s = self.speedup()
-        if s is None:  # no plain timing yet: take one
-            self._to_plain(self.MEASURE)
-            return
-        if s >= 1.0:
+        if self.speedup() >= 1.0:
             self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
             return
-        c = self.ceiling()
         self.fallbacks += 1
-        self._to_plain(self.BACKOFF_MAX if c is not None and c < 1.0 else self.backoff)
+        self._to_plain(self.backoff)
         self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
 
     def observed(self) -> Observed:
         """What to carry to the next request (calibrate.save_observed)."""
-        o = Observed(self.t_plain.value or 0.0)
-        if self.t_cycle.value is not None:
-            o.t_cycle[self.w] = self.t_cycle.value
+        o = Observed()
         if self.tau.value is not None:
             o.tau[self.w] = self.tau.value
-        o.backoff = self.backoff if self.state == "plain" else 0
+        o.backoff = self.backoff
+        o.wait = self.wait if self.state == "plain" and self.ceiling() >= 1.0 else 0
         return o
 
     def summary(self) -> dict:
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
-                "speedup": self.speedup(), "cycle_cost": self.cost(), "tau": self.tau.value}
-
+                "speedup": self.speedup(), "cycle_cost": self.k, "tau": self.tau.value}
 
 
 class _Calibration:

@@ -21,6 +21,7 @@ class CycleStats:
     t_verify: float = 0.0  # draft + verify compute and the one readback
     t_book: float = 0.0
     source: str = ""  # "dflash" | "lookup" | "" (plain)
+    t_wait: float = 0.0  # of t_verify: blocked in the readback (compute not hidden behind the host)
 
 
 @dataclass

@@ -204,34 +204,46 @@ from mlx_dflash.calibrate import Observed  # noqa: E402
 from mlx_dflash.policy import Fixed, Guard  # noqa: E402
 
 
-def _drive(g, tau, t_cycle, t_plain, cycles):
-    """Run the guard's loop for `cycles` decisions; each draft cycle emits `tau`
-    tokens in t_cycle seconds, each plain token takes t_plain. Returns the
-    decisions: a width, or -k for a run of k plain tokens."""
+def _costs(k, w=5):
+    """A curve whose width-w cycle costs k plain tokens (a plain token 0.8 of a
+    1-token step, as pipelining gives; verify and draft split 3:1)."""
+    t1, tp = 0.01, 0.008
+    steps = k * tp / t1
+    return Costs(t1, {1: 1.0, w: 0.75 * steps}, {1: 0.0, w: 0.25 * steps}, t_plain=tp)
+
+
+def _drive(g, tau, cycles):
+    """Run the guard's loop for `cycles` decisions, each draft cycle emitting
+    `tau` tokens. Returns the decisions: a width, or -k for k plain tokens."""
     seq = []
     for _ in range(cycles):
         k = g.plain_steps()
         if k:
-            g.observe_plain(k, k * t_plain)
+            g.observe_plain(k)
             seq.append(-k)
         else:
-            g.observe(tau, t_cycle)
+            g.observe(tau)
             seq.append(g.width())
     return seq
 
 
+def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
+    c = Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6}, t_plain=0.008)
+    assert Guard(5, c).k == pytest.approx((1.8 + 0.6) * 0.01 / 0.008)
+    assert Guard(5, Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})).k == pytest.approx(2.4)  # no t_plain: t1
+
+
 def test_guard_keeps_drafting_when_it_pays():
-    g = Guard(5)
-    seq = _drive(g, tau=3.5, t_cycle=0.02, t_plain=0.01, cycles=60)  # 1.75x
-    # one timing run of plain tokens (none measured yet), then drafting throughout
-    assert [x for x in seq if x < 0] == [-Guard.MEASURE]
-    assert seq[-1] == 5 and g.state == "draft" and g.fallbacks == 0
-    assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x")
+    g = Guard(5, _costs(2.0))
+    assert g.plain_steps() == 0 and g.reason.startswith("dflash: measuring")
+    seq = _drive(g, tau=3.5, cycles=60)
+    assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
+    assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x predicted")
 
 
 def test_guard_falls_back_probes_with_backoff_and_recovers():
-    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}))  # costs known: no timing run
-    seq = _drive(g, tau=2.0, t_cycle=0.03, t_plain=0.01, cycles=40)  # 0.67x
+    g = Guard(5, _costs(3.0))
+    seq = _drive(g, tau=2.0, cycles=40)  # 0.67x
     plain = [-x for x in seq if x < 0]
     assert seq[: Guard.MIN_CYCLES] == [5] * Guard.MIN_CYCLES
     assert plain[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
@@ -240,27 +252,26 @@ def test_guard_falls_back_probes_with_backoff_and_recovers():
     for _ in range(Guard.MIN_CYCLES + 1):  # to the end of a probe
         if g.state == "plain":
             break
-        _drive(g, tau=2.0, t_cycle=0.03, t_plain=0.01, cycles=1)
+        _drive(g, tau=2.0, cycles=1)
     assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.67x predicted")
     # the text becomes draftable: the next probe brings drafting back
-    seq = _drive(g, tau=4.5, t_cycle=0.03, t_plain=0.01, cycles=12)
+    seq = _drive(g, tau=4.5, cycles=12)
     assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
 
 
 def test_guard_never_drafts_where_even_full_acceptance_loses():
-    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.06}))  # a cycle = 6 plain tokens > width 5
+    g = Guard(5, _costs(6.0))  # a cycle = 6 plain tokens > width 5
     assert g.plain_steps() == Guard.BACKOFF_MAX and "cannot pay" in g.reason
-    g = Guard(3)
-    _drive(g, tau=3.0, t_cycle=0.04, t_plain=0.01, cycles=Guard.MIN_CYCLES + 1)
-    assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF_MAX
+    assert g.observed().wait == 0  # nothing to carry: the next request decides the same from the costs
 
 
 def test_guard_prior_carries_acceptance_and_backoff():
-    g = Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}, tau={5: 2.0}, backoff=128))
-    assert g.plain_steps() == 128  # last request lost: start plain, probe later
+    g = Guard(5, _costs(3.0), Observed(tau={5: 2.0}, backoff=64, wait=40))
+    assert g.plain_steps() == 40  # the last request ended plain: this one continues it
     o = g.observed()
-    assert o.tau[5] == 2.0 and o.t_plain == 0.01 and o.backoff == 128
-    assert Guard(5, Observed(t_plain=0.01, t_cycle={5: 0.03}, tau={5: 4.0})).plain_steps() == 0
+    assert o.tau[5] == 2.0 and o.backoff == 64 and o.wait == 40
+    g = Guard(5, _costs(3.0), Observed(tau={5: 4.0}))
+    assert g.plain_steps() == 0 and g.speedup() == pytest.approx(4 / 3)
     f = Fixed(4)
     assert f.plain_steps() == 0 and f.width() == 4 and f.reason == "fixed width 4"
 
@@ -275,14 +286,35 @@ def test_default_mode_guard_in_the_loop(pairs):
     ref = reference_tokens(model, tok, prompt, n)
     p = len(tok.encode(prompt))
     wrong = OracleDrafter(p, ref, model.args.vocab_size, noise=1.0)
+    # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
+    adaptive.remember(model, wrong, _costs(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
     assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == 5
-    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain")
-    assert r.stats.to_dict()["policy"] == r.stats.policy
+    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.50x")
+    assert r.stats.to_dict()["policy"] == r.stats.policy and r.stats.adaptive["fallbacks"] >= 1
     for kw in (dict(block_size=4), dict(guard=False)):
         r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size, noise=1.0), max_tokens=n, **kw)
         # (only the last cycle may verify the anchor alone: no drafting past max_tokens)
         assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
-    # a right drafter in the default mode: lossless, whatever the guard decides on this machine
-    r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size), max_tokens=n)
-    assert r.token_ids == ref and r.stats.accepted > 0
+    # a right drafter in the default mode keeps drafting
+    right = OracleDrafter(p, ref, model.args.vocab_size)
+    r = generate(model, tok, prompt, right, max_tokens=n)
+    assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.tau > 4
+
+
+def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
+    """The default mode measures widths 1 and w once, then reads the cache."""
+    d = pairs("qwen3", version=2)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    r = generate(model, tok, PROMPTS[1], drafter, max_tokens=8)
+    key = adaptive.cost_key(model, drafter)
+    costs = adaptive.load_cached(key, widths=(1, 5))
+    assert costs is not None and set(costs.c) == {1, 5} and costs.t_plain > 0 and costs.d[5] > 0
+    assert r.stats.policy
+
+    def boom(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(adaptive, "_MEMO", {})
+    monkeypatch.setattr(adaptive, "measure_costs", boom)
+    generate(model, tok, PROMPTS[2], drafter, max_tokens=8)
