@@ -179,3 +179,6 @@ def test_second_conversation_reuses_system_prompt(srv, client):
     cold = ask(client, None, messages=[system, {"role": "user", "content": "another one"}], tools=TOOLS)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content == "Echo: another one"
+    pc = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).json()["models"]["script"]
+    assert pc["prompt_cache"]["entries"] >= 1 and 0 < pc["prompt_cache"]["bytes"] <= pc["prompt_cache"]["budget"]
+    assert pc["prompt_cache"]["hits"] >= 1

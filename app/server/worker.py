@@ -130,6 +130,7 @@ class Worker:
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
         self.store = None  # its PromptStore (mlx_dflash.prompt_store)
+        self.cache_summary = None  # (model id, store summary) for /metrics
         self.metrics: Dict[str, Counters] = {}
         self.lock = threading.Lock()  # guards metrics
         self.closing = False  # shutting down: no new jobs, queued ones answered 503
@@ -183,7 +184,11 @@ class Worker:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {m: c.to_dict() for m, c in self.metrics.items()}
+            out = {m: c.to_dict() for m, c in self.metrics.items()}
+        cached = self.cache_summary  # (model id, summary): set by the worker thread after each request
+        if cached is not None and cached[0] in out:
+            out[cached[0]]["prompt_cache"] = cached[1]
+        return out
 
     def _loop(self):
         while True:
@@ -251,7 +256,7 @@ class Worker:
 
     # -- one request ---------------------------------------------------------------------
     def _clear_store(self):
-        self.store = None
+        self.store = self.cache_summary = None
 
     def _serve(self, job: Job):
         from .tools import ToolStream, template_tools
@@ -333,6 +338,7 @@ class Worker:
             gen.close()
             if pc is not None and not (cancelled and r is None):
                 self.store.put(pc, target)
+                self.cache_summary = (job.model_id, self.store.summary())
         s = r.stats
         with self.lock:
             c = self.counters(job.model_id)
