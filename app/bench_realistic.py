@@ -222,7 +222,7 @@ def measure(model, drafter, widths, rounds: int = 3):
 
 
 def bench_target(name, args, log) -> dict:
-    from app.bench import Method, Run, run_mlx_lm, run_ours
+    from app.bench import Method, run_mlx_lm, run_ours
     from app.bench_report import summarize
 
     widths = sorted({int(x) for x in args.realistic_widths.split(",") if x.strip()})
@@ -289,7 +289,7 @@ def markdown(res: dict) -> str:
     from app.bench_report import _f
 
     meta = res["meta"]
-    lines = [f"# mlx-dflash bench --realistic", "",
+    lines = ["# mlx-dflash bench --realistic", "",
              f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens (64-token random prompts), greedy, batch 1; "
              f"{meta['date_utc']} UTC; {meta['machine']['platform']}, {meta['machine']['cpus']} cores, MLX "
              f"{meta['machine']['mlx']} ({meta['machine']['device']}), BLAS: {meta['machine']['blas']}.", "",

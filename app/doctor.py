@@ -208,7 +208,7 @@ def run(args):
     if r["blas_threads"]:
         scores = r.get("blas_thread_scores_ms")
         print(f"BLAS threads: {r['blas_threads']} ({r['blas_threads_from']}"
-              + (f"; ms per test: " + ", ".join(f"{t} thread(s) {s}" for t, s in scores.items()) if scores else "")
+              + ("; ms per test: " + ", ".join(f"{t} thread(s) {s}" for t, s in scores.items()) if scores else "")
               + ")")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
     for key, p in r.get("probes", {}).items():

@@ -36,7 +36,7 @@ MB = 16  # widest row count the kernel takes
 CLASS_SHAPES = [(128, 128), (256, 256), (512, 512), (1024, 1024), (4096, 1024), (8192, 1024)]  # (n, k)
 CLASS_MAX = [16384, 65536, 262144, 1048576, 4194304, None]  # n * k bound of each size class
 MEASURED_M = (1, 2, 4, 8, 16)
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # bump when what is measured changes: old files are measured again
 
 
 def _openblas_lib() -> Path | None:
