@@ -15,6 +15,9 @@ from typing import Optional
 
 from .errors import _bad
 
+# whitespace between JSON tokens: compact, spaced or pretty-printed (one line break and
+# its indentation), never blank line after blank line, which a weak model can loop on
+WS = r"[ \t]{0,40}(\n[ \t]{0,40})?"
 _TOKENIZERS = {}  # id(tokenizer wrapper) -> (wrapper, llguidance tokenizer): building one walks the vocab
 _LOCK = threading.Lock()
 
@@ -54,7 +57,7 @@ def parse_format(kind: Optional[str], schema, param: str) -> Optional[Format]:
     elif not isinstance(schema, dict):
         raise _bad(f"{param}: json_schema needs a 'schema' object", param)
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides={"whitespace_pattern": WS})
     except Exception as e:  # the compiler's one-line complaint about the schema
         raise _bad(f"{param}: the schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}",
                    param) from None
