@@ -66,11 +66,6 @@ def test_logits_are_the_models_own(family):
         assert feats.shape == (1, len(s), 2 * t.hidden_size)
 
 
-def _widths(family):
-    """Every family runs every width; prompts rotate so 5+ prompts x all widths per family."""
-    return WIDTHS
-
-
 @pytest.mark.parametrize("family", ALL + list(MORE_QUANT))
 def test_greedy_equals_mlx_lm(family, tok):
     model = model_of(family)
@@ -80,7 +75,7 @@ def test_greedy_equals_mlx_lm(family, tok):
         ref = reference_tokens(model, tok, prompt, MAX)
         assert len(ref) == MAX
         n = len(tok.encode(prompt))
-        for w in _widths(family):
+        for w in WIDTHS:
             o = OracleDrafter(n, ref, vocab, noise=0.3, seed=i * 31 + w, layer_ids=(0, 2))
             r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w)
             assert r.token_ids == ref, (family, prompt, w)
@@ -206,3 +201,23 @@ def test_unsupported_family_is_refused_before_its_weights_load(tmp_path):
         load(str(out), auto_drafter=False)
     msg = str(e.value)
     assert "\n" not in msg and "deepseek_v41" in msg and "LayerCache" in msg
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_taps_are_decoder_layer_outputs(family):
+    """On a plain decoder the captured rows are the residual stream after layer i
+    (the reference meaning of target_layer_ids), recomputed here layer by layer."""
+    from mlx_lm.models.base import create_attention_mask
+
+    model = model_of(family)
+    t = Target(model)
+    x = mx.arange(4, 20)[None]
+    _, feats = t(x, None, [0, 2, 3])
+    h = model.model.embed_tokens(x)
+    mask = create_attention_mask(h, None)
+    outs = []
+    for layer in model.model.layers:
+        h = layer(h, mask, None)
+        outs.append(h)
+    want = mx.concatenate([outs[0], outs[2], outs[3]], axis=-1)
+    assert mx.allclose(feats, want, atol=1e-5).item()
