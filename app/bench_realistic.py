@@ -309,6 +309,8 @@ def markdown(res: dict) -> str:
                          f"| {_f(r.get('c'))} | {_f(r.get('d'))} | {_f(r['limit'])} | {_f(r['efficiency'], '{:.0%}')} "
                          f"| {ok} |")
         lines.append("")
+    for n, msg in (res.get("failed") or {}).items():
+        lines += [f"## {n}: failed", "", msg, ""]
     lines += ["Goal: efficiency >= 90% at widths 5, 8 and 16:", ""]
     for g in res["goals"]:
         lines.append(f"- {g['target']} {g['method']}: {g['efficiency']:.0%} ({'met' if g['met'] else 'NOT met'})")
@@ -342,7 +344,12 @@ def run(args, log) -> int:
                                       "(side by side, prompt by prompt), not the absolute tok/s."},
            "targets": []}
     for n in names:
-        res["targets"].append(bench_target(n, args, log))
+        try:
+            res["targets"].append(bench_target(n, args, log))
+        except Exception as e:  # one target's failure is reported, the others still run
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log(f"{n}: failed: {msg}")
+            res.setdefault("failed", {})[n] = msg
     res["goals"] = goals(res["targets"])
     res["meta"]["seconds"] = round(time.time() - t_start, 1)
     out = Path(args.out or f"bench-realistic-{time.strftime('%Y%m%d-%H%M%S')}")
