@@ -29,10 +29,15 @@ def _weight_keys(path: Path) -> dict:
 def run(args):
     from mlx_dflash.drafter import Drafter, param_counts, read_config
     from mlx_dflash.drafter_config import attention_summary
-    from mlx_dflash.hub import resolve_path
+    from mlx_dflash.discovery import weights_problem
+    from mlx_dflash.hub import HubError, resolve_path
+    from mlx_dflash.manager import model_path
 
-    path = resolve_path(args.path, "drafter")
+    path = resolve_path(model_path(args.path), "drafter")  # any name `models list` prints
     c = read_config(path)
+    problem = weights_problem(path)  # a truncated download must not look fine
+    if problem:
+        raise HubError(problem)
     keys = _weight_keys(path)
     if c.version == 2:
         c.selector_codebooks = "candidate_selector.predecessor_codebook" in keys or \

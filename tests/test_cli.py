@@ -248,3 +248,20 @@ def test_every_shipped_folder_is_a_listed_package():
         for sub in folder(top).rglob("*"):
             if sub.is_dir() and not sub.name.startswith((".", "__")) and any(f.is_file() for f in sub.iterdir()):
                 assert sub.resolve() in listed, f"{sub.relative_to(ROOT)} ships files but is not in packages"
+
+
+def test_inspect_refuses_truncated_weights_and_takes_listed_names(pairs, tmp_path):
+    """`inspect` names a truncated .safetensors in one line (it said all was fine), and
+    accepts the names `models list` prints (embedded/dflash2), not only folders."""
+    import shutil
+
+    d = tmp_path / "cut"
+    shutil.copytree(pairs("qwen3", version=2) / "drafter", d)
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    r = cli("inspect", str(d))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "model.safetensors" in lines[0], r.stderr
+    r = cli("inspect", "embedded/dflash2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["version"] == 2
