@@ -117,7 +117,9 @@ class Guard:
         try:
             err = self._check(scope, origin)
             if err is not None:
-                return await _reply(send_, self.render(scope["path"], err), close=err.status == 413)
+                # a body we will not read: close rather than read and discard it
+                body = scope["method"] in ("POST", "PUT", "PATCH") or err.status == 413
+                return await _reply(send_, self.render(scope["path"], err), close=body)
             if origin is not None and scope["method"] == "OPTIONS" and \
                     _header(scope, b"access-control-request-method") is not None:
                 return await _preflight(send_, scope, origin, self.policy)
@@ -129,11 +131,12 @@ class Guard:
     def _check(self, scope, origin) -> Optional[APIError]:
         host = _header(scope, b"host") or ""
         if not self.policy.host_ok(host):
-            return APIError(403, f"host '{_host_name(host)}' is not served here; start the server with "
-                                 f"--allowed-hosts {_host_name(host)} if you trust that name", code="host_not_allowed")
+            name = _host_name(host)[:100]
+            return APIError(403, f"host '{name}' is not served here; start the server with "
+                                 f"--allowed-hosts {name} if you trust that name", code="host_not_allowed")
         if origin is not None and not self.policy.origin_ok(origin, host, scope.get("scheme", "http")):
-            return APIError(403, f"requests from web pages at {origin} are not allowed; start the server with "
-                                 f"--cors {origin} if you trust that page", code="origin_not_allowed")
+            return APIError(403, f"requests from web pages at {origin[:100]} are not allowed; start the server "
+                                 f"with --cors {origin[:100]} if you trust that page", code="origin_not_allowed")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
             if ctype != "application/json":
