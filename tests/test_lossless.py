@@ -35,6 +35,24 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
     assert checked == len(PROMPTS) * len(WIDTHS)
 
 
+def test_greedy_equals_mlx_lm_with_dflash2_and_the_default_mode(pairs):
+    """DFlash 2: the selector walks its lattice on the device and the drafts go
+    to the verify as a lazy array; fixed widths, and the default (guarded) mode."""
+    d = pairs("qwen3", version=2)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    drafted = 0
+    for prompt in PROMPTS:
+        ref = reference_tokens(model, tok, prompt)
+        for w in WIDTHS:
+            r = generate(model, tok, prompt, drafter, max_tokens=MAX, block_size=w, guard=False)
+            assert r.token_ids == ref, (prompt, w)
+            assert r.stats.policy == f"fixed width {w}"
+            drafted += r.stats.drafted
+        r = generate(model, tok, prompt, drafter, max_tokens=MAX)  # the default: guard on
+        assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.policy, prompt
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
     """A noisy oracle makes cycles accept 0..w-1 drafts: every trim/rollback path runs."""

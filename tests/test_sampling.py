@@ -111,3 +111,38 @@ def test_end_to_end_sampling_distribution(pairs):
     assert fixed.proposed == n and 0 < accepted < n  # drafts were really verified
     assert len(keys) > 3  # a real distribution, not one path
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_end_to_end_sampling_distribution_dflash2(pairs):
+    """DFlash 2 at T > 0: the selector samples its walk on the device and hands
+    its dense proposal rows q to the rejection rule; the joint law of 3 tokens
+    matches plain sampling. (A random drafter's drafts are nearly always
+    rejected here, so this exercises the residual max(p - q, 0) draw; the
+    accept branch with a sampled q is checked rule by rule above, and the walk's
+    q against its own draws in test_selector.)"""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    from mlx_dflash import generate, load
+
+    d = pairs("qwen3", version=2)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    prompt = "def f(x):"
+    kw = dict(max_tokens=3, temperature=1.5, top_k=3)
+    n, drafted = 400, 0
+
+    def draw(spec, seed):
+        nonlocal drafted
+        if spec:
+            r = generate(model, tok, prompt, drafter, seed=seed, block_size=3, **kw)
+            drafted += r.stats.drafted
+            return tuple(r.token_ids)
+        return tuple(generate(model, tok, prompt, None, seed=seed, verify_mode="off", **kw).token_ids)
+
+    plain = Counter(draw(False, s) for s in range(n))
+    spec = Counter(draw(True, 20_000 + s) for s in range(n))
+    keys = sorted(set(plain) | set(spec))
+    table = np.array([[plain[k] + 0.5 for k in keys], [spec[k] + 0.5 for k in keys]])
+    assert drafted > 0 and len(keys) > 3
+    assert chi2_contingency(table).pvalue > 1e-3
