@@ -1,6 +1,6 @@
 """`mlx-dflash doctor`: backend, BLAS in use (threads, few-row kernel), kernel
 path, and the measured verify-cost curve c(w) = t(w tokens) / t(1 token) on a
-small (~30M) and a large (~300M-parameter) Qwen3-shaped target."""
+small (~30M) and a large (~400M-parameter) Qwen3-shaped target."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ PROBES = {
     "small": ("~30M-parameter Qwen3 (hidden 512, 8 layers, vocab 8192)",
               dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=64, vocab_size=8192), 15),
-    "large": ("~304M-parameter Qwen3 (hidden 1024, 24 layers, vocab 32768, float32)",
+    "large": ("~400M-parameter Qwen3 (hidden 1024, 24 layers, 16 heads of 128, vocab 32768, float32)",
               dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3072, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=128, vocab_size=32768), 5),
 }
