@@ -159,3 +159,24 @@ def test_concurrent_first_starts_do_not_race(tmp_path):
     assert not list((tmp_path / "blas").glob("*.tmp")) and not list((tmp_path / "blas").glob("*.c"))
     cal = json.loads(next((tmp_path / "blas").glob("calibration-*.json")).read_text())
     assert cal["t1"]["threads"] == 1 and len(cal["t1"]["route"]) == fastblas.MB + 1
+
+
+class _FakeBench:
+    """Kernel vs OpenBLAS times by (m, n*k): the kernel wins for m <= 4 on every
+    size, for m = 8 only on small weights, never for m = 16."""
+
+    def pair(self, m, n, k, reps=3):
+        small = n * k <= 262144
+        wins = m <= 4 or (m == 8 and small)
+        return (1.0, 2.0) if wins else (2.0, 1.0)
+
+
+def test_route_is_the_measured_crossover():
+    route, times = fastblas._measure_route(_FakeBench())
+    n_cls = len(fastblas.CLASS_MAX)
+    assert route[0] == [0] * n_cls  # no rows: nothing to route
+    assert route[1] == route[4] == [1] * n_cls
+    assert route[8] == [1, 1, 1, 0, 0, 0]  # crossover at the size where OpenBLAS won
+    assert route[6] == route[8]  # between two measured m: only where both neighbours won
+    assert route[12] == route[16] == [0] * n_cls
+    assert len(times) == len(fastblas.MEASURED_M) * n_cls
