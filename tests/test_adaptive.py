@@ -4,11 +4,10 @@
 
 import json
 
-import mlx_lm
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import calibrate as adaptive, generate, load, stream_generate
+from mlx_dflash import calibrate, generate, load, stream_generate
 from mlx_dflash.calibrate import Costs
 from mlx_dflash.policy import AdaptiveWidth
 from mlx_dflash.drafter import Proposal
@@ -22,7 +21,7 @@ PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "impo
 def _home(tmp_path, monkeypatch):
     """Cost curves go to a temporary cache dir, measured afresh per test."""
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
-    monkeypatch.setattr(adaptive, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "_MEMO", {})
 
 
 
@@ -52,7 +51,7 @@ def test_adaptive_greedy_equals_mlx_lm(pairs, version):
             # a partly right drafter: cycles draft, cut, accept some and reject some
             o = OracleDrafter(len(tok.encode(prompt)), ref, vocab, noise=0.3, seed=i * 7 + w)
             # a cheap verify (c(8) = 1.35): drafting pays whatever the machine's load does to a measurement
-            adaptive.remember(model, o, Costs(0.01, {k: 1 + 0.05 * (k - 1) for k in range(1, 9)}, {k: 0.0 for k in range(1, 9)}))
+            calibrate.remember(model, o, Costs(0.01, {k: 1 + 0.05 * (k - 1) for k in range(1, 9)}, {k: 0.0 for k in range(1, 9)}))
             ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=32, block_size=w, verify_mode="adaptive")
             assert ids == ref, (prompt, w, "oracle")
             assert st.accepted > 0
@@ -69,7 +68,7 @@ def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     ref = reference_tokens(model, tok, prompt, n)
     o = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size, noise=1.0)
     # a fixed cost curve (c(5) = 2): how soon it falls back must not hang on this machine's load
-    adaptive.remember(model, o, Costs(0.01, {w: 1 + 0.25 * (w - 1) for w in range(1, 6)}, {w: 0.0 for w in range(1, 6)}))
+    calibrate.remember(model, o, Costs(0.01, {w: 1 + 0.25 * (w - 1) for w in range(1, 6)}, {w: 0.0 for w in range(1, 6)}))
     ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=n, block_size=5, verify_mode="adaptive")
     assert ids == ref
     assert st.accepted == 0 and st.plain_cycles > 0
@@ -168,34 +167,34 @@ def test_fallback_is_reversible_with_backoff():
 def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
     d = pairs("qwen3", version=2)
     model, _, drafter = load(str(d / "target"), str(d / "drafter"))
-    costs = adaptive.get_costs(model, drafter, max_width=4)
+    costs = calibrate.get_costs(model, drafter, max_width=4)
     assert costs.c[1] == 1.0 and set(costs.c) == {1, 2, 3, 4} and costs.d[1] == 0.0
     assert all(costs.d[w] > 0 for w in (2, 3, 4))
-    key = adaptive.cost_key(model, drafter)
-    path = adaptive.cost_path(key)
+    key = calibrate.cost_key(model, drafter)
+    path = calibrate.cost_path(key)
     assert path.is_relative_to(tmp_path / "cache") and path.exists()
     assert json.loads(path.read_text())["key"] == key
-    assert adaptive.load_cached(key, 4) == costs
-    assert adaptive.load_cached(key, 5) is None  # wider than measured: measure again
+    assert calibrate.load_cached(key, 4) == costs
+    assert calibrate.load_cached(key, 5) is None  # wider than measured: measure again
     old = Costs(costs.t1, costs.c, costs.d, costs.context, costs.measured_at - 40 * 86400)
-    adaptive.save_cached(key, old)
-    assert adaptive.load_cached(key, 4) is None  # too old: measure again
-    adaptive.save_cached(key, costs)
+    calibrate.save_cached(key, old)
+    assert calibrate.load_cached(key, 4) is None  # too old: measure again
+    calibrate.save_cached(key, costs)
 
     def boom(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(adaptive, "_MEMO", {})
-    monkeypatch.setattr(adaptive, "measure_costs", boom)
-    assert adaptive.get_costs(model, drafter, max_width=3) == costs  # from the file
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "measure_costs", boom)
+    assert calibrate.get_costs(model, drafter, max_width=3) == costs  # from the file
     # another model (or machine) has another key
     other, _, _ = load(str(pairs("qwen3", version=1, hidden=128) / "target"))
-    assert adaptive.cost_key(other, drafter) != key
+    assert calibrate.cost_key(other, drafter) != key
     key2 = dict(key, machine=dict(key["machine"], blas="reference"))
-    assert adaptive.cost_path(key2) != path
+    assert calibrate.cost_path(key2) != path
     # a corrupt file is measured again, not an error
     path.write_text("{not json")
-    assert adaptive.load_cached(key, 4) is None
+    assert calibrate.load_cached(key, 4) is None
 
 
 # -- the default mode's guard (policy.Guard): pure, no model ------------------------------
@@ -287,7 +286,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     p = len(tok.encode(prompt))
     wrong = OracleDrafter(p, ref, model.args.vocab_size, noise=1.0)
     # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
-    adaptive.remember(model, wrong, _costs(2.0))
+    calibrate.remember(model, wrong, _costs(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
     assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == 5
     assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.50x")
@@ -307,14 +306,14 @@ def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     d = pairs("qwen3", version=2)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     r = generate(model, tok, PROMPTS[1], drafter, max_tokens=8)
-    key = adaptive.cost_key(model, drafter)
-    costs = adaptive.load_cached(key, widths=(1, 5))
+    key = calibrate.cost_key(model, drafter)
+    costs = calibrate.load_cached(key, widths=(1, 5))
     assert costs is not None and set(costs.c) == {1, 5} and costs.t_plain > 0 and costs.d[5] > 0
     assert r.stats.policy
 
     def boom(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(adaptive, "_MEMO", {})
-    monkeypatch.setattr(adaptive, "measure_costs", boom)
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "measure_costs", boom)
     generate(model, tok, PROMPTS[2], drafter, max_tokens=8)
