@@ -182,3 +182,23 @@ def test_codex_tools_custom_call_round_trip(client):
     assert r3.output[0].type == "function_call" and json.loads(r3.output[0].arguments) == {"command": ["ls"]}
     with pytest.raises(openai.BadRequestError, match="tool type 'frobnicator'"):
         client.responses.create(model="script", input="x", tools=[{"type": "frobnicator"}])
+
+
+def test_fuzz_never_500(srv):
+    import random
+
+    from test_api_anthropic import _mutations
+
+    rng = random.Random(11)
+    body = {"model": "script", "max_output_tokens": 8, "instructions": "I", "tools": CODEX_TOOLS,
+            "tool_choice": "auto", "text": {"format": {"type": "text"}},
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                      {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "p"},
+                      {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"}]}
+    for b in _mutations(body, rng, 60):
+        r = httpx.post(srv.url + "/v1/responses", json=b, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code in (200, 400, 404), (b, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"], r.text

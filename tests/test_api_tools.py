@@ -182,3 +182,27 @@ def test_second_conversation_reuses_system_prompt(srv, client):
     pc = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).json()["models"]["script"]
     assert pc["prompt_cache"]["entries"] >= 1 and 0 < pc["prompt_cache"]["bytes"] <= pc["prompt_cache"]["budget"]
     assert pc["prompt_cache"]["hits"] >= 1
+
+
+N_FUZZ = 60  # mutated bodies per run (600 passed once when this was written)
+
+
+def test_fuzz_never_500(srv):
+    import random
+
+    from test_api_anthropic import _mutations
+
+    rng = random.Random(3)
+    body = {"model": "script", "max_tokens": 8, "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True,
+            "response_format": {"type": "text"},
+            "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "noon"}]}
+    for b in _mutations(body, rng, N_FUZZ):
+        r = httpx.post(srv.url + "/v1/chat/completions", json=b, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60)
+        assert r.status_code in (200, 400, 404), (b, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"], r.text
+

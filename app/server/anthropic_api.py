@@ -95,8 +95,10 @@ class CountRequest(_Strict):
 def _text(blocks, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise _bad(f"{where} must be a string or a list of text blocks", where)
     out = []
-    for j, b in enumerate(blocks or []):
+    for j, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
             kind = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise _bad(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
@@ -125,16 +127,18 @@ def _messages(req) -> List[dict]:
             if t == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
             elif t == "tool_use" and role == "assistant":
-                if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
-                    raise _bad(f"{w}: tool_use needs id and name", w)
+                if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) \
+                        or not isinstance(b.get("input", {}), dict):
+                    raise _bad(f"{w}: tool_use needs id and name (strings) and input (an object)", w)
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input") or {}}})
             elif t == "tool_result" and role == "user":
                 if text:  # keep the order: text before the result is its own turn
                     msgs.append({"role": "user", "content": "".join(text)})
                     text = []
-                out = b.get("content", "")
-                out = _text(out, w) if not isinstance(out, str) else out
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise _bad(f"{w}: tool_result needs tool_use_id", w)
+                out = _text(b.get("content", ""), f"{w}.content")
                 if b.get("is_error"):
                     out = "Error: " + out
                 msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": out})
