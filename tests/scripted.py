@@ -12,6 +12,7 @@ Script (applied to the last turn before the generation prompt):
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import socket
@@ -266,3 +267,27 @@ class LocalServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def mutations(body, rng, n):
+    """Bodies with one value somewhere replaced by a random JSON value."""
+    junk = [None, 0, -1, 1.5, "", "x", [], {}, [1], {"type": "text"}, True, [{"type": "nope"}]]
+
+    def paths(x, p=()):
+        yield p
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from paths(v, p + (k,))
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                yield from paths(v, p + (i,))
+
+    all_paths = [p for p in paths(body) if p]
+    for _ in range(n):
+        b = copy.deepcopy(body)
+        p = rng.choice(all_paths)
+        parent = b
+        for k in p[:-1]:
+            parent = parent[k]
+        parent[p[-1]] = rng.choice(junk)
+        yield b

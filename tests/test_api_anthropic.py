@@ -172,34 +172,10 @@ def test_output_format_is_a_constrained_decode(client):
         send(client, "x", extra_body={"output_format": {"type": "xml"}})
 
 
-def _mutations(body, rng, n):
-    """Bodies with one value somewhere replaced by a random JSON value."""
-    junk = [None, 0, -1, 1.5, "", "x", [], {}, [1], {"type": "text"}, True, [{"type": "nope"}]]
-
-    def paths(x, p=()):
-        yield p
-        if isinstance(x, dict):
-            for k, v in x.items():
-                yield from paths(v, p + (k,))
-        elif isinstance(x, list):
-            for i, v in enumerate(x):
-                yield from paths(v, p + (i,))
-
-    import copy
-
-    all_paths = [p for p in paths(body) if p]
-    for _ in range(n):
-        b = copy.deepcopy(body)
-        p = rng.choice(all_paths)
-        parent = b
-        for k in p[:-1]:
-            parent = parent[k]
-        parent[p[-1]] = rng.choice(junk)
-        yield b
-
-
 def test_fuzz_never_500(srv):
     import random
+
+    from scripted import mutations
 
     rng = random.Random(7)
     body = {"model": "script", "max_tokens": 8, "system": [{"type": "text", "text": "S"}], "tools": TOOLS,
@@ -210,7 +186,7 @@ def test_fuzz_never_500(srv):
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                                        "content": [{"type": "text", "text": "ok"}]}]}]}
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        for b in _mutations(body, rng, 40):
+        for b in mutations(body, rng, 40):
             if path.endswith("count_tokens"):
                 b = {k: v for k, v in b.items() if k not in ("max_tokens", "stop_sequences")}
             r = httpx.post(srv.url + path, json=b, headers={"x-api-key": KEY}, timeout=60)

@@ -187,7 +187,7 @@ def test_codex_tools_custom_call_round_trip(client):
 def test_fuzz_never_500(srv):
     import random
 
-    from test_api_anthropic import _mutations
+    from scripted import mutations
 
     rng = random.Random(11)
     body = {"model": "script", "max_output_tokens": 8, "instructions": "I", "tools": CODEX_TOOLS,
@@ -197,7 +197,7 @@ def test_fuzz_never_500(srv):
                       {"type": "function_call_output", "call_id": "c1", "output": "ok"},
                       {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "p"},
                       {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"}]}
-    for b in _mutations(body, rng, 60):
+    for b in mutations(body, rng, 60):
         r = httpx.post(srv.url + "/v1/responses", json=b, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert r.status_code in (200, 400, 404), (b, r.text)
         if r.status_code != 200:

@@ -190,7 +190,7 @@ N_FUZZ = 60  # mutated bodies per run (600 passed once when this was written)
 def test_fuzz_never_500(srv):
     import random
 
-    from test_api_anthropic import _mutations
+    from scripted import mutations
 
     rng = random.Random(3)
     body = {"model": "script", "max_tokens": 8, "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True,
@@ -199,7 +199,7 @@ def test_fuzz_never_500(srv):
                          {"role": "assistant", "content": None, "tool_calls": [
                              {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
                          {"role": "tool", "tool_call_id": "c1", "content": "noon"}]}
-    for b in _mutations(body, rng, N_FUZZ):
+    for b in mutations(body, rng, N_FUZZ):
         r = httpx.post(srv.url + "/v1/chat/completions", json=b, headers={"Authorization": f"Bearer {KEY}"},
                        timeout=60)
         assert r.status_code in (200, 400, 404), (b, r.text)
