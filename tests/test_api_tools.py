@@ -206,3 +206,19 @@ def test_fuzz_never_500(srv):
         if r.status_code != 200:
             assert r.json()["error"]["message"], r.text
 
+
+
+def test_chat_stream_event_order(srv):
+    body = {"model": "script", "messages": [{"role": "user", "content": "RAW:Ok. " + call_text()}], "tools": TOOLS,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    kinds = ["tool" if "tool_calls" in d else "text" if d.get("content") else "end" for d in deltas[1:]]
+    assert kinds == ["text"] * kinds.count("text") + ["tool", "end"]  # text, then the call, then the finish
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and "dflash" in chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
