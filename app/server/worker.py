@@ -354,8 +354,8 @@ class Worker:
             finish = "tool_calls"
         stop_seq = None
         if r.finish_reason == "stop" and r.token not in eos and kw["stop"]:  # which stop string ended it
-            full, n = tok.decode(gen_ids), len("".join(raw))
-            hits = sorted((full.find(x, max(0, n - len(x))), x) for x in kw["stop"] if full.find(x, max(0, n - len(x))) >= 0)
+            full, n = tok.decode(gen_ids), len("".join(raw))  # the text was cut where the stop began
+            hits = sorted((i, x) for x in kw["stop"] if (i := full.find(x, max(0, n - len(x)))) >= 0)
             stop_seq = hits[0][1] if hits else None
         job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
