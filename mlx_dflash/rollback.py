@@ -108,26 +108,31 @@ def checkpoint(cache_list):
     saved = []
     for x in (x for c in cache_list for x in leaves(c)):
         if isinstance(x, ArraysCache):
-            saved.append((x, (list(x.cache), x.lengths, x.left_padding)))
-        elif x is not None:
-            saved.append((x, tuple(mx.array(v) if isinstance(v, mx.array) else v for v in _fields(x))))
+            fields = {"cache": list(x.cache), "lengths": x.lengths, "left_padding": x.left_padding}
+        elif isinstance(x, ROW_CACHES) and not isinstance(x, ConcatenateKVCache):
+            # rows below the offset are never written again: the offset is the state,
+            # and holding no array keeps mlx's in-place row writes copy-free
+            fields = {k: getattr(x, k) for k in ("offset", "start_position") if hasattr(x, k)}
+        elif x is not None:  # sliding windows overwrite rows in place: keep (shallow) copies
+            fields = {k: _copy(getattr(x, k)) for k in ("keys", "values", "offset", "_idx") if hasattr(x, k)}
+        else:
+            continue
+        saved.append((x, fields))
 
     def restore():
-        for x, st in saved:
-            if isinstance(x, ArraysCache):
-                x.cache, x.lengths, x.left_padding = list(st[0]), st[1], st[2]
-            else:
-                for k, v in zip(_FIELDS, st):  # a fresh shallow copy: restore() can run again
-                    if hasattr(x, k):
-                        setattr(x, k, mx.array(v) if isinstance(v, mx.array) else v)
+        for x, fields in saved:
+            for k, v in fields.items():  # fresh shallow copies: restore() can run again
+                setattr(x, k, _copy(v))
     return restore
 
 
-_FIELDS = ("keys", "values", "offset", "_idx", "start_position")
-
-
-def _fields(x):
-    return tuple(getattr(x, k, None) for k in _FIELDS)
+def _copy(v):
+    """A shallow copy that later in-place writes to the original do not reach."""
+    if isinstance(v, mx.array):
+        return mx.array(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copy(x) for x in v)
+    return v
 
 
 # -- recurrent state -------------------------------------------------------------------

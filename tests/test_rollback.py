@@ -146,6 +146,8 @@ def test_checkpoint_restores_after_any_steps(family):
     a, b = t.make_cache(), t.make_cache()
     for c in (a, b):
         t(mx.arange(4, 20)[None], c)  # windows wrapped
+        for tok in (50, 51):  # a full window rotating in place
+            t(mx.array([[tok]]), c)
     restore = t.checkpoint(a)
     for _ in range(2):  # restore() can be used again and again
         for tok in [5, 6, 7, 8, 9, 10, 11]:
