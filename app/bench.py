@@ -87,6 +87,7 @@ class Run:
     adaptive: Optional[dict] = None
     lookup_cycles: int = 0
     policy: str = ""
+    cycle_log: list = field(default_factory=list)  # (width, source) per cycle, to re-price the run
 
     @property
     def gen_tokens(self) -> int:  # tokens after the first
@@ -136,7 +137,7 @@ def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=
 
     mx.reset_peak_memory()
     eos = set(tok.eos_token_ids)
-    toks, seen, units, r = [], None, 0.0, None
+    toks, seen, units, r, log = [], None, 0.0, None, []
     t0 = time.perf_counter()
     first = None
     for r in stream_generate(model, tok, prompt, drafter, max_tokens=max_tokens, block_size=width,
@@ -151,11 +152,12 @@ def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=
         if c is not None and c is not seen:  # each cycle once: its cost in 1-token steps
             seen = c
             units += costs.c[c.width] + (costs.d[c.width] if c.source == "dflash" else 0.0)
+            log.append((c.width, c.source))
     s = r.stats
     run = Run(toks, s.prompt_tokens, first - t0, s.prompt_time, s.generation_time, s.peak_memory,
               s.cycles, s.cycle_tokens, s.drafted, s.accepted, s.plain_cycles,
               {"draft": s.t_draft, "select": s.t_select, "verify": s.t_verify, "book": s.t_book}, units,
-              s.adaptive, s.lookup_cycles, s.policy)
+              s.adaptive, s.lookup_cycles, s.policy, log)
     return run
 
 

@@ -166,59 +166,72 @@ def build_drafter(model, layers: int, dtype: str, seed: int = 1):
     return d
 
 
-def measure(model, drafter, widths, rounds: int = 3):
-    """c(w) and d(w) at the widths used, in interleaved rounds (ratios within a
-    round, median over rounds), interpolated to every width up to the widest
-    (the loop shortens the last cycle to the tokens left)."""
-    import mlx.core as mx
+class CostSampler:
+    """c(w) and d(w) at the widths used. Each sample times a 1-token verify right
+    before each w-token verify and each w-position draft, so a ratio never spans
+    more than two forwards of drift; samples are taken before the runs and after
+    every prompt, and the median over all of them is kept (a shared machine's
+    load comes and goes over minutes). Interpolated to every width up to the
+    widest: the loop shortens the last cycle to the tokens left."""
 
-    from mlx_dflash.calibrate import Costs
-    from mlx_dflash.target import Target
+    def __init__(self, model, drafter, widths, context: int = 96):
+        import mlx.core as mx
 
-    t = Target(model)
-    capture = list(drafter.config.target_layer_ids)
-    cache, dcache = t.make_cache(), drafter.make_cache()
-    ids = (mx.arange(256) * 7919 + 11) % t.vocab_size
-    _, feats = t(ids[None], cache, capture)
-    mx.eval(drafter.propose(t, 1, feats, dcache, 2).tokens)
-    restore = t.checkpoint(cache)
+        from mlx_dflash.target import Target
 
-    def verify(w):
+        self.mx, self.t, self.drafter = mx, Target(model), drafter
+        self.capture = list(drafter.config.target_layer_ids)
+        self.cache, self.dcache = self.t.make_cache(), drafter.make_cache()
+        self.ids = (mx.arange(context) * 7919 + 11) % self.t.vocab_size
+        _, feats = self.t(self.ids[None], self.cache, self.capture)
+        mx.eval(drafter.propose(self.t, 1, feats, self.dcache, 2).tokens)
+        self.restore = self.t.checkpoint(self.cache)
+        self.ws, self.context = sorted({1, *widths}), context
+        self.t1, self.c, self.d = [], {w: [] for w in self.ws}, {w: [] for w in self.ws if w > 1}
+        for w in self.ws:  # warm-up: first calls at a new shape are slow
+            self._verify(w), self._draft(w) if w > 1 else None
+
+    def _verify(self, w):
+        mx = self.mx
         t0 = time.perf_counter()
-        logits, f = t(ids[-w:][None], cache, capture)
+        logits, f = self.t(self.ids[-w:][None], self.cache, self.capture)
         mx.eval(mx.argmax(logits[0], axis=-1), f)
         dt = time.perf_counter() - t0
-        restore()
+        self.restore()
         return dt
 
-    def draft(w):
+    def _draft(self, w):
         t0 = time.perf_counter()
-        mx.eval(drafter.propose(t, 1, None, dcache, w).tokens)
+        self.mx.eval(self.drafter.propose(self.t, 1, None, self.dcache, w).tokens)
         return time.perf_counter() - t0
 
-    ws = sorted({1, *widths})
-    for w in ws:
-        verify(w), draft(w) if w > 1 else None
-    tv, td = {w: [] for w in ws}, {w: [] for w in ws if w > 1}
-    for _ in range(rounds):
-        for w in ws:
-            tv[w].append(verify(w))
-            if w > 1:
-                td[w].append(draft(w))
+    def sample(self, rounds: int = 1) -> None:
+        for _ in range(rounds):
+            for w in self.ws[1:]:
+                t1 = self._verify(1)
+                self.t1.append(t1)
+                self.c[w].append(self._verify(w) / t1)
+                t1 = self._verify(1)
+                self.d[w].append(self._draft(w) / t1)
 
-    def med(xs):
-        return sorted(xs)[len(xs) // 2]
+    def costs(self):
+        from mlx_dflash.calibrate import Costs
 
-    c = {w: med([a / b for a, b in zip(tv[w], tv[1])]) for w in ws}
-    d = {1: 0.0, **{w: med([a / b for a, b in zip(td[w], tv[1])]) for w in td}}
+        def med(xs):
+            return sorted(xs)[len(xs) // 2]
 
-    def interp(f, w):
-        lo = max(x for x in ws if x <= w)
-        hi = min(x for x in ws if x >= w)
-        return f[lo] if lo == hi else f[lo] + (f[hi] - f[lo]) * (w - lo) / (hi - lo)
+        c = {1: 1.0, **{w: med(v) for w, v in self.c.items() if v}}
+        d = {1: 0.0, **{w: med(v) for w, v in self.d.items()}}
+        ws = self.ws
 
-    full = range(1, max(ws) + 1)
-    return Costs(med(tv[1]), {w: interp(c, w) for w in full}, {w: interp(d, w) for w in full}, 256, time.time())
+        def interp(f, w):
+            lo = max(x for x in ws if x <= w)
+            hi = min(x for x in ws if x >= w)
+            return f[lo] if lo == hi else f[lo] + (f[hi] - f[lo]) * (w - lo) / (hi - lo)
+
+        full = range(1, max(ws) + 1)
+        return Costs(med(self.t1), {w: interp(c, w) for w in full}, {w: interp(d, w) for w in full},
+                     self.context, time.time())
 
 
 def bench_target(name, args, log) -> dict:
@@ -242,9 +255,10 @@ def bench_target(name, args, log) -> dict:
     replay = ReplayDrafter(inner, alpha, vocab)
     log(f"{name}: the target's greedy continuations (plain mlx-lm, {args.max_tokens} tokens)...")
     conts = [run_mlx_lm(model, tok, p, args.max_tokens).tokens for p in prompts]
-    log(f"{name}: measuring c(w), d(w) at widths 1, {', '.join(map(str, widths))}...")
-    costs = measure(model, inner, widths)
-    costs_all = {"dflash2": costs, "plain_t1": costs.t1}
+    log(f"{name}: measuring c(w), d(w) at widths 1, {', '.join(map(str, widths))} (again after every prompt)...")
+    sampler = CostSampler(model, inner, widths)
+    sampler.sample(2)
+    costs = sampler.costs()  # per-cycle prices for the runs; the final figures use every sample
     methods = [Method("mlx-lm", "mlx-lm"), Method("default (dflash2, guard)", "default", 5)]
     methods += [Method(f"dflash2-w{w}", "dflash2", w) for w in widths]
 
@@ -263,7 +277,13 @@ def bench_target(name, args, log) -> dict:
         order = methods[i % len(methods):] + methods[: i % len(methods)]
         for m in order:
             m.runs.append(go(m, i, args.max_tokens))
+        sampler.sample(1)
         log(f"{name}: prompt {i + 1}/{len(prompts)} done")
+    costs = sampler.costs()
+    costs_all = {"dflash2": costs, "plain_t1": costs.t1}
+    for m in methods[1:]:  # the cost model's time of the varying-width runs, at the final prices
+        for r in m.runs:
+            r.cost_units = sum(costs.c[w] + (costs.d[w] if src == "dflash" else 0.0) for w, src in r.cycle_log)
     base = [r.tokens for r in methods[0].runs]
     rows = []
     for m in methods:
@@ -272,6 +292,7 @@ def bench_target(name, args, log) -> dict:
     return {"target": name, "label": TARGETS[name][2], "dtype": args.dtype, "bits": TARGETS[name][1],
             "params": n_params, "drafter_params": d_params, "drafter_layers": args.draft_layers,
             "alpha": alpha, "replayed_mean_accept_len": mean_len, "costs": costs.to_json(),
+            "cost_samples": len(sampler.t1),
             "seconds": round(time.time() - t0, 1), "methods": rows}
 
 
