@@ -66,16 +66,25 @@ class _Ema:
 class Guard:
     """Never slower than plain decoding, by prediction from calibrated costs.
 
-    Predicted speedup = tau / k: tau = tokens per draft + verify cycle (running
-    mean of what the verifies accepted), k = a cycle's cost in plain tokens,
-    (c(w) + d(w)) * t1 / t_plain, from the calibrated curve (calibrate.py: ratios
-    measured within a round, so the machine's load drift cancels; live wall
-    times on a shared machine do not). The loop asks `plain_steps()` (> 0: run
-    that many plain tokens, pipelined) and otherwise drafts at `width()`; it
-    reports back with `observe` / `observe_plain`."""
+    Predicted speedup = tau / k: tau = tokens per draft + verify cycle (live
+    acceptance), k = a cycle's cost in plain tokens, (c(w) + d(w)) * t1 /
+    t_plain, from the calibrated curve (calibrate.py: ratios measured within a
+    round, so the machine's load drift cancels; live wall times on a shared
+    machine do not). States:
 
-    MIN_CYCLES = 3  # cycles of evidence before judging (also the length of a probe)
-    BACKOFF0, BACKOFF_MAX = 16, 256  # plain tokens before the next probe (doubling)
+    - probe: drafting on trial (a fresh start, or after a plain run). tau is the
+      probe's own mean with two pseudo-cycles halfway between break-even and
+      the width, judged after every cycle: on a text that does not draft well
+      the probe costs one or two cycles; PROBE cycles that pay switch to draft.
+    - draft: tau is a running mean; below break-even -> plain.
+    - plain: `wait` plain tokens (16, 32, ... 256, doubling per failed probe), then probe.
+
+    The loop asks `plain_steps()` (> 0: run that many plain tokens, pipelined)
+    and otherwise drafts at `width()`; it reports back with `observe(tokens)`
+    (accepted + 1) and `observe_plain(steps)`."""
+
+    PROBE = 3  # good cycles that end a probe
+    BACKOFF0, BACKOFF_MAX = 16, 256  # plain tokens before the next probe
     ALPHA_TAU = 0.1
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None):
@@ -84,34 +93,48 @@ class Guard:
         prior = prior or Observed()
         self.tau = _Ema(self.ALPHA_TAU, prior.tau.get(width))
         self.backoff = prior.backoff or self.BACKOFF0
-        self.state = "draft"  # "draft" | "plain"
-        self.n = 0  # cycles since this drafting phase began
+        self.state = "probe"  # "probe" | "draft" | "plain"
+        self.trial = []  # tokens of this probe's cycles
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
         if self.ceiling() < 1.0:  # not even every draft accepted would pay
             self._to_plain(self.BACKOFF_MAX)
         elif prior.wait:  # the last request on these objects ended plain: so does this one begin
             self._to_plain(prior.wait)
+        elif self.tau.value is not None and self.tau.value >= self.k:  # it was drafting, and paying
+            self.state = "draft"
         self.reason = self._reason()
 
     # -- the prediction --------------------------------------------------------
+    def _tau(self) -> Optional[float]:
+        if self.state == "probe":
+            prior = (self.k + self.w) / 2
+            return (2 * prior + sum(self.trial)) / (2 + len(self.trial)) if self.trial else None
+        return self.tau.value
+
     def speedup(self) -> Optional[float]:
-        return None if self.tau.value is None else self.tau.value / self.k
+        t = self._tau()
+        return None if t is None else t / self.k
 
     def ceiling(self) -> float:
         return self.w / self.k
 
     def _reason(self) -> str:
-        s, tau = self.speedup(), self.tau.value
+        s, tau = self.speedup(), self._tau()
         if self.ceiling() < 1.0:
             return f"plain: width {self.w} cannot pay here (a cycle costs {self.k:.2f} plain tokens)"
         why = f"{s:.2f}x predicted (tau {tau:.2f}, cycle = {self.k:.2f} plain tokens)" if s is not None else ""
         if self.state == "plain":
-            return f"plain: DFlash {why}; probe in {self.wait}" if s is not None else f"plain: probe in {self.wait}"
-        return f"dflash: {why}" if s is not None else f"dflash: measuring (cycle = {self.k:.2f} plain tokens)"
+            last = self.tau.value
+            s = None if last is None else last / self.k
+            return (f"plain: DFlash {s:.2f}x predicted (tau {last:.2f}, cycle = {self.k:.2f} plain tokens); "
+                    f"probe in {self.wait}") if s is not None else f"plain: probe in {self.wait}"
+        if self.state == "probe":
+            return f"dflash: probing, {why}" if s is not None else f"dflash: probing (cycle = {self.k:.2f} plain tokens)"
+        return f"dflash: {why}"
 
     def _to_plain(self, n: int) -> None:
-        self.state, self.wait = "plain", n
+        self.state, self.wait, self.trial = "plain", n, []
 
     # -- the hooks -----------------------------------------------------------------
     def plain_steps(self) -> int:
@@ -122,40 +145,45 @@ class Guard:
 
     def observe(self, tokens: int) -> None:
         """One draft + verify cycle emitted `tokens` (accepted + 1)."""
-        self.n += 1
-        self.tau.update(tokens, max(self.ALPHA_TAU, 1 / (self.n + 1)))  # a probe's own cycles count more
-        if self.n >= self.MIN_CYCLES:
-            self._judge()
+        if self.state == "probe":
+            self.trial.append(tokens)
+            s = self.speedup()
+            if s < 1.0:
+                self.tau.value = self._tau()
+                self._fall_back()
+            elif len(self.trial) >= self.PROBE:
+                self.tau.value, self.state, self.trial = self._tau(), "draft", []
+                self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
+        elif self.state == "draft":
+            self.tau.update(tokens)
+            if self.speedup() < 1.0:
+                self._fall_back()
         self.reason = self._reason()
 
     def observe_plain(self, steps: int) -> None:
         """A run of `steps` plain tokens ended."""
         self.wait = max(0, self.wait - max(steps, 0))
-        if self.state == "plain" and self.wait == 0:  # probe: draft again, judged after MIN_CYCLES
-            self.state, self.n = "draft", 0
+        if self.state == "plain" and self.wait == 0:
+            self.state, self.trial = "probe", []
             self.probes += 1
         self.reason = self._reason()
 
-    def _judge(self) -> None:
-        if self.speedup() >= 1.0:
-            self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
-            return
+    def _fall_back(self) -> None:
         self.fallbacks += 1
         self._to_plain(self.backoff)
         self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
 
     def observed(self) -> Observed:
         """What to carry to the next request (calibrate.save_observed)."""
-        o = Observed()
+        o = Observed(backoff=self.backoff)
         if self.tau.value is not None:
             o.tau[self.w] = self.tau.value
-        o.backoff = self.backoff
         o.wait = self.wait if self.state == "plain" and self.ceiling() >= 1.0 else 0
         return o
 
     def summary(self) -> dict:
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
-                "speedup": self.speedup(), "cycle_cost": self.k, "tau": self.tau.value}
+                "speedup": self.speedup(), "cycle_cost": self.k, "tau": self._tau()}
 
 
 class _Calibration:

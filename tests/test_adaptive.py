@@ -234,25 +234,42 @@ def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
 
 def test_guard_keeps_drafting_when_it_pays():
     g = Guard(5, _costs(2.0))
-    assert g.plain_steps() == 0 and g.reason.startswith("dflash: measuring")
+    assert g.plain_steps() == 0 and g.reason.startswith("dflash: probing")
     seq = _drive(g, tau=3.5, cycles=60)
     assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
     assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x predicted")
+
+
+def test_guard_probe_is_a_sequential_test():
+    """A probe starts from two pseudo-cycles halfway between break-even (k) and
+    the width: one poor cycle ends it, cycles that pay keep it going."""
+    k, w = 3.2, 5
+    g = Guard(w, _costs(k))
+    g.observe(1)  # (2 * 4.1 + 1) / 3 = 3.07 < 3.2 -> plain
+    assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF0 and g.fallbacks == 1
+    g = Guard(w, _costs(k))
+    for t in (5, 2, 3):  # (8.2 + 5) / 3, (8.2 + 7) / 4, (8.2 + 10) / 5 = 3.64: pays
+        g.observe(t)
+    assert g.state == "draft" and g.tau.value == pytest.approx(3.64)
+    g.observe(1)  # running mean 0.9 * 3.64 + 0.1 = 3.38 > 3.2: keeps drafting
+    assert g.state == "draft"
+    g.observe(1)  # 3.14: below -> plain
+    assert g.state == "plain"
 
 
 def test_guard_falls_back_probes_with_backoff_and_recovers():
     g = Guard(5, _costs(3.0))
     seq = _drive(g, tau=2.0, cycles=40)  # 0.67x
     plain = [-x for x in seq if x < 0]
-    assert seq[: Guard.MIN_CYCLES] == [5] * Guard.MIN_CYCLES
     assert plain[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
     assert max(plain) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
     assert all(x == 5 for x in seq if x > 0)  # probes draft at the user's width
-    for _ in range(Guard.MIN_CYCLES + 1):  # to the end of a probe
+    assert sum(x > 0 for x in seq) <= 3 * g.fallbacks  # each failed probe cost at most 3 cycles (0.67x)
+    for _ in range(4):  # to the end of the current probe
         if g.state == "plain":
             break
         _drive(g, tau=2.0, cycles=1)
-    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.67x predicted")
+    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.")
     # the text becomes draftable: the next probe brings drafting back
     seq = _drive(g, tau=4.5, cycles=12)
     assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
@@ -270,7 +287,7 @@ def test_guard_prior_carries_acceptance_and_backoff():
     o = g.observed()
     assert o.tau[5] == 2.0 and o.backoff == 64 and o.wait == 40
     g = Guard(5, _costs(3.0), Observed(tau={5: 4.0}))
-    assert g.plain_steps() == 0 and g.speedup() == pytest.approx(4 / 3)
+    assert g.plain_steps() == 0 and g.state == "draft" and g.speedup() == pytest.approx(4 / 3)
     f = Fixed(4)
     assert f.plain_steps() == 0 and f.width() == 4 and f.reason == "fixed width 4"
 
@@ -289,7 +306,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     calibrate.remember(model, wrong, _costs(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
     assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == 5
-    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.50x")
+    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.")
     assert r.stats.to_dict()["policy"] == r.stats.policy and r.stats.adaptive["fallbacks"] >= 1
     for kw in (dict(block_size=4), dict(guard=False)):
         r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size, noise=1.0), max_tokens=n, **kw)
