@@ -60,7 +60,7 @@ def test_generate_json_matches_python_api(pairs):
     (["generate", "--prompt", "x", "--block-size", "99"], "block size 99"),
     (["generate", "--prompt", "x", "--temp", "-1"], "temperature"),
     (["generate", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
-    (["inspect", "/nonexistent"], "not a folder here"),
+    (["inspect", "/nonexistent"], "/nonexistent does not exist"),
 ])
 def test_user_errors_are_one_line(pairs, args, msg):
     d = pairs("qwen3", version=1)
