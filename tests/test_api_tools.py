@@ -130,6 +130,7 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "weather", "schema
 
 
 def test_structured_output_constrains_the_decode(client):
+    pytest.importorskip("llguidance")
     good = '{"city": "Paris", "temp": 21}'
     r = ask(client, "RAW:" + good, response_format=JSON_SCHEMA)  # what the model wants is valid: untouched
     assert r.choices[0].message.content == good and r.choices[0].finish_reason == "stop"
@@ -150,7 +151,17 @@ def test_structured_output_constrains_the_decode(client):
     assert arr.choices[0].message.content.startswith("{")  # an object, not the array the model wanted
 
 
+def test_structured_output_without_llguidance_is_a_clear_400(client, monkeypatch):
+    from app.server import structured
+
+    monkeypatch.setattr(structured, "_llguidance", lambda: None)  # as on a server without the package
+    with pytest.raises(openai.BadRequestError, match="pip install llguidance") as e:
+        ask(client, "hi", response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and e.value.body["code"] == "unsupported_parameter"
+
+
 def test_structured_output_errors(client):
+    pytest.importorskip("llguidance")
     with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
         ask(client, "hi", response_format={"type": "json_schema", "json_schema": {"name": "x",
                                                                                   "schema": {"type": "frob"}}})
