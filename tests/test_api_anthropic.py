@@ -160,6 +160,7 @@ def test_claude_code_fields_are_accepted(client):
 
 
 def test_output_format_is_a_constrained_decode(client):
+    pytest.importorskip("llguidance")
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     m = send(client, 'RAW:{"ok": true}', extra_body={"output_config": {"format": {"type": "json_schema",
