@@ -485,7 +485,7 @@ def test_model_loads_on_first_use(locked):
 
 def test_queue_full_is_429(locked):
     h = {"Authorization": "Bearer sekret"}
-    long = {"model": "qwen", "prompt": "for i in", "max_tokens": 3000, "stream": True}
+    long = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "temperature": 0, "stream": True}
     queued = {}
 
     def wait_in_queue():
@@ -497,7 +497,9 @@ def test_queue_full_is_429(locked):
         assert next(ln for ln in it if ln.startswith("data: "))  # the worker is busy with this one
         t = threading.Thread(target=wait_in_queue)
         t.start()
-        while locked.metrics()["queued"] < 1:
+        deadline = time.monotonic() + 60
+        while locked.metrics()["queued"] < 1:  # (a stream that ended early would leave nothing queued)
+            assert time.monotonic() < deadline and t.is_alive(), queued
             time.sleep(0.05)
         e = _err(httpx.post(locked.url + "/v1/completions", headers=h, timeout=60,
                             json={"model": "qwen", "prompt": "ok", "max_tokens": 2}), 429)
