@@ -316,6 +316,7 @@ def test_ctrl_c_answers_queue_503_and_cancels_after_grace(keyed):
     q = threading.Thread(target=lambda: queued.update(r=_completion(keyed, n=2)))
     q.start()
     while keyed.metrics()["queued"] < 1:
+        assert time.monotonic() < deadline and t.is_alive(), got
         time.sleep(0.02)
     t0 = time.monotonic()
     keyed.proc.send_signal(signal.SIGINT)
