@@ -137,7 +137,7 @@ def _copy(v):
 
 # -- recurrent state -------------------------------------------------------------------
 @dataclass
-class _Call:
+class Call:
     module: Any
     args: tuple
     kwargs: dict
@@ -150,7 +150,7 @@ class Record:
     cache: list
     length: int
     saved: Dict[int, Tuple[ArraysCache, list, Any, Any]] = field(default_factory=dict)
-    calls: List[_Call] = field(default_factory=list)
+    calls: List[Call] = field(default_factory=list)
 
 
 def snapshot(cache_list, length: int) -> Record:
@@ -172,7 +172,7 @@ def _cut(x, length: int, keep: int):
     return x
 
 
-def _caches_in(args, kwargs) -> List[Any]:
+def caches_in(args, kwargs) -> List[Any]:
     out = []
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, (CacheList, ArraysCache) + ROW_CACHES + (RotatingKVCache,)):
@@ -188,7 +188,7 @@ def replay(rec: Record, n: int) -> None:
     if keep <= 0:
         return
     for call in rec.calls:
-        for c in _caches_in(call.args, call.kwargs):  # a row cache the call also fills
+        for c in caches_in(call.args, call.kwargs):  # a row cache the call also fills
             if isinstance(c, ROW_CACHES):
                 row_trim(c, keep)
         args = tuple(_cut(a, rec.length, keep) for a in call.args)
@@ -206,7 +206,7 @@ class Spy:
         self._on_call = on_call
 
     def __call__(self, *args, **kwargs):
-        if any(isinstance(c, ArraysCache) for c in _caches_in(args, kwargs)):
+        if any(isinstance(c, ArraysCache) for c in caches_in(args, kwargs)):
             self._on_call(self._module, args, kwargs)
         return self._module(*args, **kwargs)
 

@@ -155,7 +155,7 @@ def _probe(target: "Target") -> _Probe:
     seen = {}
 
     def on_call(mod, args, kwargs):
-        for c in rb._caches_in(args, kwargs):
+        for c in rb.caches_in(args, kwargs):
             if id(c) in states:
                 seen[id(c)] = owner[id(mod)]
 
@@ -297,7 +297,7 @@ class Target:
             try:
                 if rec is not None and 1 < L <= MAX_REPLAY:
                     undo = rb.install_spies(self.layers, self._mixers,
-                                            lambda m, a, k: rec.calls.append(rb._Call(m, a, k)))
+                                            lambda m, a, k: rec.calls.append(rb.Call(m, a, k)))
                 for i in set(capture):
                     taps[i] = self.layers[i]
                     self._list[self._pos[i]] = _Tap(taps[i], i, feats)
