@@ -187,6 +187,15 @@ def _kind(cfg: dict, name: str, weight_bytes: int) -> Optional[str]:
 
 
 def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=None) -> Optional[ModelEntry]:
+    try:
+        return _make_entry(model_id, path, source, store, size)
+    except (TypeError, ValueError, AttributeError) as e:  # e.g. "num_hidden_layers": null
+        # one bad folder must not take the whole listing down
+        _notice(f"skipping {path}: its config.json has a value of the wrong type ({type(e).__name__}: {e})")
+        return None
+
+
+def _make_entry(model_id: str, path: Path, source: str, store: SettingsStore, size=None) -> Optional[ModelEntry]:
     cfg = read_config(path)
     if cfg is None or not any(Path(path).glob("*.safetensors")):
         return None
@@ -204,9 +213,10 @@ def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=No
         dc = cfg.get("dflash_config") or {}
         block = int(dc.get("block_size", cfg.get("block_size", 16)))
     ctx = ms.max_context if kind == "target" else 0
-    heads = t.get("num_attention_heads") or 1
-    kv = t.get("num_key_value_heads") or heads
-    head_dim = t.get("head_dim") or (t.get("hidden_size", 0) // heads)
+    # int(): a string such as "2" would otherwise multiply into a giant str, not a number
+    heads = int(t.get("num_attention_heads") or 1)
+    kv = int(t.get("num_key_value_heads") or heads)
+    head_dim = int(t.get("head_dim") or (int(t.get("hidden_size", 0)) // heads))
     kv_bytes = 2 * int(t.get("num_hidden_layers", 0)) * kv * head_dim * ctx * act
     return ModelEntry(model_id, Path(path), kind, source, _dir_size(path) if size is None else size,
                       wbytes + kv_bytes, block_size=block, config=cfg)

@@ -468,3 +468,16 @@ def test_models_cli(world, capsys):
     assert (world["cache"] / "models--hforg--chat").exists()
     assert _cli("models", "rm", "hforg/chat", "--yes") == 0
     assert not (world["cache"] / "models--hforg--chat").exists()
+
+
+@pytest.mark.parametrize("bad", [{"num_hidden_layers": None}, {"num_key_value_heads": "two"}, {"hidden_size": "x", "head_dim": None},
+                                 {"dflash_config": {"block_size": "x"}}])
+def test_wrongly_typed_config_skips_that_folder_only(world, capsys, bad):
+    """A config.json with a value of the wrong type took every listing down with a
+    TypeError (the server answered 503 to /v1/models): now that one folder is
+    skipped with a notice naming it, and every other model is still listed."""
+    src = world["v1"] / ("drafter" if "dflash_config" in bad else "target")
+    copy_model(src, world["mdirs"] / "broken", **bad)
+    es = by_id(world["store"])
+    assert "broken" not in es and "flat-target" in es and "embedded/target" in es
+    assert "broken" in capsys.readouterr().err
