@@ -7,7 +7,7 @@ the costs.
 - `Guard`: the default mode (verify mode `dflash`, default width): drafts at
   width w while tau / k(w) >= 1, where k(w) is a cycle's calibrated cost in
   plain tokens and tau the live acceptance, else runs plain decoding,
-  re-probing after 16, 32, ... 256 plain tokens. Reversible, and it says why
+  re-probing after 32, 64, ... 512 plain tokens. Reversible, and it says why
   (`reason`).
 - `AdaptiveWidth`: verify mode `adaptive`, per-cycle width and cut from the
   measured cost curve c(w), d(w) and the drafts' confidences:
@@ -75,17 +75,18 @@ class Guard:
     - probe: drafting on trial (a fresh start, or after a plain run). tau is the
       probe's own mean with two pseudo-cycles halfway between break-even and
       the width, judged after every cycle: on a text that does not draft well
-      the probe costs one or two cycles; PROBE cycles that pay switch to draft.
+      the probe costs one to three cycles; PROBE cycles that pay by MARGIN switch to draft.
     - draft: tau is a running mean; below break-even -> plain.
-    - plain: `wait` plain tokens (16, 32, ... 256, doubling per failed probe), then probe.
+    - plain: `wait` plain tokens (32, 64, ... 512, doubling per failed probe), then probe.
 
     The loop asks `plain_steps()` (> 0: run that many plain tokens, pipelined)
     and otherwise drafts at `width()`; it reports back with `observe(tokens)`
     (accepted + 1) and `observe_plain(steps)`."""
 
-    PROBE = 3  # good cycles that end a probe
-    BACKOFF0, BACKOFF_MAX = 16, 256  # plain tokens before the next probe
-    ALPHA_TAU = 0.1
+    PROBE = 3  # cycles that end a probe that pays
+    MARGIN = 1.05  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
+    BACKOFF0, BACKOFF_MAX = 32, 512  # plain tokens before the next probe
+    ALPHA_TAU = 0.15
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None):
         self.w = width
@@ -148,11 +149,12 @@ class Guard:
         if self.state == "probe":
             self.trial.append(tokens)
             s = self.speedup()
-            if s < 1.0:
-                self.tau.value = self._tau()
+            seen = sum(self.trial) / len(self.trial)  # what the probe saw, without the prior
+            if s < 1.0 or (len(self.trial) >= self.PROBE and s < self.MARGIN):
+                self.tau.value = seen
                 self._fall_back()
             elif len(self.trial) >= self.PROBE:
-                self.tau.value, self.state, self.trial = self._tau(), "draft", []
+                self.tau.value, self.state, self.trial = max(seen, self.k), "draft", []
                 self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
         elif self.state == "draft":
             self.tau.update(tokens)

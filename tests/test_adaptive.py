@@ -71,12 +71,17 @@ def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     calibrate.remember(model, o, Costs(0.01, {w: 1 + 0.25 * (w - 1) for w in range(1, 6)}, {w: 0.0 for w in range(1, 6)}))
     ids, cycles, st = _cycles(model, tok, prompt, o, max_tokens=n, block_size=5, verify_mode="adaptive")
     assert ids == ref
-    assert st.accepted == 0 and st.plain_cycles > 0
-    assert st.adaptive["fallbacks"] >= 1 and st.adaptive["probes"] >= 1
+    assert st.accepted == 0 and st.plain_cycles >= AdaptiveWidth.BACKOFF0
     w = [c.width for c in cycles]
-    first_plain = w.index(1)
-    assert max(w[first_plain:]) > 1  # re-probed after falling back
-    assert st.plain_cycles >= AdaptiveWidth.BACKOFF0
+    # Two ways to stop paying for wrong drafts, and which comes first depends on
+    # the timings the policy observes: the cut learns the drafts' confidence is
+    # worthless and verifies none, or recent cycles fall below break-even and it
+    # falls back to plain steps, then re-probes.
+    if st.adaptive["fallbacks"] == 0:
+        assert sum(x > 1 for x in w) <= 8 and set(w[-20:]) == {1}
+    else:
+        assert st.adaptive["probes"] >= 1
+        assert max(w[w.index(1):]) > 1  # re-probed after falling back
 
 
 def _policy(c, d, p, max_width=None, **kw):
@@ -248,18 +253,26 @@ def test_guard_probe_is_a_sequential_test():
     g.observe(1)  # (2 * 4.1 + 1) / 3 = 3.07 < 3.2 -> plain
     assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF0 and g.fallbacks == 1
     g = Guard(w, _costs(k))
-    for t in (5, 2, 3):  # (8.2 + 5) / 3, (8.2 + 7) / 4, (8.2 + 10) / 5 = 3.64: pays
+    for t in (5, 2, 3):  # (8.2 + 5) / 3, (8.2 + 7) / 4, (8.2 + 10) / 5 = 3.64: pays by >= MARGIN
         g.observe(t)
-    assert g.state == "draft" and g.tau.value == pytest.approx(3.64)
-    g.observe(1)  # running mean 0.9 * 3.64 + 0.1 = 3.38 > 3.2: keeps drafting
+    assert g.state == "draft" and g.tau.value == pytest.approx(10 / 3)  # from here on, what it saw
+    g.observe(4)  # running mean 0.85 * 3.33 + 0.15 * 4 = 3.43 > 3.2: keeps drafting
     assert g.state == "draft"
-    g.observe(1)  # 3.14: below -> plain
+    g.observe(1)  # 3.07: below -> plain
+    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.96x predicted (tau 3.07")
+    g = Guard(w, _costs(k))
+    for t in (4, 3, 3):  # (8.2 + 10) / 5 = 3.64: pays by 1.14x ...
+        g.observe(t)
+    assert g.state == "draft"
+    g = Guard(w, _costs(k))
+    for t in (4, 2, 2):  # ... but (8.2 + 8) / 5 = 3.24 only by 1.01x, not by MARGIN -> plain
+        g.observe(t)
     assert g.state == "plain"
 
 
 def test_guard_falls_back_probes_with_backoff_and_recovers():
     g = Guard(5, _costs(3.0))
-    seq = _drive(g, tau=2.0, cycles=40)  # 0.67x
+    seq = _drive(g, tau=2.0, cycles=60)  # 0.67x
     plain = [-x for x in seq if x < 0]
     assert plain[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
     assert max(plain) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
