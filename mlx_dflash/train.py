@@ -127,24 +127,9 @@ def mask_token_id(tokenizer, override: Optional[int] = None) -> int:
 
 
 def target_features(target: Target, tokens: mx.array, layer_ids: Sequence[int]) -> mx.array:
-    """tokens [S, L] -> tapped layer outputs [S, L, taps*H]; no cache, no head, layers
-    after the last tap are skipped. Masks are built like the model builds them."""
-    h = target.embed(tokens)
-    want, feats, masks = set(layer_ids), {}, {}
-    for i, layer in enumerate(target.layers[: max(layer_ids) + 1]):
-        sliding = bool(getattr(layer, "use_sliding", False))
-        if sliding not in masks:
-            masks[sliding] = _causal_mask(h, target.sliding_window if sliding else None)
-        h = layer(h, masks[sliding], None)
-        if i in want:
-            feats[i] = h
-    return mx.concatenate([feats[i] for i in layer_ids], axis=-1)
-
-
-def _causal_mask(h, window):
-    from mlx_lm.models.base import create_attention_mask
-
-    return create_attention_mask(h, None, window_size=window)
+    """tokens [S, L] -> tapped layer outputs [S, L, taps*H], through the model's own
+    forward (embedding scales, per-layer masks, recurrent layers), no cache."""
+    return target.features(tokens, layer_ids)
 
 
 # ----------------------------------------------------------------------------- drafter init

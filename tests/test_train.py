@@ -247,3 +247,22 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     assert main(["train-drafter", "--target", str(tpath), "--out", str(tmp_path / "o"),
                  "--corpus", str(bad), "--quiet"]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "qwen3_next"])
+def test_training_features_are_the_inference_features(family):
+    """Drafter training reads the same tapped rows the decode loop feeds the drafter:
+    the model's own forward (gemma's embedding scale, gpt-oss's sliding layers,
+    gated-delta layers), where the old hand-written layer loop differed."""
+    from tiny_families import build
+
+    from mlx_dflash.train import target_features
+
+    model = build(family)
+    t = Target(model)
+    ids = mx.array([[5, 9, 33, 17, 100, 7, 8, 250, 12, 41, 6, 77]])
+    taps = [0, t.num_layers - 2]
+    _, want = t(ids, t.make_cache(), taps)
+    got = target_features(t, ids, taps)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
