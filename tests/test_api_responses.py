@@ -52,6 +52,11 @@ def test_tool_round_trip_with_previous_response_id(client):
     assert r2.usage.input_tokens_details.cached_tokens > 0  # the first turn is still cached
     r3 = client.responses.create(model="script", previous_response_id=r2.id, input="thanks", tools=TOOLS)
     assert r3.output_text == "Echo: thanks"
+    got = client.responses.retrieve(r2.id)  # stored responses can be read back and deleted
+    assert got.id == r2.id and got.output_text == "Answer: sunny"
+    assert client.responses.delete(r2.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r2.id)
 
 
 def test_tool_round_trip_with_full_input_stateless(client):

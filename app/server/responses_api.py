@@ -71,7 +71,7 @@ def _usage(end: dict) -> dict:
 
 
 def register(app, ctx) -> None:
-    stored: "OrderedDict[str, List[dict]]" = OrderedDict()  # response id -> the conversation so far
+    stored: "OrderedDict[str, tuple]" = OrderedDict()  # response id -> (the conversation so far, the body)
 
     def base(rid: str, req: ResponsesRequest, mid: str, created: int, status: str, tools: Tools) -> dict:
         choice = req.tool_choice
@@ -95,7 +95,7 @@ def register(app, ctx) -> None:
                     incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
                     completed_at=int(time.time()), dflash=stats)
         if req.store:
-            stored[body["id"]] = history + [history_turn(out.text, body["output"])]
+            stored[body["id"]] = (history + [history_turn(out.text, body["output"])], body)
             while len(stored) > MAX_STORED:
                 stored.popitem(last=False)
         return body
@@ -112,7 +112,7 @@ def register(app, ctx) -> None:
                                f"(responses are kept in memory, the last {MAX_STORED}, while the server runs)",
                                "previous_response_id", "not_found")
             stored.move_to_end(req.previous_response_id)
-            history = list(stored[req.previous_response_id])
+            history = list(stored[req.previous_response_id][0])
         items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
         history += to_messages(items)
         if not history:
@@ -123,6 +123,22 @@ def register(app, ctx) -> None:
         g = GenRequest(req.model, msgs, tools.template or None, choice, req.parallel_tool_calls is not False,
                        req.max_output_tokens, req.temperature, req.top_p, stream=req.stream, response_format=fmt)
         return g, history, tools
+
+    def lookup(rid: str):
+        if rid not in stored:
+            raise APIError(404, f"response '{rid}' is not stored here (the last {MAX_STORED} with store "
+                                "true are kept in memory while the server runs)", None, "not_found")
+        return stored[rid]
+
+    @app.get("/v1/responses/{rid}", dependencies=[Depends(ctx.auth)])
+    async def retrieve(rid: str):
+        return JSONResponse(lookup(rid)[1])
+
+    @app.delete("/v1/responses/{rid}", dependencies=[Depends(ctx.auth)])
+    async def delete(rid: str):
+        lookup(rid)
+        del stored[rid]
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     @app.post("/v1/responses", dependencies=[Depends(ctx.auth)])
     async def responses(request: Request):
