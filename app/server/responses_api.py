@@ -23,6 +23,7 @@ from .schemas import _Strict
 from .tools import GenRequest
 
 MAX_STORED = 256  # responses kept for previous_response_id (least recently used go first)
+MAX_STORED_CHARS = 64 << 20  # and at most this much of their JSON, all together
 
 
 class TextFormat(_Strict):
@@ -71,7 +72,7 @@ def _usage(end: dict) -> dict:
 
 
 def register(app, ctx) -> None:
-    stored: "OrderedDict[str, tuple]" = OrderedDict()  # response id -> (the conversation so far, the body)
+    stored: "OrderedDict[str, tuple]" = OrderedDict()  # response id -> (conversation so far, body, size)
 
     def base(rid: str, req: ResponsesRequest, mid: str, created: int, status: str, tools: Tools) -> dict:
         choice = req.tool_choice
@@ -95,8 +96,9 @@ def register(app, ctx) -> None:
                     incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
                     completed_at=int(time.time()), dflash=stats)
         if req.store:
-            stored[body["id"]] = (history + [history_turn(out.text, body["output"])], body)
-            while len(stored) > MAX_STORED:
+            conv = history + [history_turn(out.text, body["output"])]
+            stored[body["id"]] = (conv, body, len(json.dumps(conv)) + len(json.dumps(body)))
+            while len(stored) > 1 and (len(stored) > MAX_STORED or sum(v[2] for v in stored.values()) > MAX_STORED_CHARS):
                 stored.popitem(last=False)
         return body
 
