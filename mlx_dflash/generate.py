@@ -28,7 +28,7 @@ from .drafter import Drafter, Proposal
 from .lookup import NgramIndex
 from .sampling import SamplingParams
 from .stats import CycleStats, Emitter, GenerationResponse, GenerationStats  # noqa: F401 (public names)
-from .steps import bookkeep, draft, plain, prefill, readback, verify
+from .steps import bookkeep, cat_feats, draft, plain, prefill, readback, verify
 from .target import Target
 
 VERIFY_MODES = ("dflash", "adaptive", "lookup", "off")
@@ -47,6 +47,21 @@ class PromptCache:
     drafter: list = None
     tokens: List[int] = field(default_factory=list)  # tokens whose K/V sit in `target`
     drafter_id: Optional[int] = None  # the drafter the context rows belong to
+    # captured target features of tokens[drafter offset:], not yet in the drafter's
+    # context (plain steps and accepted rows since the last draft): the next call
+    # hands them to its first draft, so the whole cached prefix stays reusable
+    pending: Optional[mx.array] = None
+
+
+def reusable(pc: PromptCache, drafter) -> int:
+    """How many leading `pc.tokens` a call with `drafter` (None: none) can reuse:
+    the drafter's context must cover them, as context rows or pending features."""
+    if drafter is None:
+        return len(pc.tokens)
+    if pc.drafter is None or pc.drafter_id != id(drafter):
+        return 0
+    rows = pc.pending.shape[1] if pc.pending is not None else 0
+    return min(len(pc.tokens), pc.drafter[0].offset + rows)
 
 
 def _notice(msg: str) -> None:
@@ -75,7 +90,7 @@ class _Run:
     index: Optional[NgramIndex] = None  # lookup mode
 
 
-def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats) -> _Run:
+def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=True) -> _Run:
     mode = verify_mode
     if mode in ("dflash", "adaptive") and drafter is None:
         mode, stats.fallback = "off", "no drafter"
@@ -100,7 +115,8 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
         run.policy = policy.AdaptiveWidth(calibrate.get_costs(target.model, drafter, w), w)
     elif mode == "dflash" and (guard if guard is not None else block_size in (None, DEFAULT_BLOCK_SIZE)) and w > 1:
         costs = calibrate.get_costs(target.model, drafter, widths=(1, w), **GUARD_CALIBRATION)
-        run.policy = policy.Guard(w, costs, calibrate.load_observed(target.model, drafter))
+        # a seeded call does not inherit the last call's state: same seed, same widths, same sample
+        run.policy = policy.Guard(w, costs, calibrate.load_observed(target.model, drafter) if carry else None)
     elif mode != "off":
         run.policy = policy.Fixed(w)
     if mode == "lookup":
@@ -116,8 +132,8 @@ def _reuse(target, pc, ids, run, stats) -> int:
     tokens; rows beyond what both share are dropped. Returns its length."""
     d = run.drafter
     if d is not None and (pc.drafter is None or pc.drafter_id != id(d)):
-        pc.drafter, pc.drafter_id = d.make_cache(), id(d)
-    keep = len(pc.tokens) if d is None else min(len(pc.tokens), pc.drafter[0].offset)
+        pc.drafter, pc.drafter_id, pc.pending = d.make_cache(), id(d), None
+    keep = reusable(pc, d)
     common = 0
     for x, y in zip(pc.tokens[:keep], ids[:-1]):
         if x != y:
@@ -128,9 +144,13 @@ def _reuse(target, pc, ids, run, stats) -> int:
             target.trim(pc.target, len(pc.tokens) - common)
         else:
             pc.target, common = target.make_cache(), 0
-    if pc.drafter is not None and pc.drafter[0].offset > common:
+    off = pc.drafter[0].offset if pc.drafter is not None else 0
+    if pc.drafter is not None and off > common:
         for c in pc.drafter:
             c.trim(c.offset - common)
+        pc.pending = None
+    elif pc.pending is not None:  # the pending rows of the shared prefix stay pending
+        pc.pending = pc.pending[:, : common - off] if common > off else None
     stats.reused_tokens = common
     pc.tokens = list(ids[:common])
     return common
@@ -187,85 +207,97 @@ def stream_generate(
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
-    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats)
+    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=seed is None)
     common = _reuse(target, pc, ids, run, stats)
     emit = Emitter(tokenizer, stop, max_tokens, stats)
 
     tic = time.perf_counter()
+    pending = None
+    if run.drafter is not None:  # (a call without the drafter leaves them for a later one)
+        pending, pc.pending = pc.pending, None
     token, new_feats = prefill(target, pc, ids[common:], run.capture, sp, prefill_step_size)
+    new_feats = cat_feats([pending, new_feats])  # rows the drafter has not seen: the next draft takes them
     stats.prompt_time = time.perf_counter() - tic
     gen_tic = time.perf_counter()
     if run.index is not None:
         run.index.append(token)
-    yield emit.push(token, False)
-    if emit.done:
-        return
-    if run.mode == "off":
-        yield from plain(target, pc, token, sp, emit, stats, gen_tic)
-        return
+    rows = [new_feats]  # feature blocks of fed rows the drafter has not seen yet, in order
+    try:
+        yield emit.push(token, False)
+        if emit.done:
+            return
+        if run.mode == "off":
+            yield from plain(target, pc, token, sp, emit, stats, gen_tic)
+            return
+        yield from _speculate(run, target, pc, token, rows, sp, emit, stats, gen_tic, max_tokens)
+    finally:
+        if run.drafter is not None:  # they stay with the cache: the next call's first draft takes them
+            pc.pending = cat_feats(rows)
+        _remember(run, target, drafter)
 
+
+def _speculate(run, target, pc, token, rows, sp, emit, stats, gen_tic, max_tokens):
+    """The decode loop after the first token: ask the policy, then a plain run,
+    or a cycle: draft, verify + accept, readback, bookkeep, emit. `rows` (the
+    caller's list) always holds the features of fed rows the drafter has not seen."""
     pol, index = run.policy, run.index
     simple = hasattr(pol, "observe_plain")  # Fixed / Guard (else AdaptiveWidth: its own hooks)
-    try:
-        while True:
-            # -- plain steps (a policy fallback, or lookup with nothing to look up) --
-            burst = pol.plain_steps()
-            if burst > (0 if simple else 1) or (index is not None and run.drafter is None and not index.match()[0]):
-                before = stats.plain_cycles
-                token, new_feats = yield from plain(
-                    target, pc, token, sp, emit, stats, gen_tic, run.capture, burst or None, new_feats,
-                    _on_plain(pol, index, run, stats, simple))
-                if simple:
-                    pol.observe_plain(stats.plain_cycles - before)
-                    _report(pol, stats)
-                if token is None:
-                    return
-                continue
-
-            # -- draft (lazy: computed with the verify) --
-            t0 = time.perf_counter()
-            w = max(1, min(pol.width(), max_tokens - len(emit.tokens)))  # never draft past max_tokens
-            prop, source = draft(run, target, pc, token, new_feats, w, sp)
-            if source == "dflash":
-                new_feats = None  # the drafter took them into its context
-            drafts, q, conf, t_cut = _cut(pol, prop) if source == "dflash" and not simple else \
-                (prop.tokens if prop else mx.zeros((0,), mx.int32), prop.q if prop else None, None, 0.0)
-            n = drafts.shape[0]
-
-            # -- verify + accept (the one readback) --
-            t2 = time.perf_counter()
-            res, f = verify(target, pc, token, drafts, q, sp, run.capture)
-            t_wait = time.perf_counter()
-            a, out = readback(res, sp)
-            t3 = time.perf_counter()
-
-            # -- roll back, keep context features --
-            new_feats = bookkeep(target, pc, token, out, a, n, f, new_feats)
-            if index is not None:
-                index.extend(out)
-            token = out[-1]
-            cyc = CycleStats(n + 1, a, 0, t2 - t0, 0.0, t3 - t2, time.perf_counter() - t3, source, t3 - t_wait + t_cut)
-
-            # -- emit --
-            resps = []
-            for i, tok in enumerate(out):
-                cyc.emitted += 1
-                resps.append(emit.push(tok, i < a, cyc))
-                if emit.done:
-                    break
-            stats.add(cyc)  # before yielding, so every token of the cycle sees it
+    while True:
+        # -- plain steps (a policy fallback, or lookup with nothing to look up) --
+        burst = pol.plain_steps()
+        if burst > (0 if simple else 1) or (index is not None and run.drafter is None and not index.match()[0]):
+            before = stats.plain_cycles
+            token, _ = yield from plain(target, pc, token, sp, emit, stats, gen_tic, run.capture, burst or None,
+                                        rows, _on_plain(pol, index, run, stats, simple))
             if simple:
-                if n:
-                    pol.observe(a + 1)
-            else:
-                pol.observe(cyc, conf)
-            _report(pol, stats)
-            stats.generation_time = time.perf_counter() - gen_tic
-            yield from resps
-            if emit.done:
+                pol.observe_plain(stats.plain_cycles - before)
+                _report(pol, stats)
+            if token is None:
                 return
-    finally:
-        _remember(run, target, drafter)
+            continue
+
+        # -- draft (lazy: computed with the verify) --
+        t0 = time.perf_counter()
+        w = max(1, min(pol.width(), max_tokens - len(emit.tokens)))  # never draft past max_tokens
+        prop, source = draft(run, target, pc, token, cat_feats(rows), w, sp)
+        if source == "dflash":
+            rows.clear()  # the drafter took them into its context
+        drafts, q, conf, t_cut = _cut(pol, prop) if source == "dflash" and not simple else \
+            (prop.tokens if prop else mx.zeros((0,), mx.int32), prop.q if prop else None, None, 0.0)
+        n = drafts.shape[0]
+
+        # -- verify + accept (the one readback) --
+        t2 = time.perf_counter()
+        res, f = verify(target, pc, token, drafts, q, sp, run.capture)
+        t_wait = time.perf_counter()
+        a, out = readback(res, sp)
+        t3 = time.perf_counter()
+
+        # -- roll back; the anchor and accepted drafts become drafter context --
+        rows.append(bookkeep(target, pc, token, out, a, n, f, None))
+        if index is not None:
+            index.extend(out)
+        token = out[-1]
+        cyc = CycleStats(n + 1, a, 0, t2 - t0, 0.0, t3 - t2, time.perf_counter() - t3, source, t3 - t_wait + t_cut)
+
+        # -- emit --
+        resps = []
+        for i, tok in enumerate(out):
+            cyc.emitted += 1
+            resps.append(emit.push(tok, i < a, cyc))
+            if emit.done:
+                break
+        stats.add(cyc)  # before yielding, so every token of the cycle sees it
+        if simple:
+            if n:
+                pol.observe(a + 1)
+        else:
+            pol.observe(cyc, conf)
+        _report(pol, stats)
+        stats.generation_time = time.perf_counter() - gen_tic
+        yield from resps
+        if emit.done:
+            return
 
 
 def _cut(pol, prop):

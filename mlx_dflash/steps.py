@@ -35,7 +35,13 @@ def prefill(target, pc, rest, capture, sp, step):
         feats.append(f)
     pc.tokens += rest
     token = int(lazy_pick(logits[0, -1], sp).item())
-    return token, (mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None))
+    return token, cat_feats(feats)
+
+
+def cat_feats(feats):
+    """Concatenate captured feature blocks [1, n_i, F] (None entries skipped)."""
+    feats = [x for x in feats if x is not None]
+    return mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None)
 
 
 def draft(run, target, pc, token, new_feats, width, sp):
@@ -86,6 +92,8 @@ def bookkeep(target, pc, token, out, a, n, f, new_feats):
 
 
 def plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, feats=None, on_token=None):
+    # feats: a list the caller owns; the captured features of every row fed are
+    # appended to it as they are fed (they survive a caller that stops mid-run)
     """Plain decoding, pipelined like mlx-lm: the step that consumes token n is
     queued on its lazy value before it is read back, so building the graph
     overlaps the compute (when a stop comes, the queued step is wasted, as in mlx-lm).
@@ -93,7 +101,8 @@ def plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, f
     `token` has been emitted; its KV row is not cached yet. Ends after `steps`
     tokens, or one token after `on_token(tok, cycle)` returns True, and returns
     (the last token, emitted but not fed: the next anchor, or None when
-    generation is over; the captured features of every row fed, after `feats`)."""
+    generation is over; the features in `feats`, concatenated)."""
+    feats = feats if feats is not None else []
     queued = [0.0]  # seconds in async_eval: on mlx-cpu it can block on the step before
 
     def feed(tok):
@@ -106,7 +115,7 @@ def plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, f
 
     y, f = feed(mx.array(token))
     pc.tokens.append(token)
-    feats = [feats, f] if feats is not None else [f]
+    feats.append(f)
     n, last = 0, False
     while True:
         t0 = time.perf_counter()
@@ -127,7 +136,6 @@ def plain(target, pc, token, sp, emit, stats, gen_tic, capture=(), steps=None, f
         stats.generation_time = time.perf_counter() - gen_tic
         yield emit.push(tok, False, cyc)
         if emit.done or nxt is None:
-            feats = [x for x in feats if x is not None]
-            cat = mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None)
+            cat = cat_feats(feats)
             return (None if emit.done else tok), cat
         y = nxt

@@ -215,3 +215,51 @@ def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
             text = r.text
         assert pc.target[0].offset == len(pc.tokens)  # a row per cached token, no stray one
         conv = conv + text + PROMPTS[turn + 1]
+
+
+@pytest.mark.parametrize("how", ["fixed", "plain-runs", "walk-away"])
+def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monkeypatch):
+    """Rows fed since the drafter's last draft (accepted rows, the guard's plain
+    runs) stay with the cache as pending features: the next turn reuses every
+    cached token, even after a caller that stops mid-run, and stays exact."""
+    from mlx_dflash import calibrate
+    from mlx_dflash.calibrate import Costs
+    from mlx_dflash.generate import PromptCache, reusable
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))  # this test's cost curve stays with it
+    monkeypatch.setattr(calibrate, "_MEMO", {})
+    d = pairs("qwen3", version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    kw = dict(block_size=4) if how == "fixed" else {}
+    if how != "fixed":  # costs under which drafting cannot pay: the guard runs plain steps
+        calibrate.remember(model, drafter, Costs(0.01, {1: 1.0, 5: 6.0}, {1: 0.0, 5: 1.0}, t_plain=0.01))
+    pc = PromptCache()
+    conv = PROMPTS[0]
+    for turn in range(3):
+        before = list(pc.tokens)
+        ids = tok.encode(conv)
+        shared = 0
+        for x, y in zip(before, ids[:-1]):
+            if x != y:
+                break
+            shared += 1
+        ref = reference_tokens(model, tok, conv, 16)
+        if how == "walk-away" and turn == 1:
+            out = []
+            for r in stream_generate(model, tok, conv, drafter, max_tokens=16, prompt_cache=pc):
+                out.append(r.token)
+                if len(out) == 7:
+                    break
+            assert out == ref[:7]
+            text = tok.decode(out)
+        else:
+            r = generate(model, tok, conv, drafter, max_tokens=16, prompt_cache=pc, **kw)
+            assert r.token_ids == ref
+            assert r.stats.reused_tokens == shared  # every shared cached token, not only the drafted ones
+            if how != "fixed":
+                assert r.stats.plain_cycles > 0
+            text = r.text
+        assert reusable(pc, drafter) == len(pc.tokens) == pc.target[0].offset
+        rows = pc.pending.shape[1] if pc.pending is not None else 0
+        assert pc.drafter[0].offset + rows == len(pc.tokens)
+        conv = conv + text + PROMPTS[turn + 1]
