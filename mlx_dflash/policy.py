@@ -7,7 +7,7 @@ the costs.
 - `Guard`: the default mode (verify mode `dflash`, default width): drafts at
   width w while tau / k(w) >= 1, where k(w) is a cycle's calibrated cost in
   plain tokens and tau the live acceptance, else runs plain decoding,
-  re-probing after 32, 64, ... 512 plain tokens. Reversible, and it says why
+  re-probing after 64, 128, ... 1024 plain tokens. Reversible, and it says why
   (`reason`).
 - `AdaptiveWidth`: verify mode `adaptive`, per-cycle width and cut from the
   measured cost curve c(w), d(w) and the drafts' confidences:
@@ -77,7 +77,7 @@ class Guard:
       the width, judged after every cycle: on a text that does not draft well
       the probe costs one to three cycles; PROBE cycles that pay by MARGIN switch to draft.
     - draft: tau is a running mean; below break-even -> plain.
-    - plain: `wait` plain tokens (32, 64, ... 512, doubling per failed probe), then probe.
+    - plain: `wait` plain tokens (64, 128, ... 1024, doubling per failed probe), then probe.
 
     The loop asks `plain_steps()` (> 0: run that many plain tokens, pipelined)
     and otherwise drafts at `width()`; it reports back with `observe(tokens)`
@@ -85,7 +85,7 @@ class Guard:
 
     PROBE = 3  # cycles that end a probe that pays
     MARGIN = 1.05  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
-    BACKOFF0, BACKOFF_MAX = 32, 512  # plain tokens before the next probe
+    BACKOFF0, BACKOFF_MAX = 64, 1024  # plain tokens before the next probe
     ALPHA_TAU = 0.15
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None):
