@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .generate import PromptCache
+from .generate import PromptCache, reusable
 from .target import Target
 
 
@@ -37,7 +37,8 @@ def _arrays(x):
 
 
 def cache_bytes(pc: PromptCache) -> int:
-    return _nbytes(pc.target) + _nbytes(pc.drafter)
+    pending = int(pc.pending.nbytes) if pc.pending is not None else 0
+    return _nbytes(pc.target) + _nbytes(pc.drafter) + pending
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -50,7 +51,9 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _reach(pc: PromptCache) -> Tuple[int, int]:
-    return len(pc.tokens), (pc.drafter[0].offset if pc.drafter else -1)
+    """(tokens cached, tokens the drafter context covers as rows or pending features)."""
+    rows = pc.drafter[0].offset + (pc.pending.shape[1] if pc.pending is not None else 0) if pc.drafter else -1
+    return len(pc.tokens), rows
 
 
 def _covers(a: PromptCache, b: PromptCache) -> bool:
@@ -87,14 +90,11 @@ class PromptStore:
     def clear(self) -> None:
         self.entries.clear()
 
-    def usable(self, pc: PromptCache, drafter, with_drafter: bool) -> int:
-        """How many of `pc`'s tokens the decode loop can keep: with a drafter,
-        only those its context rows also cover (generate.stream_generate)."""
-        if not with_drafter:
-            return len(pc.tokens)
-        if drafter is None or pc.drafter is None or pc.drafter_id != id(drafter):
-            return 0
-        return min(len(pc.tokens), pc.drafter[0].offset)
+    @staticmethod
+    def usable(pc: PromptCache, drafter, with_drafter: bool) -> int:
+        """How many of `pc`'s tokens the decode loop can keep (generate.reusable:
+        with a drafter, those its context covers as rows or pending features)."""
+        return reusable(pc, drafter if with_drafter else None)
 
     def match(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
               ) -> Tuple[Optional[int], int]:
