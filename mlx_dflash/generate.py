@@ -5,10 +5,11 @@ prompt cache, prefill, then per cycle: ask the policy, draft, verify + accept
 (one host readback), roll back and keep the context features, emit.
 
 Verify modes:
-- `dflash` (default): the DFlash drafter at width w. With the default width the
-  `policy.Guard` runs plain decoding whenever drafting is measured not to pay
-  (reversibly); an explicit width other than the default, or `guard=False`,
-  drafts at exactly that width on every cycle.
+- `dflash` (default): the DFlash drafter at width w. With the default width
+  (block_size None or 5) `policy.Guard` runs plain decoding whenever drafting
+  is predicted not to pay (calibrated cycle cost vs live acceptance), probing
+  now and then; any other width, or `guard=False`, drafts at exactly that
+  width on every cycle (`guard=True` guards any width).
 - `adaptive`: per-cycle width and cut from the calibrated cost curve (policy.AdaptiveWidth).
 - `lookup`: prompt-lookup drafts (lookup.py), for any model; with a drafter,
   lookup when it has a full-width match, else DFlash.
