@@ -216,3 +216,31 @@ def test_server_small_budget_same_text_as_big(pairs):
     assert [t for t, _ in small] == [t for t, _ in big]
     assert all(n > 0 for _, n in big[1:])  # the shared system prompt, at least
     assert big[2][1] > small[2][1]  # the repeated question is all cached only with room for it
+
+
+def test_hybrid_target_with_drafter(pair, tmp_path):
+    """DFlash on a recurrent hybrid (qwen3_5): the drafter's context (rows and
+    pending features) covers the whole entry, so a continuation reuses all of it."""
+    from make_test_pair import make_drafter
+    from tiny_families import build, config
+
+    model, tok = build("qwen3_5"), pair[1]
+    cfg = config("qwen3_5")
+    drafter = make_drafter(tmp_path, cfg.get("text_config", cfg), 3, block_size=8)
+    target = Target(model)
+    store = PromptStore(1 << 30)
+
+    def go(ids):
+        pc, n = store.take(target, ids, drafter, True)
+        r = generate(model, tok, ids, drafter, max_tokens=N, block_size=W, prompt_cache=pc)
+        store.put(pc, target)
+        assert r.stats.mode == "dflash" and r.stats.reused_tokens == n
+        assert r.token_ids == generate(model, tok, ids, drafter, max_tokens=N, block_size=W).token_ids
+        return n
+
+    a = [(i * 37 + 11) % 500 + 4 for i in range(40)]
+    assert go(a) == 0
+    [(ent, _)] = store.entries.values()
+    cont = list(ent.tokens) + [5, 6, 7]
+    assert go(a[:30] + [7, 8]) == 0  # a branch: the recurrent state cannot go back to token 30
+    assert go(cont) == len(cont) - 3
