@@ -97,6 +97,42 @@ def verify_cost(model=None, context: int = 256, widths=WIDTHS, reps: int = 15, l
             "spread_t1": (max(t1) - min(t1)) / med(t1)}
 
 
+def dtype_step_cost(reps: int = 9) -> dict:
+    """1-token step of the embedded target in float32 and in bfloat16, timed
+    alternately (median): on a CPU backend bf16 matmuls run outside BLAS."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_dflash.loader import _cast, default_pair
+
+    path = default_pair()[0]
+    if not (path / "config.json").exists():
+        return {}
+    steps = {}
+    for name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16)):
+        m, _ = mlx_lm.load(str(path))
+        _cast(m, dt)
+        cache = make_prompt_cache(m)
+        mx.eval(m(mx.arange(64)[None], cache=cache))
+
+        def step(m=m, cache=cache):
+            t0 = time.perf_counter()
+            mx.eval(m(mx.array([[7]]), cache=cache))
+            trim_prompt_cache(cache, 1)
+            return time.perf_counter() - t0
+
+        step()
+        steps[name] = step
+    ts = {k: [] for k in steps}
+    for _ in range(reps):
+        for k, f in steps.items():
+            ts[k].append(f())
+    ms = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
+    return {"float32_ms": round(ms["float32"], 2), "bfloat16_ms": round(ms["bfloat16"], 2),
+            "ratio": round(ms["bfloat16"] / ms["float32"], 2)}
+
+
 def _load():
     try:
         return os.getloadavg()[0]
@@ -166,6 +202,21 @@ def report(quick: bool = False, context: int = 256, size: str = "both", kernel_a
         "fused_kernels": kernel in ("metal", "cuda"),
         "conv_kernel": kernel,
     }
+    from mlx_dflash.loader import DTYPE_ENV, compute_dtype
+
+    try:
+        dt, src = compute_dtype()
+        out["compute_dtype"] = {"dtype": str(dt).rsplit(".", 1)[-1] if dt is not None else "checkpoint",
+                                "source": src}
+    except ValueError as e:  # a bad $MLX_DFLASH_DTYPE: say so, do not fail the whole check
+        out["compute_dtype"] = {"dtype": "invalid", "source": str(e)}
+    if backend == "cpu" and not quick:
+        log("timing the embedded target's 1-token step in float32 and bfloat16...")
+        out["dtype_step"] = dtype_step_cost()
+        r = out["dtype_step"].get("ratio")
+        if r and r > 1.3 and out["compute_dtype"]["dtype"] in ("checkpoint", "bfloat16", "float16"):
+            out["dtype_hint"] = (f"bfloat16 steps cost {r:.1f}x float32 on this CPU: set {DTYPE_ENV}=float32 "
+                                 "or `mlx-dflash settings set MODEL dtype float32`")
     if not quick:
         out["verify_context"] = context
         out["probes"] = {}
@@ -211,6 +262,12 @@ def run(args):
               + ("; ms per test: " + ", ".join(f"{t} thread(s) {s}" for t, s in scores.items()) if scores else "")
               + ")")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
+    cd = r["compute_dtype"]
+    print(f"compute dtype: {cd['dtype']} ({cd['source']})" + (
+        f"; embedded target 1-token step: float32 {r['dtype_step']['float32_ms']:.1f} ms, bfloat16 "
+        f"{r['dtype_step']['bfloat16_ms']:.1f} ms" if r.get("dtype_step") else ""))
+    if r.get("dtype_hint"):
+        print(f"hint: {r['dtype_hint']}")
     for key, p in r.get("probes", {}).items():
         print(f"verify cost c(w) at {r['verify_context']} tokens of context, {p['label']}, "
               f"{p['params'] / 1e6:.0f}M parameters:")

@@ -41,6 +41,27 @@ def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
     assert len(out["load_average"]) == 1 + len(runs) * 2 and isinstance(out["warnings"], list)
     if fastblas.STATE["shim"]:
         assert out["blas_threads"] >= 1 and out["blas_threads_from"]
+    # the compute dtype, and on a CPU backend the measured bf16 / float32 step of the embedded target
+    assert out["compute_dtype"]["dtype"] in ("checkpoint", "float32", "bfloat16", "float16")
+    if out["backend"] == "cpu":
+        st = out["dtype_step"]
+        assert st["float32_ms"] > 0 and st["bfloat16_ms"] > 0
+        assert st["ratio"] == pytest.approx(st["bfloat16_ms"] / st["float32_ms"], rel=0.02)
+        slow = st["ratio"] > 1.3 and out["compute_dtype"]["dtype"] != "float32"
+        assert ("dtype_hint" in out) == slow
+        if slow:
+            assert "MLX_DFLASH_DTYPE=float32" in out["dtype_hint"] and "dtype float32" in out["dtype_hint"]
+
+
+def test_compute_dtype_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("MLX_DFLASH_DTYPE", "float32")
+    assert main(["doctor", "--quick"]) == 0
+    text = capsys.readouterr().out
+    assert "compute dtype: float32 ($MLX_DFLASH_DTYPE)" in text and "hint:" not in text
+    monkeypatch.setenv("MLX_DFLASH_DTYPE", "float64")
+    assert main(["doctor", "--quick", "--json"]) == 0  # a bad value is reported, not a crash
+    out = json.loads(capsys.readouterr().out)
+    assert out["compute_dtype"]["dtype"] == "invalid" and "float64" in out["compute_dtype"]["source"]
 
 
 def test_text_shows_threads(capsys):
