@@ -114,6 +114,16 @@ class PromptStore:
                 best, best_n = key, n
         return best, best_n
 
+    def branch_point(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False) -> int:
+        """The longest prefix `ids` shares with an entry that cannot be cut back
+        to it (recurrent state): where conversations branch, e.g. after a shared
+        system prompt. 0 when `match` already reuses as much."""
+        _, n = self.match(target, ids, drafter, with_drafter)
+        head = ids[:-1]
+        best = max((_common(pc.tokens[: self.usable(pc, drafter, with_drafter)], head)
+                    for pc, _ in self.entries.values()), default=0)
+        return best if best > n else 0
+
     def take(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
              ) -> Tuple[PromptCache, int]:
         """A PromptCache the caller may mutate, holding the best reusable prefix
@@ -125,8 +135,10 @@ class PromptStore:
         self.stats.hits += 1
         self.stats.reused_tokens += n
         pc, _ = self.entries[key]
-        if n == self.usable(pc, drafter, with_drafter):  # the prompt continues all this entry can give:
-            # the longer one replaces it (rows past that were never reusable with this drafter)
+        if n == self.usable(pc, drafter, with_drafter) and target.can_trim(pc.target, len(pc.tokens)):
+            # the prompt continues all this entry can give, and the longer one will
+            # serve its prompts too (trimmed back): it replaces the entry, no copy.
+            # A recurrent state cannot go back, so such an entry is copied and kept.
             del self.entries[key]
             return pc, n
         self.entries.move_to_end(key)

@@ -244,3 +244,55 @@ def test_hybrid_target_with_drafter(pair, tmp_path):
     cont = list(ent.tokens) + [5, 6, 7]
     assert go(a[:30] + [7, 8]) == 0  # a branch: the recurrent state cannot go back to token 30
     assert go(cont) == len(cont) - 3
+
+
+class HybridCatalog(PairCatalog):
+    """A tiny recurrent hybrid (qwen3_5) with a DFlash drafter, the test pair's tokenizer."""
+
+    def __init__(self, folder, tmp):
+        super().__init__(folder, 1 << 30)
+        self.tmp = tmp
+
+    def load(self, model_id):
+        from types import SimpleNamespace
+
+        from make_test_pair import make_drafter
+        from tiny_families import build, config
+
+        _, tok, _ = load(str(self.folder / "target"))
+        cfg = config("qwen3_5")
+        drafter = make_drafter(self.tmp, cfg.get("text_config", cfg), 3, block_size=8)
+        return SimpleNamespace(id="pair", model=build("qwen3_5"), tokenizer=tok, drafter=drafter,
+                               settings=self.settings_)
+
+
+def test_server_hybrid_branch_checkpoint(pairs, tmp_path):
+    """Recurrent targets cannot cut a cached conversation back to a shared system
+    prompt: the second conversation caches the branch point, the third starts there."""
+    import openai
+    from scripted import LocalServer
+
+    srv = LocalServer(HybridCatalog(pairs(), tmp_path), model="pair")
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = []
+        for q in ("First question?", "Second question?", "Third question?", "Second question?"):
+            r = c.chat.completions.create(model="pair", temperature=0, messages=[
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens,
+                        r.usage.prompt_tokens, r.model_dump()["dflash"]["mode"]))
+        lm = srv.worker.lm
+    finally:
+        srv.stop()
+    tok = lm.tokenizer
+    p1, p2, p3 = (prompt(tok, q) for q in ("First question?", "Second question?", "Third question?"))
+    common = lambda a, b: next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # noqa: E731
+    branch = common(p1, p2)  # the system prompt and the start of the user turn
+    assert branch > 100
+    assert [n for _, n, _, _ in out[:2]] == [0, 0]  # nothing reusable yet: the 2nd caches the branch point
+    assert out[2][1] == min(branch, common(p3, p2)) and out[3][1] >= branch
+    assert all(m == "dflash" for *_, m in out)
+    for (text, *_), q in zip(out, ("First question?", "Second question?", "Third question?", "Second question?")):
+        ids = prompt(tok, q)
+        cold = generate(lm.model, tok, ids, lm.drafter, max_tokens=N, block_size=W)
+        assert text == cold.text

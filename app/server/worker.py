@@ -289,6 +289,7 @@ class Worker:
         fallback = self._fallback_reason(req)
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
+        extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
         if fallback:
             gen = self._plain(lm, ids, kw, req, fallback, tok)
         else:
@@ -301,7 +302,10 @@ class Worker:
             target = Target(lm.model)
             mc = kw.get("max_context")
             with_drafter = lm.drafter is not None and kw["verify_mode"] != "off" and not (mc and len(ids) > mc)
-            pc, _ = self.store.take(target, ids, lm.drafter, with_drafter)
+            branch = self.store.branch_point(target, ids, lm.drafter, with_drafter)
+            pc, n0 = self.store.take(target, ids, lm.drafter, with_drafter)
+            if branch >= MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
+                extra = self._checkpoint(lm, tok, target, ids[:branch], pc, kw, n0)
             gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, **kw)
         tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
         eos = set(tok.eos_token_ids)
@@ -340,6 +344,9 @@ class Worker:
                 self.store.put(pc, target)
                 self.cache_summary = (job.model_id, self.store.summary())
         s = r.stats
+        if extra[0]:  # the engine found them cached, but this request prefilled them
+            s.reused_tokens -= extra[0]
+            s.prompt_time += extra[1]
         with self.lock:
             c = self.counters(job.model_id)
             c.requests += 1
@@ -359,6 +366,22 @@ class Worker:
             stop_seq = hits[0][1] if hits else None
         job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
+
+    def _checkpoint(self, lm, tok, target, prefix, pc, kw, n0):
+        """A recurrent target cannot cut a cached conversation back to where this
+        one branches from it (after a shared system prompt, say): prefill up to
+        that point first (work this request needs anyway) and cache a copy, so
+        the next conversation from there starts from it. Returns (tokens, seconds)."""
+        import copy
+
+        from mlx_dflash import stream_generate
+
+        t0 = time.perf_counter()
+        for _ in stream_generate(lm.model, tok, prefix, lm.drafter, prompt_cache=pc,
+                                 **{**kw, "max_tokens": 1, "stop": None}):
+            pass
+        self.store.put(copy.deepcopy(pc), target)
+        return len(prefix) - n0, time.perf_counter() - t0
 
     def _settings(self, lm):
         """The model's settings, read per request so edits apply at once; those
@@ -423,6 +446,9 @@ class Worker:
         from .plain import plain
 
         return plain(lm, ids, kw, req, reason, tok)
+
+
+MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 
 
 def _budget(catalog) -> int:
