@@ -32,7 +32,7 @@ def _close(a, b, tol=2e-4):
     return mx.allclose(a, b, atol=tol, rtol=tol).item()
 
 
-def _run_cycles(model, t, make_a, make_b, seed, cycles=9, width=5):
+def _run_cycles(model, t, make_a, make_b, seed, cycles=9, width=5, tol=2e-4):
     """A: prefill, then each cycle verifies `width` tokens and trims a random n.
     B: the same prefill, then only the accepted tokens. Next-step logits and
     recurrent states must agree after every cycle."""
@@ -52,11 +52,11 @@ def _run_cycles(model, t, make_a, make_b, seed, cycles=9, width=5):
         if width - n:
             t(mx.array([block[: width - n]]), b)
         for x, y in zip(_states(a), _states(b)):
-            assert _close(x, y), "recurrent state differs after rollback"
+            assert _close(x, y, tol), "recurrent state differs after rollback"
         probe = mx.array([[rng.randrange(4, 512)]])
         la, _ = t(probe, a)
         lb, _ = t(probe, b)
-        assert _close(la, lb), "next logits differ after rollback"
+        assert _close(la, lb, tol), "next logits differ after rollback"
         assert mx.argmax(la, -1).item() == mx.argmax(lb, -1).item()
     assert trimmed > 0
 
@@ -82,7 +82,9 @@ def test_quantized_kv_cache():
         return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
 
     assert t.can_trim(make())
-    _run_cycles(model, t, make, make, seed=5)
+    # A's kept rows come from a 5-token forward, B's from shorter ones: a last-bit
+    # difference can move an 8-bit quantized value one step (~1e-3 in the logits)
+    _run_cycles(model, t, make, make, seed=5, tol=1e-2)
 
 
 def test_mixed_kinds_per_layer():
