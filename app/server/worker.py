@@ -1,124 +1,23 @@
 """The one worker thread that owns the loaded model and its prompt store
 (mlx_dflash.prompt_store: cached prefixes across requests; the engine runs one
-generation at a time), the model catalog, and the jobs that carry a request's
-events back to its HTTP handler. Tool calls are split from the text here
-(tools.ToolStream), so every API gets the same ("token" | "call" | "end") events."""
+generation at a time). Jobs, counters and the model catalog are in catalog.py.
+Tool calls are split from the text here (tools.ToolStream), so every API gets
+the same ("token" | "call" | "end") events."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import queue
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
+from .catalog import Counters, Job, ManagerCatalog, _budget, _context_limit  # noqa: F401 (app, cli import them here)
 from .errors import APIError, _bad, _line
 
-
-# -- models ---------------------------------------------------------------------------------
-
-class ManagerCatalog:
-    """The models the model manager knows (mlx_dflash.manager); ids are its ids."""
-
-    def __init__(self, store=None):
-        from mlx_dflash.settings import SettingsStore
-
-        self.store = store or SettingsStore()
-
-    def targets(self) -> List[dict]:
-        from mlx_dflash.manager import list_targets
-
-        return [{"id": e.id, "owned_by": e.source, "drafters": list(e.compatible_drafters)}
-                for e in list_targets(self.store)]
-
-    def default(self) -> str:
-        from mlx_dflash.manager import resolve
-
-        return resolve(None, self.store).id
-
-    def settings(self, model_id: str):
-        return self.store.model(model_id)
-
-    def load(self, model_id: str):
-        from mlx_dflash.manager import load_model
-
-        return load_model(model_id, self.store)
-
-    def prompt_cache_bytes(self) -> int:
-        try:
-            return self.store.globals().prompt_cache_mb << 20
-        except (ValueError, AttributeError):  # unreadable settings: the default budget
-            from mlx_dflash.settings import GlobalSettings
-
-            return GlobalSettings().prompt_cache_mb << 20
-
-
-def _context_limit(model) -> Optional[int]:
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
-# -- jobs and the worker --------------------------------------------------------------------
-
-@dataclass
-class Job:
-    kind: str  # "chat" | "completion"
-    model_id: str
-    req: Any
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    received: float = field(default_factory=time.perf_counter)
-    checked: float = 0.0  # when the handler last asked whether the client is still there
-
-    def send(self, *ev) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancel.set()
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    errors: int = 0
-    cancelled: int = 0
-    fallbacks: int = 0
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cycles: int = 0
-    cycle_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    prompt_time: float = 0.0
-    generation_time: float = 0.0
-
-    def add(self, s) -> None:
-        self.prompt_tokens += s.prompt_tokens
-        self.reused_prompt_tokens += s.reused_tokens
-        self.completion_tokens += s.generation_tokens
-        self.cycles += s.cycles
-        self.cycle_tokens += s.cycle_tokens
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.prompt_time += s.prompt_time
-        self.generation_time += s.generation_time
-        self.fallbacks += s.fallback is not None
-
-    def to_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d.update(tau=self.cycle_tokens / self.cycles if self.cycles else 0.0,
-                 acceptance=self.accepted / self.drafted if self.drafted else 0.0,
-                 tokens_per_second=self.completion_tokens / self.generation_time if self.generation_time else 0.0,
-                 prompt_tokens_per_second=(self.prompt_tokens - self.reused_prompt_tokens) / self.prompt_time
-                 if self.prompt_time else 0.0)
-        return d
+MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 
 
 class Worker:
@@ -446,19 +345,6 @@ class Worker:
         from .plain import plain
 
         return plain(lm, ids, kw, req, reason, tok)
-
-
-MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
-
-
-def _budget(catalog) -> int:
-    """The prompt store's memory budget in bytes (a catalog may not say: the default)."""
-    f = getattr(catalog, "prompt_cache_bytes", None)
-    if f is not None:
-        return int(f())
-    from mlx_dflash.settings import GlobalSettings
-
-    return GlobalSettings().prompt_cache_mb << 20
 
 
 def _closing(message: str = "the server is shutting down") -> APIError:
