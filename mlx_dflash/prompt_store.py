@@ -78,6 +78,7 @@ class PromptStore:
         self.budget = max(0, int(budget))
         self.entries: "OrderedDict[int, Tuple[PromptCache, int]]" = OrderedDict()  # key -> (cache, bytes)
         self.stats = StoreStats()
+        self.shared: set = set()  # keys of branch points: always copied, never taken over
         self._next = 0
 
     @property
@@ -89,6 +90,7 @@ class PromptStore:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.shared.clear()
 
     @staticmethod
     def usable(pc: PromptCache, drafter, with_drafter: bool) -> int:
@@ -135,16 +137,17 @@ class PromptStore:
         self.stats.hits += 1
         self.stats.reused_tokens += n
         pc, _ = self.entries[key]
-        if n == self.usable(pc, drafter, with_drafter) and target.can_trim(pc.target, len(pc.tokens)):
-            # the prompt continues all this entry can give, and the longer one will
-            # serve its prompts too (trimmed back): it replaces the entry, no copy.
-            # A recurrent state cannot go back, so such an entry is copied and kept.
+        if n == self.usable(pc, drafter, with_drafter) and (
+                key not in self.shared or target.can_trim(pc.target, len(pc.tokens))):
+            # the prompt continues all this entry can give: the longer one replaces
+            # it, no copy. A branch point of a recurrent target (put(shared=True))
+            # stays for the next conversation: it is copied.
             del self.entries[key]
             return pc, n
         self.entries.move_to_end(key)
         return copy.deepcopy(pc), n
 
-    def put(self, pc: PromptCache, target: Optional[Target] = None) -> None:
+    def put(self, pc: PromptCache, target: Optional[Target] = None, shared: bool = False) -> None:
         """Keep `pc` (the caller hands it over). Trimmable entries whose tokens
         are a prefix of it are dropped (it serves their prompts as well); the
         least recently used go when over budget."""
@@ -157,10 +160,15 @@ class PromptStore:
             for k in [k for k, (e, _) in self.entries.items()
                       if e.drafter_id == pc.drafter_id and _covers(pc, e)]:
                 del self.entries[k]
+        for k in [k for k in self.shared if k not in self.entries]:
+            self.shared.discard(k)
         self._next += 1
         self.entries[self._next] = (pc, size)
+        if shared:
+            self.shared.add(self._next)
         while self.nbytes > self.budget and len(self.entries) > 1:
-            self.entries.popitem(last=False)
+            k, _ = self.entries.popitem(last=False)
+            self.shared.discard(k)
             self.stats.evictions += 1
 
     def summary(self) -> dict:

@@ -279,7 +279,7 @@ class Worker:
         for _ in stream_generate(lm.model, tok, prefix, lm.drafter, prompt_cache=pc,
                                  **{**kw, "max_tokens": 1, "stop": None}):
             pass
-        self.store.put(copy.deepcopy(pc), target)
+        self.store.put(copy.deepcopy(pc), target, shared=True)
         return len(prefix) - n0, time.perf_counter() - t0
 
     def _settings(self, lm):
