@@ -128,6 +128,9 @@ def test_errors_in_anthropic_format(srv, client):
     r = httpx.post(srv.url + "/v1/messages/count_tokens", json={"messages": body["messages"]},
                    headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(srv.url + "/v1/messages", content=b"hello", headers={"x-api-key": KEY,
+                                                                      "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["type"] == "error"  # refused before the route: same format
 
 
 def test_second_conversation_cached(srv, client):
