@@ -75,7 +75,7 @@ class Guard:
     - probe: drafting on trial (a fresh start, or after a plain run). tau is the
       probe's own mean with two pseudo-cycles halfway between break-even and
       the width, judged after every cycle: on a text that does not draft well
-      the probe costs one to three cycles; PROBE cycles that pay by MARGIN switch to draft.
+      the probe costs one to three cycles; PROBE cycles that pay by MARGIN (10%) switch to draft.
     - draft: tau is a running mean; below break-even -> plain.
     - plain: `wait` plain tokens (64, 128, ... 1024, doubling per failed probe), then probe.
 
@@ -84,7 +84,7 @@ class Guard:
     (accepted + 1) and `observe_plain(steps)`."""
 
     PROBE = 3  # cycles that end a probe that pays
-    MARGIN = 1.05  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
+    MARGIN = 1.1  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
     BACKOFF0, BACKOFF_MAX = 64, 1024  # plain tokens before the next probe
     ALPHA_TAU = 0.15
 
