@@ -245,7 +245,9 @@ def bench_target(name, args, log) -> dict:
     inner = build_drafter(model, args.draft_layers, args.dtype)
     from mlx.utils import tree_flatten
 
-    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    bits = TARGETS[name][1]  # quantized weights are packed 32 // bits to a uint32; scales are not parameters
+    n_params = sum(v.size * (32 // bits if bits and v.dtype == mx.uint32 else 1)
+                   for k, v in tree_flatten(model.parameters()) if not (bits and k.endswith((".scales", ".biases"))))
     d_params = sum(v.size for _, v in tree_flatten(inner.parameters()))
     vocab = inner.config.vocab_size
     tok = _tokenizer(vocab)
