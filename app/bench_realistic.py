@@ -243,6 +243,7 @@ def bench_target(name, args, log) -> dict:
     log(f"{name}: building the target ({TARGETS[name][2]}, {args.dtype}) and its drafter...")
     model = build_target(name, args.dtype)
     inner = build_drafter(model, args.draft_layers, args.dtype)
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     bits = TARGETS[name][1]  # quantized weights are packed 32 // bits to a uint32; scales are not parameters
