@@ -258,3 +258,20 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
     assert [g["method"] for g in res["goals"]] == ["dflash2-w5", "dflash2-w8", "dflash2-w16"]
     md = (tmp_path / "r" / "results.md").read_text()
     assert "tiny Qwen3" in md and "shared with other jobs" in md
+
+
+def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
+    """A name `models list` prints, as `generate --model` takes it: its saved or
+    best compatible drafter (the embedded pair's DFlash 2)."""
+    from mlx_dflash.loader import default_pair
+
+    if not (default_pair()[1] / "config.json").exists():
+        pytest.skip("no embedded pair in this install")
+    rc = main(["bench", "--model", "embedded/target", "--methods", "mlx-lm,dflash2", "--widths", "2",
+               "--num-prompts", "1", "--max-tokens", "4", "--prompts", str(_prompts(tmp_path)), "--json",
+               "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert res["meta"]["models"]["dflash2"] == str(default_pair()[1])
+    assert "the drafter `generate --model embedded/target` uses" in cap.err
