@@ -104,6 +104,7 @@ def test_prompt_sets(pairs, tmp_path):
     (["--prompts", "nonsense-set"], "unknown prompt set"),
     (["--widths", "2,x"], "--widths must be a comma list"),
     (["--methods", "mlx-lm,dflash1"], "needs --dflash1"),
+    (["--realistic", "--targets", "qwen3-0.6b,nope"], "unknown realistic target 'nope'"),
 ])
 def test_user_errors_are_one_line(pairs, tmp_path, capsys, argv, msg):
     d = pairs("qwen3", version=2)
