@@ -151,7 +151,7 @@ def _warnings(out: dict) -> list:
     """Figures that cannot be right, and a machine too busy for them to be."""
     w = []
     loads = [x for x in out.get("load_average", []) if x is not None]
-    if loads and max(loads) > 0.75 * out["cpus"]:
+    if loads and max(loads) > 0.75 * out["cpus"] and out.get("probes"):
         w.append(f"machine busy: load average up to {max(loads):.1f} on {out['cpus']} cores while measuring; "
                  "the figures below are unreliable (run again when the machine is idle)")
     for key, probe in out.get("probes", {}).items():
@@ -195,6 +195,7 @@ def report(quick: bool = False, context: int = 256, size: str = "both", kernel_a
         "blas_threads": fastblas.STATE["threads"],
         "blas_threads_from": fastblas.STATE.get("threads_from"),
         "blas_thread_scores_ms": cal.get("thread_scores_ms"),
+        "kernel_threads": fastblas.STATE.get("kernel_threads"),
         "small_gemm": fastblas.STATE["small_gemm"],
         "cpus": _cpus(),
         "load_average": [_load()],
@@ -259,8 +260,12 @@ def run(args):
     if r["blas_threads"]:
         scores = r.get("blas_thread_scores_ms")
         print(f"BLAS threads: {r['blas_threads']} ({r['blas_threads_from']}"
-              + ("; ms per test: " + ", ".join(f"{t} thread(s) {s}" for t, s in scores.items()) if scores else "")
+              + ("; slowest test round, ms: " + "; ".join(
+                  f"{what} " + ", ".join(f"{t} thread(s) {v}" for t, v in per.items()) for what, per in scores.items())
+                  if scores else "")
               + ")")
+    if r.get("kernel_threads"):
+        print(f"few-row kernel threads: {r['kernel_threads']}")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
     cd = r["compute_dtype"]
     print(f"compute dtype: {cd['dtype']} ({cd['source']})" + (

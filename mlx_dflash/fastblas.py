@@ -29,7 +29,7 @@ from .blas_shim import build, cache_dir, cpu_id, shim_key
 
 # What happened, for `mlx-dflash doctor`.
 STATE = {"blas": "reference (mlx-cpu bundled)", "shim": None, "error": None, "threads": None,
-         "threads_from": None, "small_gemm": False, "route": None, "calibration": None}
+         "kernel_threads": None, "threads_from": None, "small_gemm": False, "route": None, "calibration": None}
 _SHIM = None  # the loaded shim (ctypes.CDLL)
 _BLAS = None  # the loaded OpenBLAS
 MB = 16  # widest row count the kernel takes
@@ -37,7 +37,7 @@ CLASS_SHAPES = [(128, 128), (256, 256), (512, 512), (1024, 1024), (4096, 1024), 
 CLASS_MAX = [16384, 65536, 262144, 1048576, 4194304, None]  # n * k bound of each size class
 MEASURED_M = (1, 2, 4, 8, 16)
 SPINNERS = 2  # busy processes during half of the thread-count rounds
-CALIBRATION_VERSION = 3  # bump when what is measured changes: old files are measured again
+CALIBRATION_VERSION = 4  # bump when what is measured changes: old files are measured again
 
 
 def _openblas_lib() -> Path | None:
@@ -77,13 +77,13 @@ def small_gemm_calls() -> int:
     return ctypes.c_long.in_dll(_SHIM, "mlx_dflash_small_gemm_calls").value if _SHIM else 0
 
 
-def set_threads(n: int) -> None:
-    """BLAS threads, for OpenBLAS and the kernel alike."""
+def set_threads(n: int, kernel: int | None = None) -> None:
+    """Threads for OpenBLAS, and for the few-row kernel (`kernel`, default: the same)."""
     if _SHIM is None:
         return
     _BLAS.scipy_openblas_set_num_threads(int(n))
-    ctypes.c_int.in_dll(_SHIM, "mlx_dflash_threads").value = int(n)
-    STATE["threads"] = int(n)
+    ctypes.c_int.in_dll(_SHIM, "mlx_dflash_threads").value = int(kernel or n)
+    STATE["threads"], STATE["kernel_threads"] = int(n), int(kernel or n)
 
 
 def _route_array():
@@ -168,17 +168,17 @@ def _measure_route(b: _Bench) -> tuple:
 
 
 def _measure_threads(b: _Bench, cpus: int, rounds: int = 8) -> tuple:
-    """Fastest thread count for a decode step (m = 1) plus a verify (m = 8) on the
-    largest weights, each with the faster of kernel and OpenBLAS, plus a 32-row
-    product (prefill: OpenBLAS alone), in alternating rounds, most of them with
-    two cores kept busy by other processes (as a browser or a second job does).
-    Judged on the slowest round, and more threads must win by >= 10%: a BLAS
-    thread that waits for a busy core stalls the whole product (seen here: 2
-    threads 6-20x slower than 1 while other jobs ran), and the default must not
-    collapse when the machine gets busy."""
+    """Fastest thread counts, for OpenBLAS and for the kernel apart, in
+    alternating rounds, most of them with two cores kept busy by other processes
+    (as a browser or a second job does): the kernel on a decode step (m = 1)
+    and a verify (m = 8) on the largest weights, OpenBLAS on the same plus a
+    32-row product (prefill). Judged on the slowest round, and more threads must
+    win by >= 10%: an OpenBLAS thread that waits for a busy core stalls the whole
+    product (seen here: 2 threads 1.3-13x slower than 1), while the kernel's
+    threads take chunks from a shared counter and do not."""
     n, k = CLASS_SHAPES[-1]
     cands = sorted({1, min(cpus, 8)})
-    times = {t: [] for t in cands}
+    tb, tk = {t: [] for t in cands}, {t: [] for t in cands}
     spinner = None
     try:
         for r in range(rounds):
@@ -187,17 +187,22 @@ def _measure_threads(b: _Bench, cpus: int, rounds: int = 8) -> tuple:
                 time.sleep(0.05)
             for t in cands:
                 set_threads(t)
-                times[t].append(sum(min(b.pair(m, n, k, reps=1)) for m in (1, 8))
-                                + 4 * b.sweep(32, 1024, 1024, False))
+                tk[t].append(b.sweep(1, n, k, True) + b.sweep(8, n, k, True))
+                tb[t].append(b.sweep(1, n, k, False) + b.sweep(8, n, k, False) + 4 * b.sweep(32, 1024, 1024, False))
     finally:
         for p in spinner or []:
             p.kill()
             p.wait()
-    score = {t: max(v) for t, v in times.items()}
-    best = min(score, key=score.get)
-    if best != 1 and score[best] > 0.9 * score[1]:
-        best = 1
-    return best, {str(t): round(s * 1e3, 3) for t, s in score.items()}
+
+    def pick(times):
+        score = {t: max(v) for t, v in times.items()}
+        best = min(score, key=score.get)
+        if best != 1 and score[best] > 0.9 * score[1]:
+            best = 1
+        return best, {str(t): round(x * 1e3, 3) for t, x in score.items()}
+
+    (blas, sb), (kern, sk) = pick(tb), pick(tk)
+    return blas, kern, {"openblas": sb, "kernel": sk}
 
 
 def _calibration_path(lib: Path) -> Path:
@@ -236,16 +241,16 @@ def calibrate(force: bool = False, log=None) -> dict:
                     b = _Bench()
                     prev = STATE["small_gemm"]
                     if fixed:
-                        threads, scores = fixed, None
-                        set_threads(fixed)
+                        threads, kthreads, scores = fixed, fixed, None
                     else:
-                        threads, scores = _measure_threads(b, _cpus())
-                        set_threads(threads)
+                        threads, kthreads, scores = _measure_threads(b, _cpus())
+                    set_threads(threads, kthreads)
                     route, times = _measure_route(b)
                     set_small_gemm(prev)
                     data = read() if not force else {}
                     data.update({"version": CALIBRATION_VERSION, key: {
-                        "threads": threads, "thread_scores_ms": scores, "route": route, "times_us": times,
+                        "threads": threads, "kernel_threads": kthreads, "thread_scores_ms": scores,
+                        "route": route, "times_us": times,
                         "cpus": _cpus(), "cpu": cpu_id()[:80],
                         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}})
@@ -256,7 +261,7 @@ def calibrate(force: bool = False, log=None) -> dict:
             data = {key: {"threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
                           "date_utc": None, "note": "calibration lock timed out"}}
     cal = data[key]
-    set_threads(cal["threads"])
+    set_threads(cal["threads"], cal.get("kernel_threads"))
     set_route(cal["route"])
     STATE["threads_from"] = ("MLX_DFLASH_BLAS_THREADS" if fixed
                              else f"measured fastest on this machine ({cal.get('date_utc')} UTC)")
@@ -273,7 +278,8 @@ def _describe() -> str:
             else f"few-row kernel on {sum(map(sum, STATE['route'] or []))} of {MB * len(CLASS_MAX)} "
                  "(rows, size) classes")
     return (f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim), "
-            f"{STATE['threads']} thread{'s' if STATE['threads'] != 1 else ''}, {kern}")
+            f"{STATE['threads']} thread{'s' if STATE['threads'] != 1 else ''}, {kern}"
+            + (f" ({STATE['kernel_threads']} threads)" if mode and STATE["kernel_threads"] != STATE["threads"] else ""))
 
 
 # -- loading ----------------------------------------------------------------------------

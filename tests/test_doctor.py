@@ -76,6 +76,10 @@ def _fake(c2, load, spread=0.1):
     return {"cpus": 2, "load_average": [load, load], "probes": {"small": {"runs": {"on": run}}}}
 
 
+def test_no_busy_warning_without_figures():
+    assert doctor._warnings({"cpus": 2, "load_average": [6.5]}) == []
+
+
 def test_warns_on_impossible_figures_and_a_busy_machine():
     assert doctor._warnings(_fake(1.1, 0.3)) == []
     w = doctor._warnings(_fake(0.11, 0.3))  # printed under load once, without a word
