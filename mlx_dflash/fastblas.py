@@ -261,7 +261,8 @@ def calibrate(force: bool = False, log=None) -> dict:
             data = {key: {"threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
                           "date_utc": None, "note": "calibration lock timed out"}}
     cal = data[key]
-    set_threads(cal["threads"], cal.get("kernel_threads"))
+    env_k = os.environ.get("MLX_DFLASH_KERNEL_THREADS", "")  # the kernel's alone, e.g. 2 with 1 for OpenBLAS
+    set_threads(cal["threads"], int(env_k) if env_k.isdigit() and int(env_k) > 0 else cal.get("kernel_threads"))
     set_route(cal["route"])
     STATE["threads_from"] = ("MLX_DFLASH_BLAS_THREADS" if fixed
                              else f"measured fastest on this machine ({cal.get('date_utc')} UTC)")
