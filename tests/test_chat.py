@@ -586,7 +586,7 @@ def test_chat_takes_any_listed_spelling(backend):
 
 def test_low_acceptance_warns_once_in_the_chat(backend, tmp_path):
     """The random pair fits by shape and accepts almost nothing: one warning."""
-    backend.store.set_model("target", max_tokens=60)
+    backend.store.set_model("target", max_tokens=60, block_size=4)  # fixed width: the guard would go plain and draft nothing
 
     async def go():
         app = make_app(backend, tmp_path)
