@@ -14,6 +14,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from app.cli import main
 from mlx_dflash import generate
 from mlx_dflash import train as T
+from mlx_dflash import train_data as TD
+from mlx_dflash import train_init as TI
+from mlx_dflash import train_loss as TL
 from mlx_dflash.drafter import load_drafter, validate
 from mlx_dflash.target import Target
 
@@ -43,7 +46,7 @@ def corpus(tmp_path_factory):
 def make_drafter(model, tok, version, seed=0, live=False):
     t = Target(model)
     cfg = T.TrainConfig(out="unused", version=version, block_size=B, layers=2)
-    d = T.init_drafter(T.drafter_config(t, model, cfg, T.mask_token_id(tok)), seed)
+    d = TI.init_drafter(TI.drafter_config(t, model, cfg, TI.mask_token_id(tok)), seed)
     if live:  # non-trivial convs and selector, so every DFlash 2 path is exercised
         mx.random.seed(seed + 7)
         d.update(tree_unflatten([(k, mx.random.normal(v.shape) * 0.1) for k, v in tree_flatten(d.parameters())
@@ -58,7 +61,7 @@ def test_block_forward_is_the_inference_forward(target, version):
     rng = np.random.default_rng(0)
     tokens = mx.array(rng.integers(4, 500, size=(2, 48)).astype(np.int32))
     anchors = mx.array([[1, 17, 40], [6, 25, 33]], dtype=mx.int32)
-    h, truth = T.block_forward(d, t, tokens, anchors)
+    h, truth = TL.block_forward(d, t, tokens, anchors)
     for s in range(2):
         for j in range(3):
             p = int(anchors[s, j])
@@ -78,12 +81,12 @@ def test_v2_starts_as_v1(target):
     _, d2 = make_drafter(model, tok, 2)
     tokens = mx.array(np.random.default_rng(1).integers(4, 500, size=(1, 40)).astype(np.int32))
     anchors = mx.array([[3, 12, 30]], dtype=mx.int32)
-    w = T.position_weights(B)
-    l1, (ce1, _, c1, lg1, _, _) = T.losses(d1, t, tokens, anchors, w, 0.5)
-    l2, (ce2, sel, c2, lg2, hd, truth) = T.losses(d2, t, tokens, anchors, w, 0.5)
+    w = TL.position_weights(B)
+    l1, (ce1, _, c1, lg1, _, _) = TL.losses(d1, t, tokens, anchors, w, 0.5)
+    l2, (ce2, sel, c2, lg2, hd, truth) = TL.losses(d2, t, tokens, anchors, w, 0.5)
     np.testing.assert_allclose(np.array(lg1), np.array(lg2), atol=1e-5)
     assert abs(ce1.item() - ce2.item()) < 1e-5
-    walk = T.selector_walk(d2, t, lg2, hd, truth[:, 0])
+    walk = TL.selector_walk(d2, t, lg2, hd, truth[:, 0])
     np.testing.assert_array_equal(np.array(walk), np.array(mx.argmax(lg2, axis=-1)))
 
 
@@ -94,12 +97,12 @@ def test_selector_loss_scores_true_tokens_among_candidates(target):
     rng = np.random.default_rng(2)
     truth = mx.array(rng.integers(4, 500, size=(N, B)).astype(np.int32))
     hd = mx.random.normal((N, B - 1, t.hidden_size))
-    w = T.position_weights(B)
+    w = TL.position_weights(B)
     onehot = (mx.arange(V) == truth[:, 1:, None]).astype(mx.float32)
     base = mx.random.normal((N, B - 1, V))
     # the true token is a top candidate: the loss is the candidate CE, and trains the selector
     up = base + 4 * onehot  # in the top K nearly always, not so far above the rest that the CE vanishes
-    loss = T.selector_loss(d, t, up, hd, truth, w)
+    loss = TL.selector_loss(d, t, up, hd, truth, w)
     ids, cl = d.candidate_selector.candidates(up.reshape(-1, V))
     s = d.candidate_selector.pair_scores(truth[:, :-1].reshape(-1), ids, cl, hd.reshape(-1, t.hidden_size),
                                          t.embed_tokens)
@@ -108,11 +111,11 @@ def test_selector_loss_scores_true_tokens_among_candidates(target):
     ww = mx.broadcast_to(w, (N, B - 1)).reshape(-1) * hit.any(-1)
     assert hit.any(-1).sum().item() > N  # most positions count
     assert loss.item() == pytest.approx(((ce * ww).sum() / ww.sum()).item(), rel=1e-4)
-    g = mx.grad(lambda p: (d.candidate_selector.update(p), T.selector_loss(d, t, up, hd, truth, w))[1])(
+    g = mx.grad(lambda p: (d.candidate_selector.update(p), TL.selector_loss(d, t, up, hd, truth, w))[1])(
         d.candidate_selector.trainable_parameters())
     assert float(mx.abs(g["successor_projection"]["weight"]).sum()) > 0
     # never a candidate: skipped
-    assert T.selector_loss(d, t, base - 50 * onehot, hd, truth, w).item() == 0.0
+    assert TL.selector_loss(d, t, base - 50 * onehot, hd, truth, w).item() == 0.0
 
 
 def test_fast_math_matches_mlx():
@@ -121,9 +124,9 @@ def test_fast_math_matches_mlx():
     x = mx.random.normal((64, 300), key=mx.random.key(0)) * 6
     x = mx.concatenate([x, mx.array([[-1e4] * 300, [90.0] * 300])])
     lab = mx.random.randint(0, 300, (66,), key=mx.random.key(1))
-    pairs = [(T.fast_softmax, lambda v: mx.softmax(v, axis=-1)),
-             (lambda v: T.fast_cross_entropy(v, lab), lambda v: nn.losses.cross_entropy(v, lab)),
-             (T.fast_silu, nn.silu)]
+    pairs = [(TL.fast_softmax, lambda v: mx.softmax(v, axis=-1)),
+             (lambda v: TL.fast_cross_entropy(v, lab), lambda v: nn.losses.cross_entropy(v, lab)),
+             (TL.fast_silu, nn.silu)]
     for fast, ref in pairs:
         np.testing.assert_allclose(np.array(fast(x)), np.array(ref(x)), rtol=2e-5, atol=1e-6)
         w = mx.cos(x[:, 0]) if fast(x).ndim == 1 else mx.cos(x)  # an arbitrary cotangent
@@ -134,8 +137,8 @@ def test_fast_math_matches_mlx():
 
 def test_tau_estimate_counts_leading_correct_drafts():
     c = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=bool)
-    assert T.tau_estimate(c, 5) == pytest.approx(1 + (2 + 0 + 4) / 3)
-    assert T.tau_estimate(c, 3) == pytest.approx(1 + (2 + 0 + 2) / 3)
+    assert TL.tau_estimate(c, 5) == pytest.approx(1 + (2 + 0 + 4) / 3)
+    assert TL.tau_estimate(c, 3) == pytest.approx(1 + (2 + 0 + 2) / 3)
 
 
 def _train_args(tpath, corpus, out, *extra):
@@ -153,10 +156,10 @@ def test_holdout_rows_are_spread_over_the_source():
     # a source sorted by kind (100 rows of 1s, then 100 of 2s): both kinds are held out,
     # no row is both trained on and held out, and the cap holds
     ex = [([1] * 8, [1] * 8)] * 100 + [([2] * 8, [1] * 8)] * 100
-    ds = T.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.1)
+    ds = TD.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.1)
     kinds = {int(r[0]) for r in ds.val_tokens}
     assert kinds == {1, 2} and len(ds.val_tokens) == 20 and len(ds.tokens) == 180
-    capped = T.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.5, max_val_rows=7)
+    capped = TD.build_dataset({"r": ex}, seq_len=9, sep=0, holdout=0.5, max_val_rows=7)
     assert len(capped.val_tokens) == 7 and len(capped.tokens) == 193
 
 
@@ -223,7 +226,7 @@ def test_onpolicy_responses_are_the_targets_and_resumable(target, tmp_path):
     T.generate_responses(model, tok, cfg, progress=False)
     assert [json.loads(l) for l in cache.read_text().splitlines()] == got2
     # the responses become training rows whose anchors sit in the responses
-    ex = T.examples_from_responses(cache, tok)
+    ex = TD.examples_from_responses(cache, tok)
     assert all(sum(m) == len(r["response"]) and m[: len(r["prompt"])] == [0] * len(r["prompt"])
                for (ids, m), r in zip(ex, got2))
     # a cache made from other prompts is refused, not overwritten
@@ -256,7 +259,7 @@ def test_training_features_are_the_inference_features(family):
     gated-delta layers), where the old hand-written layer loop differed."""
     from tiny_families import build
 
-    from mlx_dflash.train import target_features
+    from mlx_dflash.train_init import target_features
 
     model = build(family)
     t = Target(model)

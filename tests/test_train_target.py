@@ -101,12 +101,13 @@ def test_shipped_target_does_not_loop_on_dev_prompts(tmp_path):
     from mlx_lm import load
 
     from mlx_dflash import train as T
+    from mlx_dflash.train_data import _batched_generator
     from mlx_dflash.loader import models_dir
 
     model, tok = load(str(models_dir() / "target"))
     dev = [json.loads(l) for l in TT.write_gsm8k_dev(tmp_path / "dev.jsonl").read_text().splitlines()]
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in dev[:24]]
     # the batched greedy generation that makes on-policy (and unlikelihood) data
-    outs = T._batched_generator(model, tok, T.TrainConfig(out=str(tmp_path), gen_max_tokens=160))(prompts)
+    outs = _batched_generator(model, tok, T.TrainConfig(out=str(tmp_path), gen_max_tokens=160))(prompts)
     stuck = [i for i, (ids, finish) in enumerate(outs) if TT.stuck_in_loop(ids, finish == "stop")]
     assert len(outs) == 24 and stuck == []
