@@ -33,3 +33,18 @@ def pairs(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture
+def chat_backend(pairs, tmp_path, monkeypatch):
+    """The chat app's model manager with a small random pair registered as a model
+    folder in a scratch MLX_DFLASH_HOME (tests/chat_pilot.py drives the app on it)."""
+    from chat_pilot import FolderBackend
+
+    from mlx_dflash.settings import SettingsStore
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # no models from the user's cache
+    store = SettingsStore()
+    store.set_global(model_dirs=[str(pairs())])
+    return FolderBackend(store)

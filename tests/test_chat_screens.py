@@ -1,0 +1,237 @@
+"""`mlx-dflash chat`'s panels and dialogs, driven with Pilot at 80x24: the settings
+panel (validation, saving, applying), the model switcher, the status bar, help,
+clearing and the chat list (tests/chat_pilot.py: the pair and the steps)."""
+
+import json
+
+from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, until
+
+from app.chat import SettingsScreen, build_prompt
+from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen
+from app.chat_history import Chat, HistoryStore
+from app.chat_history import Message as ChatMessage
+
+
+async def open_settings(pilot):
+    await press_for(pilot, "ctrl+s", SettingsScreen, "the settings panel")
+
+
+async def save_settings(pilot):
+    await press_to_close(pilot, "ctrl+s", SettingsScreen)
+
+
+def test_settings_panel_validates_saves_and_applies(chat_backend, tmp_path):
+    async def body(app, pilot):
+        await open_settings(pilot)
+        scr = app.screen
+        # a bad value: inline message, nothing saved, the panel stays open
+        scr.query_one("#f-block_size").value = "abc"
+        scr.query_one("#f-top_p").value = "2"
+        err = lambda k: str(scr.query_one(f"#err-{k}").render())  # noqa: E731
+        await pilot.pause()  # the fields' Changed events (which hide old messages) come first
+        await pilot.click("#save")
+        await until(pilot, lambda: "integer" in err("block_size"), "the inline message")
+        assert app.screen is scr
+        assert scr.query_one("#err-block_size").display
+        scr.query_one("#f-block_size").value = "99"  # above the drafter's trained block size
+        await until(pilot, lambda: not scr.query_one("#err-block_size").display, "the edit to hide it")
+        # the key, not a click: the shown messages moved the button, and a click under
+        # load can land where it was (CI saw that once)
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: "at most 16" in err("block_size"), "the inline message")
+        scr.query_one("#f-block_size").value = "3"
+        await pilot.pause()
+        await pilot.press("ctrl+s")  # top_p = 2 is refused by the settings store
+        await until(pilot, lambda: "top_p" in err("top_p"), "the store's message")
+        assert app.screen is scr
+        assert not scr.query_one("#err-block_size").display
+        assert chat_backend.store.model("target").block_size == 5
+        # good values: saved through the model manager, applied to the next message
+        scr.query_one("#f-top_p").value = "1.0"
+        scr.query_one("#f-max_tokens").value = "7"
+        scr.query_one("#f-dflash_enabled").value = False
+        scr.query_one("#f-system_prompt").text = "Be brief."
+        await save_settings(pilot)
+        s = chat_backend.store.model("target")
+        assert (s.max_tokens, s.block_size, s.dflash_enabled, s.system_prompt) == (7, 3, False, "Be brief.")
+        answer = await say(pilot, "hi")
+        assert answer.stats["generation_tokens"] == 7 and answer.stats["finish"] == "length"
+        assert answer.stats["mode"] == "off"
+        with_system = build_prompt(app.loaded.tokenizer, "Be brief.", [{"role": "user", "content": "hi"}])
+        assert answer.stats["prompt_tokens"] == len(with_system) and app.chat.system == "Be brief."
+        assert "DFlash off" in str(app.query_one("#status").render())
+        # and back on, with the new verify width
+        await open_settings(pilot)
+        app.screen.query_one("#f-dflash_enabled").value = True
+        await save_settings(pilot)
+        answer = await say(pilot, "again")
+        assert answer.stats["mode"] == "dflash" and answer.stats["block_size"] == 3
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_enabling_dflash_loads_the_drafter(chat_backend, tmp_path):
+    chat_backend.store.set_model("target", dflash_enabled=False, max_tokens=5)
+
+    async def body(app, pilot):
+        assert app.loaded.drafter is None and "DFlash off" in str(app.query_one("#status").render())
+        assert (await say(pilot, "hi")).stats["mode"] == "off"
+        await open_settings(pilot)
+        app.screen.query_one("#f-dflash_enabled").value = True
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: app.loaded is not None and app.loaded.drafter is not None, "the drafter")
+        assert "DFlash on" in str(app.query_one("#status").render())
+        assert (await say(pilot, "hi")).stats["mode"] == "dflash"
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_model_switcher_lists_targets_only(chat_backend, tmp_path):
+    async def body(app, pilot):
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        ol = app.screen.query_one("OptionList")
+        assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == ["target"]
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.screen_stack[0]
+
+    drive(chat_backend, tmp_path, body)
+
+
+# -- 80x24: fits, help, asks before erasing, the chat list -----------------------------------
+
+
+def test_status_bar_fits_80x24(chat_backend, tmp_path):
+    chat_backend.store.set_model("target", max_tokens=8)
+
+    async def body(app, pilot):
+        await say(pilot, "hello")
+        await pilot.pause()
+        bar = app.query_one("#status")
+        text = bar.render().plain if hasattr(bar.render(), "plain") else str(bar.render())
+        assert "ready" in text and "DFlash" in text and "tok/s" in text
+        # every word of the status line is on screen (wrapped, not cut), and the footer too
+        assert squeeze(text) in squeeze("".join(screen_lines(app)))
+        assert bar.region.bottom <= SIZE[1] - 1 and "Help" in screen_lines(app)[-1]
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_settings_panel_is_usable_at_80x24(chat_backend, tmp_path):
+    async def body(app, pilot):
+        from app.chat.settings_panel import SETTINGS_FIELDS
+
+        await open_settings(pilot)
+        await pilot.pause()
+        scr = app.screen
+        dialog = scr.query_one(".dialog")
+        assert dialog.region.right <= SIZE[0] and dialog.region.bottom <= SIZE[1]
+        lines = "\n".join(screen_lines(app))
+        assert "Save" in lines and "Cancel" in lines
+        # Tab reaches every field, each scrolled into view inside the panel
+        seen = set()
+        for _ in range(3 * len(SETTINGS_FIELDS)):
+            w = app.focused
+            if w is not None and (w.id or "").startswith("f-"):
+                seen.add(w.id[2:])
+                await pilot.pause()
+                form = scr.query_one(".form")
+                assert form.region.contains_region(w.region) or form.region.overlaps(w.region), w.id
+            await pilot.press("tab")
+        assert seen == {name for name, _, _ in SETTINGS_FIELDS}
+        # and changes are saved from there; a new compute dtype loads the model again in it
+        scr.query_one("#f-max_tokens").value = "9"
+        scr.query_one("#f-dtype").value = "bfloat16"
+        await save_settings(pilot)
+        s = chat_backend.store.model("target")
+        assert (s.max_tokens, s.dtype) == (9, "bfloat16")
+        await until(pilot, lambda: app.loaded is not None and app.loaded.settings.dtype == "bfloat16", "the reload")
+        from mlx_dflash.loader import model_dtype
+
+        assert model_dtype(app.loaded.model) == "bfloat16"
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_help_screen_explains_keys_and_numbers(chat_backend, tmp_path):
+    async def body(app, pilot):
+        from app.chat.screens import KEYS, TERMS
+
+        await press_for(pilot, "f1", HelpScreen, "the help")
+        await pilot.pause()
+        terms = dict(TERMS)
+        for word in ("tau", "accepted", "verify width", "cached"):
+            assert word in terms and "\n" not in terms[word]
+        bound = {b.key for b in app.BINDINGS}
+        for key in ("ctrl+s", "ctrl+o", "ctrl+b", "ctrl+n", "ctrl+l", "ctrl+r", "ctrl+y", "ctrl+t", "ctrl+q"):
+            assert key in bound and key in dict(KEYS), key
+        shown = "\n".join(screen_lines(app))
+        assert "Enter" in shown and "ctrl+s" in shown
+        help_body = app.screen.query_one("#help-body")
+        await pilot.press("end")
+        await pilot.pause()
+        assert help_body.scroll_y == help_body.max_scroll_y
+        assert "cached" in "\n".join(screen_lines(app))  # the last lines scrolled into view
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.screen_stack[0]
+        app.query_one("#messages").focus()  # '?' opens it too, where it is not typed into the input
+        await press_for(pilot, "question_mark", HelpScreen, "the help")
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_clear_asks_first(chat_backend, tmp_path):
+    chat_backend.store.set_model("target", max_tokens=4)
+
+    async def body(app, pilot):
+        await say(pilot, "keep me")
+        path = tmp_path / "chats" / f"{app.chat.id}.json"
+        await press_for(pilot, "ctrl+l", ConfirmScreen, "the question")
+        await pilot.press("enter")  # Enter alone keeps (the focused button is Keep)
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen) and len(app.chat.messages) == 2
+        await press_for(pilot, "ctrl+l", ConfirmScreen, "the question")
+        await pilot.press("n")
+        await pilot.pause()
+        assert len(json.loads(path.read_text())["messages"]) == 2
+        await press_for(pilot, "ctrl+l", ConfirmScreen, "the question")
+        await pilot.press("y")
+        await until(pilot, lambda: not app.chat.messages, "the chat to clear")
+        assert json.loads(path.read_text())["messages"] == []
+
+    drive(chat_backend, tmp_path, body)
+
+
+def test_chat_list_deletes_and_renames(chat_backend, tmp_path):
+    chats = tmp_path / "chats"
+    a = Chat(title="first", messages=[ChatMessage("user", "a")])
+    b = Chat(title="second", messages=[ChatMessage("user", "b")])
+    HistoryStore(chats).save(a)
+    HistoryStore(chats).save(b)
+
+    async def body(app, pilot):
+        await press_for(pilot, "ctrl+b", ListScreen, "the chat list")
+        await pilot.pause()
+        ol = app.screen.query_one("OptionList")
+        assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == [b.id, a.id]
+        # rename the highlighted (newest) chat; its place in the list stays
+        await press_for(pilot, "r", PromptScreen, "the rename prompt")
+        app.screen.query_one("#text").value = "renamed chat"
+        await press_for(pilot, "enter", ListScreen, "the list again")
+        assert "renamed chat" in str(ol.get_option_at_index(0).prompt)
+        assert json.loads((chats / f"{b.id}.json").read_text())["title"] == "renamed chat"
+        # delete asks; "n" keeps the file
+        await press_for(pilot, "d", ConfirmScreen, "the question")
+        await press_for(pilot, "n", ListScreen, "the list again")
+        assert (chats / f"{b.id}.json").exists()
+        await press_for(pilot, "d", ConfirmScreen, "the question")
+        await press_for(pilot, "y", ListScreen, "the list again")
+        await pilot.pause()
+        assert not (chats / f"{b.id}.json").exists() and (chats / f"{a.id}.json").exists()
+        assert [ol.get_option_at_index(i).id for i in range(ol.option_count)] == [a.id]
+        await pilot.press("enter")
+        await until(pilot, lambda: app.chat.id == a.id, "the remaining chat to open")
+
+    drive(chat_backend, tmp_path, body, reopen_last=False)
