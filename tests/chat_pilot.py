@@ -67,16 +67,19 @@ async def start(pilot, text, batches, what="the answer to start"):
     await until(pilot, lambda: app.turn is not None and app.turn.batches >= batches, what)
 
 
+async def press_until(pilot, key, cond, what):
+    await pilot.press(key)
+    await until(pilot, cond, what)
+
+
 async def press_for(pilot, key, screen, what):
     """Press `key` and wait for the screen of class `screen` it opens."""
-    await pilot.press(key)
-    await until(pilot, lambda: isinstance(pilot.app.screen, screen), what)
+    await press_until(pilot, key, lambda: isinstance(pilot.app.screen, screen), what)
 
 
 async def press_to_close(pilot, key, screen):
     """Press `key` (save, ...) and wait for the screen of class `screen` to close."""
-    await pilot.press(key)
-    await until(pilot, lambda: not isinstance(pilot.app.screen, screen), "the panel to close")
+    await press_until(pilot, key, lambda: not isinstance(pilot.app.screen, screen), "the panel to close")
 
 
 def screen_lines(app) -> list:

@@ -5,7 +5,7 @@ the steps; the panels and dialogs: tests/test_chat_screens.py)."""
 import asyncio
 import json
 
-from chat_pilot import SIZE, drive, make_app, press_for, ready, say, start, until
+from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say, start, until
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
 from app.chat.screens import ConfirmScreen
@@ -264,16 +264,18 @@ def test_low_acceptance_warns_once_in_the_chat(chat_backend, tmp_path):
 # -- snapshots (fixed size; wall-clock numbers masked) ------------------------------------
 
 
-def _snap_app(chat_backend, tmp_path):
+def snapshot(chat_backend, tmp_path, snap_compare, steps):
+    """The screen after `await steps(pilot)` on the loaded app matches the test's snapshot."""
     # a width other than the default: no timing-driven guard deciding what the screen shows
     chat_backend.store.set_model("target", max_tokens=6, block_size=4)
-    return make_app(chat_backend, tmp_path, mask_timings=True)
 
+    async def before(pilot):
+        await ready(pilot)
+        pilot.app.query_one("#input").cursor_blink = False  # a blink phase would vary the screen
+        await steps(pilot)
+        await pilot.pause()
 
-async def still(pilot):
-    """Loaded, with the input's cursor not blinking (a blink phase would vary the screen)."""
-    await ready(pilot)
-    pilot.app.query_one("#input").cursor_blink = False
+    return snap_compare(make_app(chat_backend, tmp_path, mask_timings=True), terminal_size=SIZE, run_before=before)
 
 
 def test_snapshot_chat_screen(chat_backend, tmp_path, snap_compare):
@@ -284,35 +286,28 @@ def test_snapshot_chat_screen(chat_backend, tmp_path, snap_compare):
     HistoryStore(tmp_path / "chats").save(Chat(messages=[
         ChatMessage("user", "A Python hello function?"), ChatMessage("assistant", md, [[md, True]], stats)]))
 
-    async def before(pilot):
-        await still(pilot)
+    async def steps(pilot):
         await say(pilot, "Thanks")
-        await pilot.pause()
 
-    assert snap_compare(_snap_app(chat_backend, tmp_path), terminal_size=SIZE, run_before=before)
+    assert snapshot(chat_backend, tmp_path, snap_compare, steps)
 
 
 def test_snapshot_settings_panel(chat_backend, tmp_path, snap_compare):
-    async def before(pilot):
-        await still(pilot)
-        await pilot.press("ctrl+s")
-        await until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen)
-                    and pilot.app.screen.query("#f-temperature"), "the settings panel")
-        pilot.app.screen.query_one("#f-temperature").value = "-1"
+    async def steps(pilot):
+        screen = lambda: pilot.app.screen  # noqa: E731
+        await press_until(pilot, "ctrl+s", lambda: isinstance(screen(), SettingsScreen)
+                          and screen().query("#f-temperature"), "the settings panel")
+        screen().query_one("#f-temperature").value = "-1"
         await pilot.pause()
-        await pilot.press("ctrl+s")
-        await until(pilot, lambda: pilot.app.screen.query_one("#err-temperature").display, "the message")
-        await pilot.pause()
+        await press_until(pilot, "ctrl+s", lambda: screen().query_one("#err-temperature").display, "the message")
 
-    assert snap_compare(_snap_app(chat_backend, tmp_path), terminal_size=SIZE, run_before=before)
+    assert snapshot(chat_backend, tmp_path, snap_compare, steps)
 
 
 def test_snapshot_model_switcher(chat_backend, tmp_path, snap_compare):
-    async def before(pilot):
-        await still(pilot)
-        await pilot.press("ctrl+o")
-        await until(pilot, lambda: pilot.app.screen.query("OptionList")
-                    and pilot.app.screen.query_one("OptionList").has_focus, "the model list")
-        await pilot.pause()
+    async def steps(pilot):
+        screen = lambda: pilot.app.screen  # noqa: E731
+        await press_until(pilot, "ctrl+o", lambda: screen().query("OptionList")
+                          and screen().query_one("OptionList").has_focus, "the model list")
 
-    assert snap_compare(_snap_app(chat_backend, tmp_path), terminal_size=SIZE, run_before=before)
+    assert snapshot(chat_backend, tmp_path, snap_compare, steps)
