@@ -33,93 +33,104 @@ void cblas_cgemm(I o, I ta, I tb, I m, I n, I k, const void* al, const void* a, 
                  const void* b, I ldb, const void* be, void* c, I ldc)
 { scipy_cblas_cgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc); }
 
-/* Each C[m, n] is one dot product in a fixed order (16 lanes over k, a tree,
-   the tail), whatever M, the blocking or the thread split: a row's result does
-   not depend on how many rows came with it. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+/* Each C[m, n] is one dot product in a fixed order (8 lanes over k, FMA where
+   the CPU has it, a fixed tree, then the tail in order), whatever M, the
+   blocking or the thread split: a row's result does not depend on how many
+   rows came with it (a verify row equals the 1-token step's). */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 #define MB 16
-static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline float hsum(v16 v) {
-  v8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char*)&v + 32, 32); a += b;
-  v4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char*)&a + 16, 16); c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
+#define PF 128  /* prefetch W 512 B ahead: 3-8% at 8-16 rows, measured */
+/* in a register: one load per value, not one per use (GCC reloads otherwise) */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
+#define REG(v) __asm__("" : "+x"(v))
+#else
+#define REG(v) (void)0
+#endif
+static inline v8 ld(const float* p) { return *(const v8*)p; }  /* v8 is aligned(4): an unaligned load */
+static inline float hsum(v8 v) {
+  v4 a, b; memcpy(&a, &v, 16); memcpy(&b, (char*)&v + 16, 16); a += b;
+  return (a[0] + a[2]) + (a[1] + a[3]);
 }
 static inline void put(float* c, float r, float alpha, float beta) {
   *c = alpha * r + (beta != 0 ? beta * *c : 0);  /* beta = 0: C may hold garbage */
 }
 
-/* One block of C = alpha A B^T + beta C: rows [i0, i0 + MR) of A against rows
-   [n, n + nb) of B [N, K] row-major. A comes packed as Ap[K / 16][M][16] (one
-   pointer walks it: no register per row), the tail k >= K16 from A itself.
-   MR * NB accumulators, NB weights and one x stay in registers (MR and NB are
-   constants: the loops unroll); each weight is loaded once for the MR rows. */
+/* The kernel: rows [i, i + MR) of A against rows b[0..NB) of B [N, K], over
+   k in [k0, k1), accumulators kept in part[MR][NB] between k-chunks (a stored
+   and reloaded vector: the order of the sums is unchanged). A comes packed as
+   Ap[K / 8][M][8], so one pointer walks it. MR * NB accumulators, NB weights
+   and one x fit AVX2's 16 registers (MR, NB constants: the loops unroll); each
+   weight is loaded once for the MR rows. */
+#define U _Pragma("GCC unroll 8")
+#define STEP(k, q, MR, NB)                                                               \
+  { v8 w[NB];                                                                            \
+    U for (int j = 0; j < NB; j++) { w[j] = ld(b[j] + (k)); REG(w[j]); }                 \
+    U for (int i = 0; i < MR; i++) {                                                     \
+      v8 x = ld((q) + i * 8); REG(x);                                                    \
+      U for (int j = 0; j < NB; j++) acc[i][j] += x * w[j];                              \
+    } }
 #define BLK(MR, NB)                                                                      \
 static inline __attribute__((always_inline)) void blk_##MR##_##NB(                       \
-    I n, int nb, I M, I i0, I K, float alpha, const float* Ap, const float* A, I lda,    \
-    const float* B, I ldb, float beta, float* C, I ldc) {                                \
-  I K16 = K & ~15;                                                                       \
-  const float* b[NB];                                                                    \
-  for (int j = 0; j < NB; j++) b[j] = B + (size_t)(n + (j < nb ? j : 0)) * ldb;          \
-  v16 acc[MR][NB];                                                                       \
-  for (int i = 0; i < MR; i++) for (int j = 0; j < NB; j++) acc[i][j] = (v16){0};        \
-  const float* p = Ap + (size_t)i0 * 16;                                                 \
-  for (I k = 0; k < K16; k += 16, p += (size_t)M * 16) {                                 \
-    v16 w[NB];                                                                           \
-    for (int j = 0; j < NB; j++) {  /* 1 KB ahead: ~15% at 16 rows, measured */          \
-      w[j] = ld(b[j] + k);                                                               \
-      __builtin_prefetch(b[j] + k + 256);                                                \
-    }                                                                                    \
-    for (int i = 0; i < MR; i++) {                                                       \
-      v16 x = ld(p + i * 16);                                                            \
-      __asm__("" : "+v"(x));  /* one load per x, not one per use */                      \
-      for (int j = 0; j < NB; j++) acc[i][j] += x * w[j];                                \
-    }                                                                                    \
+    const float* const* b, const float* p, size_t ms, I k, I k1, v8* part, int first) {  \
+  v8 acc[MR][NB];                                                                        \
+  U for (int i = 0; i < MR; i++) U for (int j = 0; j < NB; j++)                          \
+    acc[i][j] = first ? (v8){0} : part[i * NB + j];                                      \
+  for (; k + 16 <= k1; k += 16, p += 2 * ms) {  /* one cache line of each row */         \
+    U for (int j = 0; j < NB; j++) __builtin_prefetch(b[j] + k + PF);                    \
+    STEP(k, p, MR, NB) STEP(k + 8, p + ms, MR, NB)                                       \
   }                                                                                      \
-  for (int i = 0; i < MR; i++) {                                                         \
-    const float* x = A + (size_t)(i0 + i) * lda;                                         \
-    for (int j = 0; j < nb; j++) {                                                       \
-      float r = hsum(acc[i][j]);                                                         \
-      for (I k = K16; k < K; k++) r += x[k] * b[j][k];                                   \
-      put(C + (size_t)(i0 + i) * ldc + n + j, r, alpha, beta);                           \
-    }                                                                                    \
-  }                                                                                      \
+  if (k < k1) STEP(k, p, MR, NB)                                                         \
+  U for (int i = 0; i < MR; i++) U for (int j = 0; j < NB; j++) part[i * NB + j] = acc[i][j]; \
 }
-BLK(1, 8) BLK(2, 8) BLK(3, 6) BLK(4, 5) BLK(5, 4) BLK(6, 4) BLK(7, 3) BLK(8, 3)
+BLK(1, 8) BLK(2, 4) BLK(3, 3) BLK(2, 3) BLK(1, 3)
 
-/* Columns [n0, n1) of an M-row product: M <= 8 in one group; 9..16 rows as two
-   groups over the same NB rows of B, which are still in L1 for the second. */
-#define NT1(M, NB)                                                                       \
-static void nt_##M(I n0, I n1, I K, float alpha, const float* Ap, const float* A, I lda, \
-                   const float* B, I ldb, float beta, float* C, I ldc) {                 \
+/* Columns [n0, n1) of an M-row product, NB rows of B at a time: 1 or 2 rows of
+   A in one group; more in groups of 4 over the same rows of B, k cut in chunks
+   so that those rows and A's chunk stay in L1 from one group to the next. */
+#define KC 128  /* 3 rows of B + 16 of A per chunk: 10 KB (128: 5-10% faster than 256, measured) */
+#define NT(NAME, NB, GROUPS)                                                             \
+static void NAME(I M, I n0, I n1, I K, float alpha, const float* Ap, const float* A,     \
+                 I lda, const float* B, I ldb, float beta, float* C, I ldc) {            \
+  I K8 = K & ~7, kc = M <= 2 ? K8 : KC;                                                  \
+  v8 part[MB * NB];                                                                      \
   for (I n = n0; n < n1; n += NB) {                                                      \
     int nb = n1 - n < NB ? n1 - n : NB;                                                  \
-    blk_##M##_##NB(n, nb, M, 0, K, alpha, Ap, A, lda, B, ldb, beta, C, ldc);            \
+    const float* b[NB];                                                                  \
+    for (int j = 0; j < NB; j++) b[j] = B + (size_t)(n + (j < nb ? j : 0)) * ldb;        \
+    for (I k0 = 0, k1 = 0, once = 1; once || k1 < K8; k0 = k1, once = 0) { /* K < 8: once */ \
+      k1 = k0 + kc < K8 ? k0 + kc : K8;                                                  \
+      const float* p = Ap + (size_t)k0 * M;                                              \
+      size_t ms = (size_t)M * 8;                                                         \
+      GROUPS                                                                             \
+    }                                                                                    \
+    for (I i = 0; i < M; i++) {                                                          \
+      const float* x = A + (size_t)i * lda;                                              \
+      for (int j = 0; j < nb; j++) {                                                     \
+        float r = hsum(part[i * NB + j]);                                                \
+        for (I t = K8; t < K; t++) r += x[t] * b[j][t];                                  \
+        put(C + (size_t)i * ldc + n + j, r, alpha, beta);                                \
+      }                                                                                  \
+    }                                                                                    \
   }                                                                                      \
 }
-#define NT2(M, R)                                                                        \
-static void nt_##M(I n0, I n1, I K, float alpha, const float* Ap, const float* A, I lda, \
-                   const float* B, I ldb, float beta, float* C, I ldc) {                 \
-  for (I n = n0; n < n1; n += 3) {                                                       \
-    int nb = n1 - n < 3 ? n1 - n : 3;                                                    \
-    blk_8_3(n, nb, M, 0, K, alpha, Ap, A, lda, B, ldb, beta, C, ldc);                    \
-    blk_##R(n, nb, M, 8, K, alpha, Ap, A, lda, B, ldb, beta, C, ldc);                    \
-  }                                                                                      \
-}
-BLK(1, 3) BLK(2, 3) BLK(3, 3) BLK(4, 3) BLK(5, 3) BLK(6, 3)
-NT1(1, 8) NT1(2, 8) NT1(3, 6) NT1(4, 5) NT1(5, 4) NT1(6, 4) NT1(7, 3) NT1(8, 3)
-NT2(9, 1_3) NT2(10, 2_3) NT2(11, 3_3) NT2(12, 4_3) NT2(13, 5_3) NT2(14, 6_3) NT2(15, 7_3) NT2(16, 8_3)
-typedef void (*nt_fn)(I, I, I, float, const float*, const float*, I, const float*, I, float, float*, I);
-static const nt_fn NT_FN[MB + 1] = {0, nt_1, nt_2, nt_3, nt_4, nt_5, nt_6, nt_7, nt_8,
-                                    nt_9, nt_10, nt_11, nt_12, nt_13, nt_14, nt_15, nt_16};
+NT(nt_1, 8, blk_1_8(b, p, ms, k0, k1, part, k0 == 0);)
+NT(nt_2, 4, blk_2_4(b, p, ms, k0, k1, part, k0 == 0);)
+NT(nt_g, 3, {
+  I i = 0;
+  for (; i + 3 <= M; i += 3) blk_3_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
+  if (M - i == 2) blk_2_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
+  if (M - i == 1) blk_1_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
+})
+typedef void (*nt_fn)(I, I, I, I, float, const float*, const float*, I, const float*, I, float, float*, I);
+static nt_fn nt_for(I M) { return M == 1 ? nt_1 : M == 2 ? nt_2 : nt_g; }
 
-/* A [M, K] -> Ap [K / 16][M][16], in a per-thread buffer kept between calls. */
+/* A [M, K] -> Ap [K / 8][M][8], in a per-thread buffer kept between calls. */
 #include <stdlib.h>
 static __thread float* pack_buf = 0;
 static __thread size_t pack_cap = 0;
 static const float* pack(I M, I K, const float* A, I lda) {
-  size_t need = (size_t)(K & ~15) * M + 16;
+  size_t need = (size_t)(K & ~7) * M + 16;
   if (need > pack_cap) {
     free(pack_buf);
     pack_buf = aligned_alloc(64, ((need * 4 + 63) / 64) * 64);
@@ -127,29 +138,27 @@ static const float* pack(I M, I K, const float* A, I lda) {
     if (!pack_buf) return 0;
   }
   float* p = pack_buf;
-  for (I k = 0; k + 16 <= K; k += 16)
-    for (I i = 0; i < M; i++, p += 16) memcpy(p, A + (size_t)i * lda + k, 64);
+  for (I k = 0; k + 8 <= K; k += 8)
+    for (I i = 0; i < M; i++, p += 8) memcpy(p, A + (size_t)i * lda + k, 32);
   return pack_buf;
 }
 
 /* C = alpha A B + beta C with B [K, N] row-major (attention's probs @ V), up to
-   8 rows at a time. Each C[m, n] sums k in order. */
+   4 rows at a time. Each C[m, n] sums k in order. */
 static void small_sgemm_nn(I M, I N, I K, float alpha, const float* A, I lda,
                            const float* B, I ldb, float beta, float* C, I ldc) {
   I n = 0;
-  for (; n + 32 <= N; n += 32) {
-    v16 acc0[8], acc1[8];
-    for (int i = 0; i < 8; i++) { acc0[i] = (v16){0}; acc1[i] = (v16){0}; }
+  for (; n + 24 <= N; n += 24) {
+    v8 acc[4][3];
+    for (int i = 0; i < 4; i++) for (int j = 0; j < 3; j++) acc[i][j] = (v8){0};
     for (I k = 0; k < K; k++) {
-      v16 w0 = ld(B + (size_t)k * ldb + n), w1 = ld(B + (size_t)k * ldb + n + 16);
-      for (int i = 0; i < 8; i++)
-        if (i < M) { float x = A[(size_t)i * lda + k]; acc0[i] += x * w0; acc1[i] += x * w1; }
+      const float* r = B + (size_t)k * ldb + n;
+      v8 w0 = ld(r), w1 = ld(r + 8), w2 = ld(r + 16);
+      for (int i = 0; i < 4; i++)
+        if (i < M) { float x = A[(size_t)i * lda + k]; acc[i][0] += x * w0; acc[i][1] += x * w1; acc[i][2] += x * w2; }
     }
     for (I i = 0; i < M; i++)
-      for (int j = 0; j < 16; j++) {
-        put(C + (size_t)i * ldc + n + j, acc0[i][j], alpha, beta);
-        put(C + (size_t)i * ldc + n + 16 + j, acc1[i][j], alpha, beta);
-      }
+      for (int j = 0; j < 24; j++) put(C + (size_t)i * ldc + n + j, acc[i][j / 8][j % 8], alpha, beta);
   }
   for (; n < N; n++)
     for (I i = 0; i < M; i++) {
@@ -164,19 +173,20 @@ static void small_sgemm_nn(I M, I N, I K, float alpha, const float* A, I lda,
    takes chunks of W's rows from a shared counter, so a thread that is
    descheduled delays the product by one chunk, not by half of it. */
 int mlx_dflash_threads = 1;
+unsigned char mlx_dflash_kthreads[MB + 1];  /* per row count; 0: mlx_dflash_threads */
 #define MAXT 64
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER, job_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_COND_INITIALIZER;
 static int nworkers = 0, busy = 0;
 static long gen = 0;
-static struct { nt_fn f; I N, K, lda, ldb, ldc, chunk, nchunks; float alpha, beta;
+static struct { nt_fn f; I M, N, K, lda, ldb, ldc, chunk, nchunks; float alpha, beta;
                 const float *Ap, *A, *B; float* C; atomic_int next, done; } J;
 
 static void run_chunks(void) {
   int c;
   while ((c = atomic_fetch_add(&J.next, 1)) < J.nchunks) {
     I n0 = c * J.chunk, n1 = n0 + J.chunk < J.N ? n0 + J.chunk : J.N;
-    J.f(n0, n1, J.K, J.alpha, J.Ap, J.A, J.lda, J.B, J.ldb, J.beta, J.C, J.ldc);
+    J.f(J.M, n0, n1, J.K, J.alpha, J.Ap, J.A, J.lda, J.B, J.ldb, J.beta, J.C, J.ldc);
     atomic_fetch_add(&J.done, 1);
   }
 }
@@ -202,13 +212,14 @@ static void after_fork_child(void) {  /* the pool does not survive fork() */
 
 static int nt(I M, I N, I K, float alpha, const float* A, I lda, const float* B, I ldb,
                float beta, float* C, I ldc) {
-  nt_fn f = NT_FN[M];
+  nt_fn f = nt_for(M);
   const float* Ap = pack(M, K, A, lda);
   if (!Ap) return 0;  /* out of memory: OpenBLAS does it */
-  int t = mlx_dflash_threads < MAXT ? mlx_dflash_threads : MAXT;
+  int t = mlx_dflash_kthreads[M] ? mlx_dflash_kthreads[M] : mlx_dflash_threads;
+  t = t < MAXT ? t : MAXT;
   /* threads only where the work dwarfs a wake-up (~10 us), and one caller at a time */
   if (t <= 1 || (long)N * K < (1L << 19) || pthread_mutex_trylock(&job_mu) != 0) {
-    f(0, N, K, alpha, Ap, A, lda, B, ldb, beta, C, ldc);
+    f(M, 0, N, K, alpha, Ap, A, lda, B, ldb, beta, C, ldc);
     return 1;
   }
   pthread_mutex_lock(&mu);
@@ -221,9 +232,9 @@ static int nt(I M, I N, I K, float alpha, const float* A, I lda, const float* B,
     nworkers++;
   }
   while (busy > 0) pthread_cond_wait(&cv_done, &mu);  /* late wakers of the last job */
-  I chunk = (N / (8 * t) + 15) & ~15;
-  J.f = f; J.N = N; J.K = K; J.lda = lda; J.ldb = ldb; J.ldc = ldc; J.alpha = alpha; J.beta = beta;
-  J.Ap = Ap; J.A = A; J.B = B; J.C = C; J.chunk = chunk < 16 ? 16 : chunk;
+  I chunk = (N / (8 * t) + 23) / 24 * 24;  /* a multiple of every NB */
+  J.f = f; J.M = M; J.N = N; J.K = K; J.lda = lda; J.ldb = ldb; J.ldc = ldc; J.alpha = alpha; J.beta = beta;
+  J.Ap = Ap; J.A = A; J.B = B; J.C = C; J.chunk = chunk < 24 ? 24 : chunk;
   J.nchunks = (N + J.chunk - 1) / J.chunk;
   atomic_store(&J.next, 0); atomic_store(&J.done, 0);
   gen++;
@@ -264,8 +275,8 @@ void cblas_sgemm(I o, I ta, I tb, I m, I n, I k, float al, const void* a, I lda,
     }
     if (tb == 111 && (long)n * k <= 65536) {
       __atomic_fetch_add(&mlx_dflash_small_gemm_calls, 1, __ATOMIC_RELAXED);
-      for (I i = 0; i < m; i += 8)  /* attention-sized only: W @ x is rare */
-        small_sgemm_nn(m - i < 8 ? m - i : 8, n, k, al, (const float*)a + (size_t)i * lda, lda,
+      for (I i = 0; i < m; i += 4)  /* attention-sized only: W @ x is rare */
+        small_sgemm_nn(m - i < 4 ? m - i : 4, n, k, al, (const float*)a + (size_t)i * lda, lda,
                        b, ldb, be, (float*)c + (size_t)i * ldc, ldc);
       return;
     }
@@ -302,7 +313,8 @@ def shim_key(lib: Path) -> str:
 
 def build(lib: Path, timeout: float = 300) -> Path:
     """The compiled shim for OpenBLAS `lib` (cached). -march=native gives the
-    kernel this CPU's vector width (AVX-512 here, NEON on arm)."""
+    kernel this CPU's FMA and registers (AVX2 here: 2.5x the generic SSE2
+    build); a compiler without it builds generic vectors."""
     from filelock import FileLock
 
     out = cache_dir() / f"libmlx_dflash_blas-{shim_key(lib)}.so"
