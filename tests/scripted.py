@@ -25,6 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+import pytest
+
 from mlx_dflash.drafter import Proposal
 
 # Qwen2.5-style tool template (mlx-lm infers its json_tools parser from it)
@@ -48,6 +50,11 @@ TOOL_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MARK = "<|im_start|>assistant\n"
+
+
+def tool_call_text(name="get_weather", args=None) -> str:
+    """A tool call as the template writes it (send it as "RAW:" + text to have the script call)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args or {"city": "Paris"}}) + "\n</tool_call>"
 
 
 def tool_tokenizer(src: Path, out: Path):
@@ -267,6 +274,25 @@ class LocalServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def script_server(key: str):
+    """A module-scoped fixture: a LocalServer on the scripted catalog (the test pair's
+    tokenizer with the tool template) that wants API key `key`. In a test module:
+    `srv = script_server(KEY)`."""
+    @pytest.fixture(scope="module")
+    def srv(pairs, tmp_path_factory):
+        tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
+        with LocalServer(ScriptCatalog(tok), api_key=key) as s:
+            yield s
+
+    return srv
 
 
 def mutations(body, rng, n):

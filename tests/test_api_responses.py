@@ -6,23 +6,17 @@ import json
 import httpx
 import openai
 import pytest
+from scripted import script_server, tool_call_text
 
 pytestmark = pytest.mark.timeout(300)
 
 KEY = "sk-test"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
-CALL = "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) + "\n</tool_call>"
+CALL = tool_call_text()
 
 
-@pytest.fixture(scope="module")
-def srv(pairs, tmp_path_factory):
-    from scripted import LocalServer, ScriptCatalog, tool_tokenizer
-
-    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
-    s = LocalServer(ScriptCatalog(tok), api_key=KEY)
-    yield s
-    s.stop()
+srv = script_server(KEY)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import json
 import httpx
 import openai
 import pytest
+from scripted import script_server, tool_call_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,18 +18,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
-def call_text(name="get_weather", args=None):
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args or {"city": "Paris"}}) + "\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def srv(pairs, tmp_path_factory):
-    from scripted import LocalServer, ScriptCatalog, tool_tokenizer
-
-    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
-    s = LocalServer(ScriptCatalog(tok), api_key=KEY)
-    yield s
-    s.stop()
+srv = script_server(KEY)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def ask(client, content, **kw):
 
 
 def test_tool_round_trip(client):
-    user = {"role": "user", "content": "RAW:" + call_text()}
+    user = {"role": "user", "content": "RAW:" + tool_call_text()}
     r = client.chat.completions.create(model="script", messages=[user], tools=TOOLS)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
@@ -62,7 +52,7 @@ def test_tool_round_trip(client):
 
 
 def test_tool_round_trip_streamed(client):
-    user = {"role": "user", "content": "RAW:Checking. " + call_text()}
+    user = {"role": "user", "content": "RAW:Checking. " + tool_call_text()}
     chunks = list(client.chat.completions.create(model="script", messages=[user], tools=TOOLS, stream=True,
                                                  stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -83,7 +73,7 @@ def test_tool_round_trip_streamed(client):
 
 
 def test_parallel_calls(client):
-    raw = "RAW:" + call_text() + call_text("get_time", {"zone": "UTC"})
+    raw = "RAW:" + tool_call_text() + tool_call_text("get_time", {"zone": "UTC"})
     r = ask(client, raw, tools=TOOLS)
     names = [c.function.name for c in r.choices[0].message.tool_calls]
     assert names == ["get_weather", "get_time"] and r.choices[0].finish_reason == "tool_calls"
@@ -109,9 +99,9 @@ def test_malformed_call_comes_back_as_text(client, bad):
 
 
 def test_tool_choice(client):
-    raw = "RAW:" + call_text()
+    raw = "RAW:" + tool_call_text()
     none = ask(client, raw, tools=TOOLS, tool_choice="none")  # tools not shown, nothing parsed
-    assert none.choices[0].message.content == call_text() and not none.choices[0].message.tool_calls
+    assert none.choices[0].message.content == tool_call_text() and not none.choices[0].message.tool_calls
     auto = ask(client, raw, tools=TOOLS)
     assert none.usage.prompt_tokens < auto.usage.prompt_tokens  # the tools were not in the prompt
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
@@ -220,7 +210,7 @@ def test_fuzz_never_500(srv):
 
 
 def test_chat_stream_event_order(srv):
-    body = {"model": "script", "messages": [{"role": "user", "content": "RAW:Ok. " + call_text()}], "tools": TOOLS,
+    body = {"model": "script", "messages": [{"role": "user", "content": "RAW:Ok. " + tool_call_text()}], "tools": TOOLS,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:

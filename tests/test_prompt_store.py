@@ -190,24 +190,25 @@ class PairCatalog:
         return SimpleNamespace(id="pair", model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
-def test_server_small_budget_same_text_as_big(pairs):
-    """Through HTTP: a budget that holds one conversation gives the same text as
-    one that holds all of them; it only reuses less."""
+def ask_server(catalog, questions):
+    """Each question (after the SYSTEM prompt) through HTTP to a server on `catalog`,
+    greedy: (the responses, the server's worker)."""
     import openai
     from scripted import LocalServer
 
+    with LocalServer(catalog, model="pair") as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        return [c.chat.completions.create(model="pair", temperature=0, messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions], srv.worker
+
+
+def test_server_small_budget_same_text_as_big(pairs):
+    """Through HTTP: a budget that holds one conversation gives the same text as
+    one that holds all of them; it only reuses less."""
     def serve(budget):
-        srv = LocalServer(PairCatalog(pairs(), budget), model="pair")
-        try:
-            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-            out = []
-            for q in ("Tell me about lists.", "Tell me about dicts.", "Tell me about lists.", "And sets?"):
-                r = c.chat.completions.create(model="pair", temperature=0, messages=[
-                    {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-                out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
-            return out, srv.worker.store
-        finally:
-            srv.stop()
+        rs, worker = ask_server(PairCatalog(pairs(), budget),
+                                ("Tell me about lists.", "Tell me about dicts.", "Tell me about lists.", "And sets?"))
+        return [(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens) for r in rs], worker.store
 
     big, store = serve(1 << 30)
     one = max(b for _, b in store.entries.values())
@@ -269,21 +270,11 @@ class HybridCatalog(PairCatalog):
 def test_server_hybrid_branch_checkpoint(pairs, tmp_path):
     """Recurrent targets cannot cut a cached conversation back to a shared system
     prompt: the second conversation caches the branch point, the third starts there."""
-    import openai
-    from scripted import LocalServer
-
-    srv = LocalServer(HybridCatalog(pairs(), tmp_path), model="pair")
-    try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        out = []
-        for q in ("First question?", "Second question?", "Third question?", "Second question?"):
-            r = c.chat.completions.create(model="pair", temperature=0, messages=[
-                {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-            out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens,
-                        r.usage.prompt_tokens, r.model_dump()["dflash"]["mode"]))
-        lm = srv.worker.lm
-    finally:
-        srv.stop()
+    rs, worker = ask_server(HybridCatalog(pairs(), tmp_path),
+                            ("First question?", "Second question?", "Third question?", "Second question?"))
+    out = [(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens,
+            r.model_dump()["dflash"]["mode"]) for r in rs]
+    lm = worker.lm
     tok = lm.tokenizer
     p1, p2, p3 = (prompt(tok, q) for q in ("First question?", "Second question?", "Third question?"))
     common = lambda a, b: next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # noqa: E731
