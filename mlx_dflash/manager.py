@@ -12,13 +12,13 @@ One API for the CLI, the chat UI and the server:
     load_model(model_id, store) -> LoadedModel
     pull(repo_id) -> Path;  remove(model_id, store) -> bytes freed
 
-Discovery (reading folders, pairing by config) is in discovery.py, the drafter's
-precision in drafter_precision.py, the settings file and its checks in settings.py.
+Discovery (reading folders, pairing by config) is in discovery.py, names in
+model_names.py, the drafter's precision in drafter_precision.py, the settings file
+in settings.py and the checks of it that need model files in settings_checks.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field, replace
@@ -27,12 +27,14 @@ from typing import Optional
 
 import mlx.core as mx
 
+# what the API above names, and what callers import from here, whichever file it lives in
 from .discovery import (DRAFTER_KINDS, KINDS, ModelEntry, _compatible, _dir_size, _entry, _notice,  # noqa: F401
                         discover, hf_cache_dir, list_targets, pair_problem, read_config, weights_problem)
-from .drafter import DrafterConfig, DrafterError
 from .drafter_precision import param_bytes, quantize_drafter, safe_activation_dtype, set_activation_dtype  # noqa: F401
 from .hub import HubError
+from .model_names import _drafter_cfg, check_files, find, model_path, resolve  # noqa: F401
 from .settings import ModelSettings, SettingsError, SettingsStore
+from .settings_checks import FileChecks, check_settings, settings_store  # noqa: F401
 
 
 @dataclass
@@ -48,144 +50,6 @@ class LoadedModel:
 
     def generation_kwargs(self) -> dict:
         return self.settings.generation_kwargs()
-
-
-# -- names ------------------------------------------------------------------------------
-# One model name everywhere (every command, the chat, the server, mlx_dflash.load):
-# a folder path, an id as `models list` prints it (case aside), a Hugging Face repo
-# id, or the folder name of a model kept as ORG/NAME elsewhere.
-
-
-def _is_repo_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and "\\" not in name
-
-
-def _spelled(name: str) -> str:
-    """The hub cache's own folder name (models--org--name) as a repo id."""
-    if name.startswith("models--") and name.count("--") == 2:
-        return "/".join(name.split("--")[1:])
-    return name
-
-
-def _folder(p: Path) -> None:
-    if not p.is_dir():
-        raise HubError(f"model path {p} is a file; pass the folder that holds config.json")
-    if not (p / "config.json").exists():
-        raise HubError(f"{p} has no config.json; not a model folder")
-
-
-def find(name: str, entries: list, store) -> Optional[ModelEntry]:
-    """The model `name` refers to among `entries` (or a model folder at that path),
-    None if none. Never downloads. Two models that both fit a loose spelling: an
-    error listing them."""
-    p = Path(name).expanduser()
-    if p.exists():
-        _folder(p)
-        rp = p.resolve()
-        for e in entries:
-            if Path(e.path).resolve() == rp:
-                return e
-        check_files(p)  # not listed: maybe unreadable; say which file
-        e = _entry(str(p), p, "folder", store)
-        if e is None:
-            raise HubError(f"{p} holds no model mlx-dflash can use (not a language model config)")
-        if e.kind == "target":
-            e.compatible_drafters = _compatible(e, entries)
-        return e
-    for e in entries:
-        if e.id == name:
-            return e
-    want = _spelled(name.strip()).lower()
-    hits = [e for e in entries if e.id.lower() == want]
-    if not hits:  # ORG/NAME for a folder listed as NAME, or NAME for one listed as ORG/NAME
-        tail = want.rsplit("/", 1)[-1]
-        hits = [e for e in entries if e.id.lower().rsplit("/", 1)[-1] == tail and ("/" not in e.id or "/" not in want)]
-    if len(hits) > 1:
-        raise SettingsError(f"'{name}' could be {' or '.join(e.id for e in hits)}; use one of these ids")
-    return hits[0] if hits else None
-
-
-def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
-            entries: Optional[list] = None, download: bool = False) -> ModelEntry:
-    """The model a name refers to (see `find`). None -> the default model (settings
-    `default_model`, else the embedded target). A Hugging Face repo id not on this
-    machine is downloaded when `download` is set, else refused with the command that
-    downloads it."""
-    store = store or SettingsStore()
-    if model_id is None:
-        model_id = store.globals().default_model or "embedded/target"
-    entries = discover(store) if entries is None else entries
-    e = find(model_id, entries, store)
-    if e is not None:
-        return e
-    if model_id == "embedded/target":
-        from .loader import default_pair
-
-        raise HubError(f"the embedded default model is missing from {default_pair()[0]}; "
-                       "reinstall mlx-dflash or pass a model id (mlx-dflash models list)")
-    if _is_repo_id(model_id) and download:
-        from .hub import resolve_path
-
-        path = resolve_path(model_id, "model")  # the hub's cache; one-line error when offline
-        e = _entry(model_id, path, "hf-cache", store)
-        if e is None:
-            raise HubError(f"'{model_id}' holds no model mlx-dflash can use (needs config.json and "
-                           ".safetensors weights)")
-        if e.kind == "target":
-            e.compatible_drafters = _compatible(e, entries)
-        return e
-    raise _unknown("model", model_id, entries)
-
-
-def _unknown(what: str, name: str, entries: list) -> SettingsError:
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # meant as a path
-        return SettingsError(f"{what} folder {name} does not exist; pass a folder that holds config.json, "
-                             "or an id from `mlx-dflash models list`")
-    hint = (f"download it with `mlx-dflash models pull {name}`" if _is_repo_id(name)
-            else "see `mlx-dflash models list`")
-    return SettingsError(f"unknown {what} '{name}'{_near(name, entries)}; {hint}")
-
-
-def _near(name: str, entries: list) -> str:
-    from .settings import did_you_mean
-
-    return did_you_mean(name, [e.id for e in entries], cutoff=0.8)
-
-
-def model_path(name: str, store: Optional[SettingsStore] = None) -> str:
-    """A name as `resolve` takes it -> the folder to load (a repo id not on this
-    machine is returned as is: the loader fetches it)."""
-    if Path(name).expanduser().exists():
-        _folder(Path(name).expanduser())  # a file, a folder without config.json: one line
-        return name
-    store = store or SettingsStore()
-    entries = discover(store)
-    e = find(name, entries, store)
-    if e is not None:
-        return str(e.path)
-    if _is_repo_id(name):
-        return name
-    raise _unknown("model", name, entries)
-
-
-def check_files(path) -> None:
-    """A model folder's config.json and weights are readable (headers only), or one
-    line naming the bad file."""
-    path = Path(path)
-    cfg = path / "config.json"
-    try:
-        obj = json.loads(cfg.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HubError(f"{path} has no config.json; not a model folder") from None
-    except json.JSONDecodeError as e:
-        raise HubError(f"{cfg} is not valid JSON (line {e.lineno}); restore it or download the model again") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise HubError(f"{cfg} cannot be read ({type(e).__name__}); restore it or download the model again") from None
-    if not isinstance(obj, dict):
-        raise HubError(f"{cfg} is not a JSON object; restore it or download the model again")
-    why = weights_problem(path)
-    if why:
-        raise HubError(why)
 
 
 def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: Optional[SettingsStore] = None,
@@ -216,67 +80,6 @@ def _load_files(load_fn, model, drafter, **kw):
                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     except RuntimeError as e:  # mlx's own file errors
         raise HubError(f"cannot load {model}: {str(e).splitlines()[0]}") from None
-
-
-def _drafter_cfg(ref: str, entries: list, store=None) -> tuple:
-    """(id, path, config) of a drafter named as `find` takes names; an unknown
-    drafter is refused (pull it first)."""
-    e = find(ref, entries, store)
-    if e is not None:
-        return e.id, e.path, e.config
-    raise _unknown("drafter", ref, entries)
-
-
-def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explicit_block: bool = True) -> None:
-    """Checks that need the model files: the drafter is a DFlash drafter found here
-    that fits the target, and the block size does not exceed the drafter's trained
-    one. An unknown target passes (settings may precede a download); load_model re-checks."""
-    entries = discover(store)
-    try:
-        target = find(model_id, entries, store)
-    except HubError:
-        target = None
-    if target is not None and target.kind != "target":
-        raise SettingsError(f"'{model_id}' is a {target.kind_label}; settings apply to target models")
-    if s.drafter:
-        did, _, cfg = _drafter_cfg(s.drafter, entries, store)
-        try:
-            dc = DrafterConfig.from_dict(cfg)
-        except DrafterError as e:
-            raise SettingsError(f"drafter '{did}' is incompatible: {e}") from None
-        if target is not None:
-            why = pair_problem(target.config, cfg)
-            if why:
-                raise SettingsError(f"drafter '{did}' is incompatible with '{model_id}': {why}")
-        block = dc.block_size
-    elif target is not None and target.compatible_drafters:
-        did = target.compatible_drafters[0]
-        block = next(e.block_size for e in entries if e.id == did)
-    else:
-        return
-    if explicit_block and s.block_size > block:
-        raise SettingsError(f"block_size {s.block_size} is above the trained block size {block} of drafter "
-                            f"'{did}'; use 1..{block}")
-
-
-class FileChecks:
-    """The settings checks that need model files, for SettingsStore(checker=...)."""
-
-    def model(self, store, model_id: str, new: ModelSettings, explicit_block: bool) -> None:
-        check_settings(model_id, new, store, explicit_block)
-
-    def globals(self, store, new, changed: set) -> None:
-        if "default_model" in changed and new.default_model is not None:
-            e = resolve(new.default_model, store)  # unknown: one line with the command that downloads it
-            if e.kind != "target":
-                raise SettingsError(f"default_model: '{e.id}' is a {e.kind_label}; pick a target "
-                                    "from `mlx-dflash models list --targets`")
-
-
-def settings_store(path=None, **kw) -> SettingsStore:
-    """The settings file with every check, model files included (what the CLI, the
-    chat and the server write through)."""
-    return SettingsStore(path, checker=FileChecks(), **kw)
 
 
 # -- loading ---------------------------------------------------------------------------
