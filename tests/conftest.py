@@ -48,3 +48,11 @@ def chat_backend(pairs, tmp_path, monkeypatch):
     store = SettingsStore()
     store.set_global(model_dirs=[str(pairs())])
     return FolderBackend(store)
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch, pairs):
+    """The model-manager tests' world of models (tests/model_world.py)."""
+    from model_world import make_world
+
+    return make_world(tmp_path, monkeypatch, pairs)

@@ -1,90 +1,19 @@
 """Model manager: discovery over embedded models, user folders and a fake
-Hugging Face cache; pairing by config; settings checks that need model files;
-load_model (drafter choice, quantization, the activation-dtype guard); rm/pull;
-the `mlx-dflash models` command."""
+Hugging Face cache; pairing by config; one name everywhere; settings checks that
+need model files; rm/pull; the `mlx-dflash models` command (loading:
+tests/test_manager_load.py; the `world` of models: tests/model_world.py)."""
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from model_world import by_id, copy_model, files_size
 
-from mlx_dflash import generate
 from mlx_dflash.hub import HubError
-from mlx_dflash.manager import (acceptance_warning, discover, list_targets, load_model, pair_problem, param_bytes,
-                                pull, remove, resolve, safe_activation_dtype, set_activation_dtype, settings_store,
-                                weights_problem)
-from mlx_dflash.settings import ModelSettings, SettingsError, SettingsStore
-from mlx_dflash.target import Target
-
-
-def copy_model(src, dst, **cfg_changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((Path(dst) / "config.json").read_text())
-    for k, v in cfg_changes.items():
-        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
-            cfg[k].update(v)
-        else:
-            cfg[k] = v
-    (Path(dst) / "config.json").write_text(json.dumps(cfg))
-    return Path(dst)
-
-
-def hf_add(cache: Path, repo_id: str, src: Path, rev: str = "0123456789abcdef0123456789abcdef01234567",
-           kind: str = "models"):
-    """A repo in the real hub layout: blobs/, snapshots/<rev>/ symlinks, refs/main."""
-    repo = cache / f"{kind}--{repo_id.replace('/', '--')}"
-    (repo / "blobs").mkdir(parents=True)
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True)
-    for i, f in enumerate(sorted(Path(src).iterdir())):
-        blob = repo / "blobs" / f"{i:040x}"
-        shutil.copyfile(f, blob)
-        os.symlink(os.path.relpath(blob, snap), snap / f.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(rev)
-    return repo
-
-
-def files_size(p: Path) -> int:
-    return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
-
-
-@pytest.fixture
-def world(tmp_path, monkeypatch, pairs):
-    """Embedded: target + dflash2 (block 8) + draft-ar; folders: a flat target, a
-    DFlash 1 drafter, a drafter for a wider model; HF cache: a target, a DFlash 2
-    drafter, a tiny draft model, a dataset and a repo without weights."""
-    v2, v1 = pairs(version=2, block_size=8), pairs(version=1)
-    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
-    cache = tmp_path / "hf"
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    emb = tmp_path / "embedded"
-    copy_model(v2 / "target", emb / "target")
-    copy_model(v2 / "drafter", emb / "dflash2")
-    copy_model(v2 / "target", emb / "draft-ar", mlx_dflash={"role": "draft"})
-    monkeypatch.setattr("mlx_dflash.loader.models_dir", lambda: emb)
-    mdirs = tmp_path / "models"
-    copy_model(v1 / "target", mdirs / "flat-target")
-    copy_model(v1 / "drafter", mdirs / "org" / "v1-drafter")
-    copy_model(v1 / "drafter", mdirs / "org" / "wide-drafter", hidden_size=128)
-    hf_add(cache, "hforg/chat", v1 / "target")
-    hf_add(cache, "hforg/chat-DFlash", v2 / "drafter")
-    hf_add(cache, "hforg/tiny-draft", v1 / "target")
-    hf_add(cache, "x/dataset", v1 / "target", kind="datasets")
-    readme = tmp_path / "readme"
-    readme.mkdir()
-    (readme / "README.md").write_text("hi")
-    hf_add(cache, "hforg/no-weights", readme)
-    store = settings_store()  # with the checks that need model files
-    store.set_global(model_dirs=[str(mdirs)])
-    return dict(store=store, emb=emb, mdirs=mdirs, cache=cache, v1=v1, v2=v2)
-
-
-def by_id(store):
-    return {e.id: e for e in discover(store)}
+from mlx_dflash.manager import (acceptance_warning, discover, list_targets, load_model, pair_problem, pull, remove,
+                                resolve, weights_problem)
+from mlx_dflash.settings import ModelSettings, SettingsError
 
 
 def test_discovery(world):
@@ -274,141 +203,6 @@ def test_settings_checks_against_model_files(world):
         store.set_model("embedded/target", drafter="embedded/dflash2")
     # a default block size fits any drafter (load_model fits it), so no error here
     store.set_model("flat-target", drafter="embedded/dflash2")
-
-
-def _greedy(lm, prompt, **kw):
-    args = {**lm.generation_kwargs(), "max_tokens": 24, **kw}
-    return generate(lm.model, lm.tokenizer, prompt, lm.drafter, **args)
-
-
-def test_load_model_picks_drafter_and_stays_lossless(world):
-    store = world["store"]
-    lm = load_model(None, store)
-    assert lm.id == "embedded/target" and lm.drafter_id == "embedded/dflash2" and lm.drafter.version == 2
-    assert lm.settings.block_size == 5 and lm.notices == []
-    plain = _greedy(lm, "def main():", verify_mode="off")
-    assert _greedy(lm, "def main():").token_ids == plain.token_ids
-    store.set_model("embedded/target", drafter="org/v1-drafter", block_size=7)
-    lm1 = load_model("embedded/target", store)
-    assert lm1.drafter_id == "org/v1-drafter" and lm1.drafter.version == 1
-    r = _greedy(lm1, "def main():")
-    assert r.token_ids == plain.token_ids and r.stats.block_size == 7
-    store.set_model("embedded/target", **{"dflash.enabled": False})
-    off = load_model("embedded/target", store)
-    assert off.drafter is None and off.generation_kwargs()["verify_mode"] == "off"
-    with pytest.raises(SettingsError, match="'embedded/dflash2' is a DFlash 2 drafter, not a chat model"):
-        load_model("embedded/dflash2", store)
-
-
-def test_load_model_fits_block_size_from_a_hand_edited_file(world):
-    store = world["store"]
-    raw = json.loads(store.path.read_text())
-    raw["models"]["embedded/target"] = {"block_size": 12}
-    store.path.write_text(json.dumps(raw))
-    lm = load_model("embedded/target", store)
-    assert lm.settings.block_size == 8 and "above the drafter's trained block size 8" in lm.notices[0]
-    assert _greedy(lm, "x = 1").stats.block_size == 8
-
-
-def _draft_hidden(lm, feats):
-    """The drafter's output on a fixed block and fixed context features."""
-    t = Target(lm.model)
-    d = lm.drafter
-    block = mx.array([[5] + [d.config.mask_token_id] * 4])
-    out = d(t.embed(block), feats, d.make_cache())
-    mx.eval(out)
-    return out.astype(mx.float32)
-
-
-def _feats(lm, scale=1.0):
-    c = lm.drafter.config
-    return mx.random.normal((1, 6, len(c.target_layer_ids) * c.hidden_size), key=mx.random.key(0)) * scale
-
-
-def _cos(a, b):
-    a, b = a.reshape(-1), b.reshape(-1)
-    return (a @ b / (mx.linalg.norm(a) * mx.linalg.norm(b))).item()
-
-
-@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
-def test_quantized_drafter(world, bits, group):
-    store = world["store"]
-    ref = load_model("embedded/target", store)
-    store.set_model("embedded/target", **{"drafter.quant_bits": bits, "drafter.quant_group_size": group})
-    q = load_model("embedded/target", store)
-    from mlx.nn import QuantizedLinear
-
-    assert isinstance(q.drafter.layers[0].mlp.up_proj, QuantizedLinear)
-    assert q.drafter.layers[0].mlp.up_proj.bits == bits
-    # weights shrink at least as the bit width does against float32 (scales included)
-    assert param_bytes(q.drafter) < param_bytes(ref.drafter) * (bits + 8) / 32
-    f = _feats(ref)
-    assert _cos(_draft_hidden(q, f), _draft_hidden(ref, f)) > (0.9 if bits == 4 else 0.99)
-    plain = _greedy(ref, "import os", verify_mode="off")
-    assert _greedy(q, "import os").token_ids == plain.token_ids  # still lossless
-
-
-def test_activation_dtype_guard_rule():
-    cpu = mx.default_device() == mx.cpu or not mx.metal.is_available()
-    for target in (mx.bfloat16, mx.float32):
-        dt, why = safe_activation_dtype("float16", target)
-        assert dt == target and "overflow" in why and "\n" not in why
-    assert safe_activation_dtype("auto", mx.bfloat16) == (mx.bfloat16, None)
-    assert safe_activation_dtype("float32", mx.bfloat16) == (mx.float32, None)
-    assert safe_activation_dtype("bfloat16", mx.float32) == (mx.bfloat16, None)
-    dt, why = safe_activation_dtype("float16", mx.float16)
-    assert (dt, why is None) == (mx.float16, not cpu)
-
-
-def test_activation_dtype_guard_keeps_drafts_alive(world):
-    """Target features beyond float16's range (bf16 targets produce them) turn a
-    float16 drafter's output into inf/NaN: no draft is ever accepted. The guard
-    keeps the target's precision instead."""
-    store = world["store"]
-    ref = load_model("embedded/target", store)
-    big = _feats(ref, scale=1e5)
-    want = _draft_hidden(ref, big)
-    assert mx.isfinite(want).all().item()
-
-    unsafe = load_model("embedded/target", store)
-    set_activation_dtype(unsafe.drafter, mx.float16)  # bypasses the guard
-    assert not mx.isfinite(_draft_hidden(unsafe, big)).all().item()  # the failure being guarded against
-
-    store.set_model("embedded/target", **{"drafter.activation_dtype": "float16", "drafter.quant_bits": 4})
-    guarded = load_model("embedded/target", store)
-    assert any("float16" in n and "overflow" in n for n in guarded.notices)
-    got = _draft_hidden(guarded, big)
-    assert mx.isfinite(got).all().item() and _cos(got, want) > 0.9
-    plain = _greedy(ref, "for i in", verify_mode="off")
-    assert _greedy(guarded, "for i in").token_ids == plain.token_ids
-
-
-def test_compute_dtype_setting(world, monkeypatch):
-    """`dtype` (setting, or load_model's argument over it) is the target's compute
-    dtype; the memory estimate follows it."""
-    monkeypatch.delenv("MLX_DFLASH_DTYPE", raising=False)
-    store = world["store"]
-    full = by_id(store)["flat-target"].est_memory_bytes  # the test pair is stored in float32
-    store.set_model("flat-target", dtype="bfloat16")
-    assert by_id(store)["flat-target"].est_memory_bytes == full // 2
-    lm = load_model("flat-target", store)
-    assert lm.model.model.norm.weight.dtype == mx.bfloat16 and lm.settings.dtype == "bfloat16"
-    over = load_model("flat-target", store, dtype="float32")
-    assert over.model.model.norm.weight.dtype == mx.float32
-    with pytest.raises(SettingsError, match="unknown dtype 'f8'"):
-        store.set_model("flat-target", dtype="f8")
-
-
-def test_activation_dtype_is_applied(world):
-    store = world["store"]
-    store.set_model("embedded/target", **{"drafter.activation_dtype": "bfloat16"})
-    lm = load_model("embedded/target", store)
-    assert lm.drafter.norm.weight.dtype == mx.bfloat16 and lm.notices == []
-    f = _feats(lm)
-    t = Target(lm.model)
-    h = lm.drafter(t.embed(mx.array([[5, lm.drafter.config.mask_token_id]])), f, lm.drafter.make_cache())
-    assert h.dtype == mx.bfloat16
-    assert _greedy(lm, "print(").token_ids == _greedy(lm, "print(", verify_mode="off").token_ids
 
 
 def test_remove(world):
