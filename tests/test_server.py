@@ -1,92 +1,22 @@
-"""`mlx-dflash serve`: real server processes on loopback, driven by the official
-`openai` client and by raw HTTP (httpx)."""
+"""`mlx-dflash serve`: a real server process on loopback, driven by the official
+`openai` client and by raw HTTP (httpx); the process: tests/serve_process.py, a
+second server with an API key, CORS and a queue of one: test_server_locked.py."""
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
+# ROOT and Server: test_server_security imports them from here
+from serve_process import MAX_TOKENS_SETTING, ROOT, SYSTEM, Server, api_error, serve_models  # noqa: F401
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)
-
-MAX_TOKENS_SETTING = 24  # per-model max_tokens default written to the settings file
-SYSTEM = "You are terse."  # per-model system prompt from the settings file
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m app.cli serve ...` in a subprocess with its own settings home."""
-
-    def __init__(self, home: Path, *args, model="qwen", key=None, key_env=True):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = home / f"server-{self.port}.log"
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        env = {**os.environ, "MLX_DFLASH_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-        env.pop("MLX_DFLASH_API_KEY", None)
-        if key and key_env:  # from the environment: a key on the command line would show in `ps`
-            env["MLX_DFLASH_API_KEY"] = key
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args]
-        if model:
-            cmd += ["--model", model]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log, "w"))
-        deadline = time.monotonic() + 300  # startup cap only (model load on a busy CPU)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and \
-                        (not model or self.metrics()["loaded"] is not None):  # loaded at start with --model
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not come up: {self.log.read_text()}")
-
-    def metrics(self) -> dict:
-        return httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).json()
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-    def client(self, key="none"):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def models(pairs, tmp_path_factory):
-    """A model folder with two targets (qwen: DFlash drafter; llama: another
-    size, so the drafters do not mix) and a settings home pointing at it."""
-    a, b = pairs(), pairs(family="llama", hidden=32)
-    root = tmp_path_factory.mktemp("models")
-    for name, src in (("qwen", a / "target"), ("qwen-drafter", a / "drafter"),
-                      ("llama", b / "target"), ("llama-drafter", b / "drafter")):
-        (root / name).symlink_to(src)
-    home = tmp_path_factory.mktemp("home")
-    (home / "settings.json").write_text(json.dumps({
-        "version": 1, "global": {"model_dirs": [str(root)], "default_model": "qwen"},
-        "models": {"qwen": {"max_tokens": MAX_TOKENS_SETTING, "system_prompt": SYSTEM}}}))
-    return root, home
+    return serve_models(pairs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -317,38 +247,31 @@ def test_switching_models(server):
 
 # -- raw HTTP -------------------------------------------------------------------------------
 
-def _err(r, status):
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert isinstance(e["message"], str) and e["message"] and "type" in e and "code" in e and "param" in e
-    return e
-
-
 def test_bad_requests(server):
     u = server.url + "/v1"
     json_type = {"Content-Type": "application/json"}  # httpx sets it for json= only
     post = lambda path, **kw: httpx.post(u + path, timeout=60, headers=json_type, **kw)  # noqa: E731
     msgs = [{"role": "user", "content": "hi"}]
-    _err(post("/chat/completions", content=b"{not json"), 400)
-    _err(post("/chat/completions", content=b"\xff\xfe"), 400)
-    _err(post("/chat/completions", json=[1, 2]), 400)
-    _err(post("/chat/completions", json={"model": "qwen"}), 400)  # no messages
-    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "temperature": "hot"}), 400)
+    api_error(post("/chat/completions", content=b"{not json"), 400)
+    api_error(post("/chat/completions", content=b"\xff\xfe"), 400)
+    api_error(post("/chat/completions", json=[1, 2]), 400)
+    api_error(post("/chat/completions", json={"model": "qwen"}), 400)  # no messages
+    e = api_error(post("/chat/completions", json={"model": "qwen", "messages": msgs, "temperature": "hot"}), 400)
     assert e["param"] == "temperature"
-    e = _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "modalities": ["audio"]}), 400)
+    e = api_error(post("/chat/completions", json={"model": "qwen", "messages": msgs, "modalities": ["audio"]}), 400)
     assert e["param"] == "modalities" and e["code"] == "unsupported_parameter"  # never silently ignored
-    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "n": 2}), 400)
-    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "top_p": 0}), 400)
-    _err(post("/chat/completions", json={"model": "qwen", "messages": msgs, "max_tokens": 0}), 400)
-    _err(post("/completions", json={"model": "qwen", "prompt": ["a", "b"]}), 400)
-    _err(post("/completions", json={"model": "qwen", "prompt": [1, 10**6]}), 400)
-    _err(post("/completions", json={"model": "qwen", "prompt": ""}), 400)
-    e = _err(post("/chat/completions", json={"model": "nope", "messages": msgs}), 404)
+    api_error(post("/chat/completions", json={"model": "qwen", "messages": msgs, "n": 2}), 400)
+    api_error(post("/chat/completions", json={"model": "qwen", "messages": msgs, "top_p": 0}), 400)
+    api_error(post("/chat/completions", json={"model": "qwen", "messages": msgs, "max_tokens": 0}), 400)
+    api_error(post("/completions", json={"model": "qwen", "prompt": ["a", "b"]}), 400)
+    api_error(post("/completions", json={"model": "qwen", "prompt": [1, 10**6]}), 400)
+    api_error(post("/completions", json={"model": "qwen", "prompt": ""}), 400)
+    e = api_error(post("/chat/completions", json={"model": "nope", "messages": msgs}), 404)
     assert e["code"] == "model_not_found"
-    _err(post("/chat/completions", json={"model": "qwen-drafter", "messages": msgs}), 404)  # not a target
-    e = _err(post("/completions", json={"model": "qwen", "prompt": [5] * 5000}), 400)
+    api_error(post("/chat/completions", json={"model": "qwen-drafter", "messages": msgs}), 404)  # not a target
+    e = api_error(post("/completions", json={"model": "qwen", "prompt": [5] * 5000}), 400)
     assert e["code"] == "context_length_exceeded"
-    _err(httpx.get(u + "/nowhere"), 404)
+    api_error(httpx.get(u + "/nowhere"), 404)
     # still serving
     r = post("/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -372,21 +295,21 @@ def test_disconnect_cancels_generation(server):
         it = r.iter_lines()
         got = [ln for ln in (next(it) for _ in range(6)) if ln.startswith("data: ")]
         assert got  # mid-stream: leave now
+    def served_next():  # the next request is served; then the counters
+        r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+        return server.metrics()["models"]["qwen"]
+
     # the worker notices, stops, and serves the next request
-    r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
-                   timeout=60)
-    assert r.status_code == 200
-    after = server.metrics()["models"]["qwen"]
+    after = served_next()
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["completion_tokens"] - before["completion_tokens"] < 3000 - 100
     # a non-streaming client that gives up waiting cancels its generation too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4000},
                    timeout=httpx.Timeout(60, read=0.5))
-    r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
-                   timeout=60)
-    assert r.status_code == 200
-    last = server.metrics()["models"]["qwen"]
+    last = served_next()
     assert last["cancelled"] == after["cancelled"] + 1
     assert last["completion_tokens"] - after["completion_tokens"] < 4000 - 100
 
@@ -432,7 +355,7 @@ def test_fuzz_never_500(server, ref):
         statuses.append(r.status_code)
         assert r.status_code < 500, (content[:200], r.text)
         if r.status_code != 200:
-            _err(r, r.status_code)
+            api_error(r, r.status_code)
     assert statuses.count(200) <= len(statuses) // 10  # the fuzz is mostly malformed requests
     assert len(statuses) >= 200
     http.close()
@@ -442,71 +365,6 @@ def test_fuzz_never_500(server, ref):
     expect = run(chat_prompt([{"role": "system", "content": SYSTEM},
                               {"role": "user", "content": "Tell me about the sea."}]), 20)
     assert r.choices[0].message.content == expect.text
-
-
-# -- a second server: API key, CORS, a queue of one ---------------------------------------
-
-@pytest.fixture(scope="module")
-def locked(models):
-    s = Server(models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
-    yield s
-    s.stop()
-
-
-def test_api_key(locked):
-    with pytest.raises(openai.AuthenticationError):
-        locked.client("wrong").models.list()
-    _err(httpx.get(locked.url + "/v1/models"), 401)
-    _err(httpx.post(locked.url + "/v1/completions", json={"prompt": "x"}), 401)
-    assert httpx.get(locked.url + "/health").status_code == 200  # liveness needs no key
-    assert [m.id for m in locked.client("sekret").models.list()]
-
-
-def test_cors(locked):
-    r = httpx.options(locked.url + "/v1/chat/completions",
-                      headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
-                               "Access-Control-Request-Headers": "authorization,content-type"})
-    assert r.status_code in (200, 204) and r.headers["access-control-allow-origin"] == "http://app.example"
-    r = httpx.options(locked.url + "/v1/chat/completions",
-                      headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
-    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
-
-
-def test_model_loads_on_first_use(locked):
-    assert locked.metrics()["loaded"] is None  # no --model: nothing loaded yet
-    r = locked.client("sekret").completions.create(model="llama", prompt="hi", max_tokens=2)
-    assert r.usage.completion_tokens == 2
-    assert locked.metrics()["loaded"] == "llama"  # and it stays
-    # a request that names no model gets the settings' default model
-    r = httpx.post(locked.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                   headers={"Authorization": "Bearer sekret"}, timeout=60)
-    assert r.status_code == 200 and r.json()["model"] == "qwen"
-
-
-def test_queue_full_is_429(locked):
-    h = {"Authorization": "Bearer sekret"}
-    long = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "temperature": 0, "stream": True}
-    queued = {}
-
-    def wait_in_queue():
-        queued["r"] = httpx.post(locked.url + "/v1/completions", headers=h, timeout=120,
-                                 json={"model": "qwen", "prompt": "ok", "max_tokens": 2})
-
-    with httpx.stream("POST", locked.url + "/v1/completions", json=long, headers=h, timeout=60) as r:
-        it = r.iter_lines()
-        assert next(ln for ln in it if ln.startswith("data: "))  # the worker is busy with this one
-        t = threading.Thread(target=wait_in_queue)
-        t.start()
-        deadline = time.monotonic() + 60
-        while locked.metrics()["queued"] < 1:  # (a stream that ended early would leave nothing queued)
-            assert time.monotonic() < deadline and t.is_alive(), queued
-            time.sleep(0.05)
-        e = _err(httpx.post(locked.url + "/v1/completions", headers=h, timeout=60,
-                            json={"model": "qwen", "prompt": "ok", "max_tokens": 2}), 429)
-        assert e["code"] == "queue_full"
-    # leaving the stream frees the worker for the queued request
-    t.join()
-    assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 2
 
 
 def test_eos_ends_the_stream(server, ref):

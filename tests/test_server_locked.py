@@ -1,0 +1,80 @@
+"""`mlx-dflash serve` with an API key, CORS and a queue of one: a second real
+server process (tests/serve_process.py), loading its model on first use."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from serve_process import Server, api_error, serve_models
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def models(pairs, tmp_path_factory):
+    return serve_models(pairs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def locked(models):
+    s = Server(models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
+    yield s
+    s.stop()
+
+
+def test_api_key(locked):
+    with pytest.raises(openai.AuthenticationError):
+        locked.client("wrong").models.list()
+    api_error(httpx.get(locked.url + "/v1/models"), 401)
+    api_error(httpx.post(locked.url + "/v1/completions", json={"prompt": "x"}), 401)
+    assert httpx.get(locked.url + "/health").status_code == 200  # liveness needs no key
+    assert [m.id for m in locked.client("sekret").models.list()]
+
+
+def test_cors(locked):
+    r = httpx.options(locked.url + "/v1/chat/completions",
+                      headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code in (200, 204) and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.options(locked.url + "/v1/chat/completions",
+                      headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+
+
+def test_model_loads_on_first_use(locked):
+    assert locked.metrics()["loaded"] is None  # no --model: nothing loaded yet
+    r = locked.client("sekret").completions.create(model="llama", prompt="hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert locked.metrics()["loaded"] == "llama"  # and it stays
+    # a request that names no model gets the settings' default model
+    r = httpx.post(locked.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers={"Authorization": "Bearer sekret"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "qwen"
+
+
+def test_queue_full_is_429(locked):
+    h = {"Authorization": "Bearer sekret"}
+    long = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "temperature": 0, "stream": True}
+    queued = {}
+
+    def wait_in_queue():
+        queued["r"] = httpx.post(locked.url + "/v1/completions", headers=h, timeout=120,
+                                 json={"model": "qwen", "prompt": "ok", "max_tokens": 2})
+
+    with httpx.stream("POST", locked.url + "/v1/completions", json=long, headers=h, timeout=60) as r:
+        it = r.iter_lines()
+        assert next(ln for ln in it if ln.startswith("data: "))  # the worker is busy with this one
+        t = threading.Thread(target=wait_in_queue)
+        t.start()
+        deadline = time.monotonic() + 60
+        while locked.metrics()["queued"] < 1:  # (a stream that ended early would leave nothing queued)
+            assert time.monotonic() < deadline and t.is_alive(), queued
+            time.sleep(0.05)
+        e = api_error(httpx.post(locked.url + "/v1/completions", headers=h, timeout=60,
+                            json={"model": "qwen", "prompt": "ok", "max_tokens": 2}), 429)
+        assert e["code"] == "queue_full"
+    # leaving the stream frees the worker for the queued request
+    t.join()
+    assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 2
