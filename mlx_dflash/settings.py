@@ -221,27 +221,35 @@ class SettingsStore:
             return raw
 
     # -- models ----------------------------------------------------------------------
-    def _model_from(self, raw: dict, model_id: str) -> ModelSettings:
-        s = ModelSettings()
-        entry = raw["models"].get(model_id) or {}
-        if not isinstance(entry, dict):
-            self._warn_once(f"m:{model_id}", f"settings for '{model_id}' in {self.path} are not an object; using defaults")
-            return s
+    def _from_keys(self, cls, entry: dict, field_of, check, wkey: str, unknown, where: str, fallback: str):
+        """A `cls` from one part of the file (user keys). An unknown key or a bad value
+        is warned about once and left at its default; values that fail `check`
+        together give all defaults. The warnings name the part: `unknown(key)`,
+        `where`, `fallback`."""
+        s = cls()
         for k, v in entry.items():
-            name = MODEL_KEYS.get(k)
+            name = field_of(k)
             if name is None:
-                self._warn_once(f"m:{model_id}:{k}", f"unknown setting '{k}' for '{model_id}' in {self.path} (kept, ignored)")
+                self._warn_once(f"{wkey}:{k}", f"unknown {unknown(k)} in {self.path} (kept, ignored)")
                 continue
             try:
                 setattr(s, name, _check_type(name, v))
             except SettingsError as e:
-                self._warn_once(f"m:{model_id}:{k}", f"{self.path}: '{model_id}': {e}; using the default")
+                self._warn_once(f"{wkey}:{k}", f"{self.path}: {where}{e}; using the default")
         try:
-            check_model(s)
+            check(s)
         except SettingsError as e:
-            self._warn_once(f"m:{model_id}:check", f"{self.path}: '{model_id}': {e}; using defaults for this model")
-            return ModelSettings()
+            self._warn_once(f"{wkey}:check", f"{self.path}: {where}{e}; using {fallback}")
+            return cls()
         return s
+
+    def _model_from(self, raw: dict, model_id: str) -> ModelSettings:
+        entry = raw["models"].get(model_id) or {}
+        if not isinstance(entry, dict):
+            self._warn_once(f"m:{model_id}", f"settings for '{model_id}' in {self.path} are not an object; using defaults")
+            return ModelSettings()
+        return self._from_keys(ModelSettings, entry, MODEL_KEYS.get, check_model, f"m:{model_id}",
+                               lambda k: f"setting '{k}' for '{model_id}'", f"'{model_id}': ", "defaults for this model")
 
     def model(self, model_id: str) -> ModelSettings:
         """The settings of `model_id` (defaults for anything unset)."""
@@ -299,21 +307,8 @@ class SettingsStore:
 
     # -- global ----------------------------------------------------------------------
     def _globals_from(self, raw: dict) -> GlobalSettings:
-        g = GlobalSettings()
-        for k, v in raw["global"].items():
-            if k not in GLOBAL_KEYS:
-                self._warn_once(f"g:{k}", f"unknown global setting '{k}' in {self.path} (kept, ignored)")
-                continue
-            try:
-                setattr(g, k, _check_type(k, v))
-            except SettingsError as e:
-                self._warn_once(f"g:{k}", f"{self.path}: {e}; using the default")
-        try:
-            check_global(g)
-        except SettingsError as e:
-            self._warn_once("g:check", f"{self.path}: {e}; using the default global settings")
-            return GlobalSettings()
-        return g
+        return self._from_keys(GlobalSettings, raw["global"], lambda k: k if k in GLOBAL_KEYS else None, check_global,
+                               "g", lambda k: f"global setting '{k}'", "", "the default global settings")
 
     def globals(self) -> GlobalSettings:
         return self._globals_from(self._read_raw())
