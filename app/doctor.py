@@ -265,7 +265,9 @@ def run(args):
                   if scores else "")
               + ")")
     if r.get("kernel_threads"):
-        print(f"few-row kernel threads: {r['kernel_threads']}")
+        from mlx_dflash.fastblas import kernel_threads_text
+
+        print(f"few-row kernel threads: {kernel_threads_text(r['kernel_threads'])}")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
     cd = r["compute_dtype"]
     print(f"compute dtype: {cd['dtype']} ({cd['source']})" + (

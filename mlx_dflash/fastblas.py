@@ -36,8 +36,8 @@ MB = 16  # widest row count the kernel takes
 CLASS_SHAPES = [(128, 128), (256, 256), (512, 512), (1024, 1024), (4096, 1024), (8192, 1024)]  # (n, k)
 CLASS_MAX = [16384, 65536, 262144, 1048576, 4194304, None]  # n * k bound of each size class
 MEASURED_M = (1, 2, 4, 8, 16)
-SPINNERS = 2  # busy processes during half of the thread-count rounds
-CALIBRATION_VERSION = 4  # bump when what is measured changes: old files are measured again
+SPINNERS = 2  # busy processes during the busy OpenBLAS thread-count rounds
+CALIBRATION_VERSION = 5  # bump when what is measured changes: old files are measured again
 
 
 def _openblas_lib() -> Path | None:
@@ -77,13 +77,33 @@ def small_gemm_calls() -> int:
     return ctypes.c_long.in_dll(_SHIM, "mlx_dflash_small_gemm_calls").value if _SHIM else 0
 
 
-def set_threads(n: int, kernel: int | None = None) -> None:
-    """Threads for OpenBLAS, and for the few-row kernel (`kernel`, default: the same)."""
+def set_threads(n: int, kernel=None) -> None:
+    """Threads for OpenBLAS, and for the few-row kernel: `kernel` an int, or a
+    list of MB + 1 counts by row count (index 0 unused); default: `n`."""
     if _SHIM is None:
         return
     _BLAS.scipy_openblas_set_num_threads(int(n))
-    ctypes.c_int.in_dll(_SHIM, "mlx_dflash_threads").value = int(kernel or n)
-    STATE["threads"], STATE["kernel_threads"] = int(n), int(kernel or n)
+    per = list(kernel) if isinstance(kernel, (list, tuple)) else [int(kernel or n)] * (MB + 1)
+    ctypes.c_int.in_dll(_SHIM, "mlx_dflash_threads").value = int(n)
+    arr = (ctypes.c_ubyte * (MB + 1)).in_dll(_SHIM, "mlx_dflash_kthreads")
+    for m in range(MB + 1):
+        arr[m] = max(1, min(64, int(per[m])))
+    STATE["threads"], STATE["kernel_threads"] = int(n), [int(arr[m]) for m in range(MB + 1)]
+
+
+def kernel_threads_text(per=None) -> str:
+    """'1 thread at 1 row, 2 threads at 2-16 rows' for a per-row-count list."""
+    per = per or STATE["kernel_threads"]
+    if not per:
+        return "none"
+    runs = []  # [threads, first row, last row]
+    for m in range(1, MB + 1):
+        if runs and runs[-1][0] == per[m]:
+            runs[-1][2] = m
+        else:
+            runs.append([per[m], m, m])
+    return ", ".join(f"{t} thread{'s' * (t > 1)} at {a}{'' if a == b else f'-{b}'} row{'s' * (b > 1)}"
+                     for t, a, b in runs)
 
 
 def _route_array():
@@ -113,10 +133,10 @@ def routed(m: int, n: int, k: int) -> bool:
 
 
 class _Bench:
-    """Times the shim's sgemm on a 32 MB rotation of weights, so that every
+    """Times the shim's sgemm on a 64 MB rotation of weights, so that every
     size class reads its weights from memory as a real model's layers do."""
 
-    def __init__(self, total: int = 8 << 20):
+    def __init__(self, total: int = 16 << 20):  # 64 MB: twice the L3 here
         import numpy as np
 
         self.np = np
@@ -167,42 +187,84 @@ def _measure_route(b: _Bench) -> tuple:
     return route, times
 
 
+def _spin(n: int) -> list:
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    time.sleep(0.05)
+    return procs
+
+
+def _stop(procs) -> None:
+    for p in procs or []:
+        p.kill()
+        p.wait()
+
+
 def _measure_threads(b: _Bench, cpus: int, rounds: int = 8) -> tuple:
-    """Fastest thread counts, for OpenBLAS and for the kernel apart, in
-    alternating rounds, most of them with two cores kept busy by other processes
-    (as a browser or a second job does): the kernel on a decode step (m = 1)
-    and a verify (m = 8) on the largest weights, OpenBLAS on the same plus a
-    32-row product (prefill). Judged on the slowest round, and more threads must
-    win by >= 10%: an OpenBLAS thread that waits for a busy core stalls the whole
-    product (seen here: 2 threads 1.3-13x slower than 1), while the kernel's
-    threads take chunks from a shared counter and do not."""
+    """Fastest OpenBLAS thread count, in alternating rounds, most of them with
+    two cores kept busy by other processes, on a decode step (m = 1), a verify
+    (m = 8) and a 32-row product (prefill) on the largest weights. Judged on the
+    slowest round, and more threads must win by >= 10%: an OpenBLAS thread that
+    waits for a busy core stalls the whole product (seen here: 2 threads 1.3-13x
+    slower than 1)."""
     n, k = CLASS_SHAPES[-1]
     cands = sorted({1, min(cpus, 8)})
-    tb, tk = {t: [] for t in cands}, {t: [] for t in cands}
+    tb = {t: [] for t in cands}
     spinner = None
     try:
         for r in range(rounds):
             if r == 2 and len(cands) > 1:  # 2 quiet rounds, then the busy ones
-                spinner = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(SPINNERS)]
-                time.sleep(0.05)
+                spinner = _spin(SPINNERS)
             for t in cands:
                 set_threads(t)
-                tk[t].append(b.sweep(1, n, k, True) + b.sweep(8, n, k, True))
                 tb[t].append(b.sweep(1, n, k, False) + b.sweep(8, n, k, False) + 4 * b.sweep(32, 1024, 1024, False))
     finally:
-        for p in spinner or []:
-            p.kill()
-            p.wait()
+        _stop(spinner)
+    score = {t: max(v) for t, v in tb.items()}
+    best = min(score, key=score.get)
+    if best != 1 and score[best] > 0.9 * score[1]:
+        best = 1
+    return best, {str(t): round(x * 1e3, 3) for t, x in score.items()}
 
-    def pick(times):
-        score = {t: max(v) for t, v in times.items()}
-        best = min(score, key=score.get)
-        if best != 1 and score[best] > 0.9 * score[1]:
-            best = 1
-        return best, {str(t): round(x * 1e3, 3) for t, x in score.items()}
 
-    (blas, sb), (kern, sk) = pick(tb), pick(tk)
-    return blas, kern, {"openblas": sb, "kernel": sk}
+def _measure_kernel_threads(b: _Bench, cpus: int, blas_threads: int, rounds: int = 6) -> tuple:
+    """Kernel threads by row count: more than 1 where they win by >= 10% (median
+    of quiet rounds) and lose at most 10% (median of rounds where another
+    process holds a core). The kernel's threads sleep between calls and take
+    small chunks of W from a shared counter, so one that waits for a busy core
+    delays a product by one chunk. Measured at MEASURED_M on the largest weights;
+    a row count in between takes more threads only where both neighbours do."""
+    n, k = CLASS_SHAPES[-1]
+    many = min(cpus, 8)
+    per = [1] * (MB + 1)
+    if many == 1:
+        return per, None
+    t_ = {(m, t, busy): [] for m in MEASURED_M for t in (1, many) for busy in (0, 1)}
+    spinner = None
+    try:
+        for r in range(rounds):
+            busy = int(r >= rounds // 2)
+            if busy and spinner is None:
+                spinner = _spin(1)
+            for m in MEASURED_M:
+                for t in (1, many):
+                    set_threads(blas_threads, t)
+                    t_[(m, t, busy)].append(b.sweep(m, n, k, True))
+    finally:
+        _stop(spinner)
+
+    def med(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    wins = {m: med(t_[(m, many, 0)]) < 0.9 * med(t_[(m, 1, 0)]) and med(t_[(m, many, 1)]) <= 1.1 * med(t_[(m, 1, 1)])
+            for m in MEASURED_M}
+    for m in range(1, MB + 1):
+        lo = max(x for x in MEASURED_M if x <= m)
+        hi = min(x for x in MEASURED_M if x >= m)
+        per[m] = many if wins[lo] and wins[hi] else 1
+    per[0] = per[1]
+    times = {str(m): {f"{t} thread{'s' if t > 1 else ''}, {'busy' if busy else 'quiet'}": round(med(t_[(m, t, busy)]) * 1e3, 3)
+                      for t in (1, many) for busy in (0, 1)} for m in MEASURED_M}
+    return per, times
 
 
 def _calibration_path(lib: Path) -> Path:
@@ -241,15 +303,18 @@ def calibrate(force: bool = False, log=None) -> dict:
                     b = _Bench()
                     prev = STATE["small_gemm"]
                     if fixed:
-                        threads, kthreads, scores = fixed, fixed, None
+                        threads, kthreads, scores, ktimes = fixed, [fixed] * (MB + 1), None, None
                     else:
-                        threads, kthreads, scores = _measure_threads(b, _cpus())
+                        threads, scores = _measure_threads(b, _cpus())
+                        kthreads, ktimes = _measure_kernel_threads(b, _cpus(), threads)
+                        scores = {"openblas": scores}
                     set_threads(threads, kthreads)
                     route, times = _measure_route(b)
                     set_small_gemm(prev)
                     data = read() if not force else {}
                     data.update({"version": CALIBRATION_VERSION, key: {
                         "threads": threads, "kernel_threads": kthreads, "thread_scores_ms": scores,
+                        "kernel_thread_times_ms": ktimes,
                         "route": route, "times_us": times,
                         "cpus": _cpus(), "cpu": cpu_id()[:80],
                         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -258,15 +323,16 @@ def calibrate(force: bool = False, log=None) -> dict:
                     tmp.write_text(json.dumps(data, indent=1))
                     os.replace(tmp, path)
         except Timeout:  # someone else is stuck measuring: run safe, measure nothing
-            data = {key: {"threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
+            data = {key: {"threads": fixed or 1, "kernel_threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
                           "date_utc": None, "note": "calibration lock timed out"}}
     cal = data[key]
-    env_k = os.environ.get("MLX_DFLASH_KERNEL_THREADS", "")  # the kernel's alone, e.g. 2 with 1 for OpenBLAS
+    env_k = os.environ.get("MLX_DFLASH_KERNEL_THREADS", "")  # the kernel's alone, at every row count
     set_threads(cal["threads"], int(env_k) if env_k.isdigit() and int(env_k) > 0 else cal.get("kernel_threads"))
     set_route(cal["route"])
     STATE["threads_from"] = ("MLX_DFLASH_BLAS_THREADS" if fixed
                              else f"measured fastest on this machine ({cal.get('date_utc')} UTC)")
-    STATE["calibration"] = {"file": str(path), **{k: v for k, v in cal.items() if k != "times_us"}}
+    STATE["calibration"] = {"file": str(path), **{k: v for k, v in cal.items() if k not in ("times_us", "kernel_thread_times_ms")},
+                            "kernel_thread_times_ms": cal.get("kernel_thread_times_ms")}
     STATE["blas"] = _describe()
     return cal
 
@@ -280,7 +346,7 @@ def _describe() -> str:
                  "(rows, size) classes")
     return (f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim), "
             f"{STATE['threads']} thread{'s' if STATE['threads'] != 1 else ''}, {kern}"
-            + (f" ({STATE['kernel_threads']} threads)" if mode and STATE["kernel_threads"] != STATE["threads"] else ""))
+            + (f" (threads: {kernel_threads_text()})" if mode and set(STATE["kernel_threads"]) != {STATE["threads"]} else ""))
 
 
 # -- loading ----------------------------------------------------------------------------

@@ -25,10 +25,10 @@ def kernel():
 
 @pytest.fixture
 def two_threads():
-    prev = fastblas.STATE["threads"]
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
     fastblas.set_threads(2)
     yield
-    fastblas.set_threads(prev)
+    fastblas.set_threads(*prev)
 
 
 def _ref(a, b):
@@ -64,25 +64,42 @@ def test_alpha_beta_and_broadcast_rows(kernel):
     np.testing.assert_allclose(np.array(out), 0.5 * _ref(a, w.T) + 2.0 * c, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_does_not_depend_on_its_batch(kernel, threads):
+@pytest.mark.parametrize("threads", [1, 2, "mixed"])
+@pytest.mark.parametrize("K", [384, 1027])
+def test_a_row_does_not_depend_on_its_batch(kernel, threads, K):
     """Each output is one dot product in a fixed order: verifying w tokens gives a row
-    bit-identical to the same row computed alone, with one thread or several (the
-    product is large enough for the kernel's thread pool)."""
-    prev = fastblas.STATE["threads"]
-    fastblas.set_threads(threads)
+    bit-identical to the same row computed alone, for every batch size 1-16 (each
+    takes its own register blocking), with one thread, several (the product is
+    large enough for the pool) or a different count per row count; K off the
+    8-lane grid exercises the tail and the k-chunks."""
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    fastblas.set_threads(1, [1, 1] + [2, 1] * 7 + [2] if threads == "mixed" else threads)
     try:
         rng = np.random.default_rng(2)
-        a = mx.array(rng.standard_normal((16, 384), dtype=np.float32))
-        w = mx.array(rng.standard_normal((4096, 384), dtype=np.float32))
+        a = mx.array(rng.standard_normal((16, K), dtype=np.float32))
+        w = mx.array(rng.standard_normal((1600, K), dtype=np.float32))
         full = np.array(a @ w.T)
         for i in (0, 3, 7, 8, 15):
             assert np.array_equal(np.array(a[i:i + 1] @ w.T), full[i:i + 1])
-        for lo, hi in ((2, 5), (0, 8), (3, 14), (0, 16)):
-            assert np.array_equal(np.array(a[lo:hi] @ w.T), full[lo:hi])
+        for m in range(2, 17):
+            lo = (3 * m) % (17 - m)
+            assert np.array_equal(np.array(a[lo:lo + m] @ w.T), full[lo:lo + m]), m
         np.testing.assert_allclose(full, _ref(np.array(a), np.array(w).T), rtol=1e-4, atol=1e-3)
     finally:
-        fastblas.set_threads(prev)
+        fastblas.set_threads(*prev)
+
+
+def test_kernel_threads_by_row_count():
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    try:
+        fastblas.set_threads(1, [1, 1] + [2] * 15)
+        assert fastblas.STATE["kernel_threads"][1] == 1 and fastblas.STATE["kernel_threads"][16] == 2
+        assert fastblas.kernel_threads_text() == "1 thread at 1 row, 2 threads at 2-16 rows"
+        fastblas.set_threads(2)
+        assert fastblas.STATE["kernel_threads"] == [2] * (fastblas.MB + 1)
+        assert fastblas.kernel_threads_text() == "2 threads at 1-16 rows"
+    finally:
+        fastblas.set_threads(*prev)
 
 
 def test_threaded_kernel_matches_numpy(kernel, two_threads):
@@ -169,6 +186,35 @@ class _FakeBench:
         small = n * k <= 262144
         wins = m <= 4 or (m == 8 and small)
         return (1.0, 2.0) if wins else (2.0, 1.0)
+
+
+class _FakeThreadBench:
+    """Kernel seconds: 2 threads halve 8 and 16 rows on a quiet machine; at 1 row they
+    win quietly but lose 30% when another process holds a core."""
+
+    def sweep(self, m, n, k, kernel):
+        t = fastblas.STATE["kernel_threads"][m]
+        busy = len(_FakeThreadBench.spinning) > 0
+        if t == 1:
+            return 1.0
+        return {1: 1.3 if busy else 0.7, 2: 1.0, 4: 0.95}.get(m, 1.05 if busy else 0.5)
+
+    spinning = []
+
+
+def test_kernel_threads_are_measured_per_row_count(monkeypatch):
+    monkeypatch.setattr(fastblas, "_spin", lambda n: _FakeThreadBench.spinning.append(n) or ["x"])
+    monkeypatch.setattr(fastblas, "_stop", lambda procs: _FakeThreadBench.spinning.clear())
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    try:
+        per, times = fastblas._measure_kernel_threads(_FakeThreadBench(), 2, 1)
+    finally:
+        fastblas.set_threads(*prev)
+    assert per[1] == 1  # slower when a core is busy
+    assert per[2] == per[4] == 1  # no clear win
+    assert per[5] == per[7] == 1 and per[8] == per[12] == per[16] == 2  # between 4 and 8: both must win
+    assert set(times) == {str(m) for m in fastblas.MEASURED_M}
+    assert fastblas._measure_kernel_threads(_FakeThreadBench(), 1, 1)[0] == [1] * (fastblas.MB + 1)
 
 
 def test_route_is_the_measured_crossover():
