@@ -19,11 +19,26 @@ WIDTHS = [1, 2, 3, 5, 8, 16]
 MAX = 24
 
 
+def load_pair(pairs, family="qwen3", version=1, drafter=True):
+    """(target, tokenizer, drafter or None) of a test pair."""
+    d = pairs(family, version=version)
+    return load(str(d / "target"), str(d / "drafter") if drafter else None)
+
+
+def walk_away(model, tok, prompt, drafter, prompt_cache, max_tokens, after):
+    """The tokens a streaming caller got before it stopped reading after `after` of them."""
+    out = []
+    for r in stream_generate(model, tok, prompt, drafter, max_tokens=max_tokens, prompt_cache=prompt_cache):
+        out.append(r.token)
+        if len(out) == after:
+            break
+    return out
+
+
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
-    d = pairs(family, version=1)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs, family)
     checked = 0
     for prompt in PROMPTS:
         ref = reference_tokens(model, tok, prompt)
@@ -38,8 +53,7 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
 def test_greedy_equals_mlx_lm_with_dflash2_and_the_default_mode(pairs):
     """DFlash 2: the selector walks its lattice on the device and the drafts go
     to the verify as a lazy array; fixed widths, and the default (guarded) mode."""
-    d = pairs("qwen3", version=2)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs, version=2)
     drafted = 0
     for prompt in PROMPTS:
         ref = reference_tokens(model, tok, prompt)
@@ -56,8 +70,7 @@ def test_greedy_equals_mlx_lm_with_dflash2_and_the_default_mode(pairs):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
     """A noisy oracle makes cycles accept 0..w-1 drafts: every trim/rollback path runs."""
-    d = pairs(family, version=1)
-    model, tok, _ = load(str(d / "target"))
+    model, tok, _ = load_pair(pairs, family, drafter=False)
     vocab = model.args.vocab_size
     acc = {w: [0, 0] for w in WIDTHS}
     for i, prompt in enumerate(PROMPTS):
@@ -74,8 +87,7 @@ def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
 
 
 def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
-    d = pairs("qwen3", version=1)
-    model, tok, _ = load(str(d / "target"))
+    model, tok, _ = load_pair(pairs, drafter=False)
     vocab = model.args.vocab_size
     for w in [2, 3, 5, 8]:
         n = 1 + 4 * w  # the prefill token + 4 full cycles
@@ -93,8 +105,7 @@ def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
 
 
 def test_eos_inside_accepted_run(pairs):
-    d = pairs("qwen3", version=1)
-    model, tok, _ = load(str(d / "target"))
+    model, tok, _ = load_pair(pairs, drafter=False)
     prompt = PROMPTS[0]
     full = reference_tokens(model, tok, prompt, 40)
     p = len(tok.encode(prompt))
@@ -117,8 +128,7 @@ def test_eos_inside_accepted_run(pairs):
 
 
 def test_stop_string_across_block_boundary(pairs):
-    d = pairs("qwen3", version=1)
-    model, tok, _ = load(str(d / "target"))
+    model, tok, _ = load_pair(pairs, drafter=False)
     prompt = PROMPTS[3]
     full = reference_tokens(model, tok, prompt, 40)
     p = len(tok.encode(prompt))
@@ -141,8 +151,7 @@ def test_stop_string_across_block_boundary(pairs):
 
 
 def test_verify_mode_off_is_plain_decoding(pairs):
-    d = pairs("qwen3", version=1)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs)
     for prompt in PROMPTS[:5]:
         r = generate(model, tok, prompt, drafter, max_tokens=MAX, verify_mode="off")
         assert r.token_ids == reference_tokens(model, tok, prompt)
@@ -158,8 +167,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
         def is_trimmable(self):
             return False
 
-    d = pairs("qwen3", version=1)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs)
     pc = PromptCache(target=[NoTrim() for _ in model.layers])
     r = generate(model, tok, PROMPTS[1], drafter, max_tokens=MAX, prompt_cache=pc)
     assert r.token_ids == reference_tokens(model, tok, PROMPTS[1])
@@ -171,8 +179,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
 def test_prompt_cache_reuse_is_lossless(pairs):
     from mlx_dflash.generate import PromptCache
 
-    d = pairs("qwen3", version=1)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs)
     pc = PromptCache()
     conv = PROMPTS[0]
     for turn in range(3):
@@ -192,18 +199,13 @@ def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
     the cached rows still match the cached tokens, so the next turn stays exact."""
     from mlx_dflash.generate import PromptCache
 
-    d = pairs("qwen3", version=1)
-    model, tok, _ = load(str(d / "target"))
+    model, tok, _ = load_pair(pairs, drafter=False)
     pc = PromptCache()
     conv = PROMPTS[0]
     for turn, how in enumerate(["max", "walk-away", "stop", "max"]):
         ref = reference_tokens(model, tok, conv, 12)
         if how == "walk-away":
-            out = []
-            for r in stream_generate(model, tok, conv, max_tokens=12, prompt_cache=pc):
-                out.append(r.token)
-                if len(out) == 5:
-                    break
+            out = walk_away(model, tok, conv, None, pc, max_tokens=12, after=5)
             assert out == ref[:5]
             text = tok.decode(out)
         else:
@@ -228,8 +230,7 @@ def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monk
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))  # this test's cost curve stays with it
     monkeypatch.setattr(calibrate, "_MEMO", {})
-    d = pairs("qwen3", version=1)
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    model, tok, drafter = load_pair(pairs)
     kw = dict(block_size=4) if how == "fixed" else {}
     if how != "fixed":  # costs under which drafting cannot pay: the guard runs plain steps
         calibrate.remember(model, drafter, Costs(0.01, {1: 1.0, 5: 6.0}, {1: 0.0, 5: 1.0}, t_plain=0.01))
@@ -245,11 +246,7 @@ def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monk
             shared += 1
         ref = reference_tokens(model, tok, conv, 16)
         if how == "walk-away" and turn == 1:
-            out = []
-            for r in stream_generate(model, tok, conv, drafter, max_tokens=16, prompt_cache=pc):
-                out.append(r.token)
-                if len(out) == 7:
-                    break
+            out = walk_away(model, tok, conv, drafter, pc, max_tokens=16, after=7)
             assert out == ref[:7]
             text = tok.decode(out)
         else:
