@@ -19,45 +19,20 @@ add no drafter context, which bounds what a later request can reuse).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server_ttft import ROOT, _port, _stream, _text  # noqa: E402
+from bench_server_ttft import _stream, _text, report, serve, wait_loaded  # noqa: E402
 
 
 def _serve(model: str, model_dir, budget_mb: int, block_size=None):
-    home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-"))
     g = {"prompt_cache_mb": budget_mb}
     if model_dir:
         g["model_dirs"] = [str(Path(model_dir).resolve())]
     models = {model: {"block_size": block_size}} if block_size else {}
-    (home / "settings.json").write_text(json.dumps({"version": 1, "global": g, "models": models}))
-    port = _port()
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "MLX_DFLASH_HOME": str(home)}, stdout=log, stderr=log)
-    return proc, f"http://127.0.0.1:{port}", home
-
-
-def _ready(proc, url, home) -> None:
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"server exited: {(home / 'server.log').read_text().strip()}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    return serve(model, {"global": g, "models": models})
 
 
 def main(argv=None) -> int:
@@ -75,7 +50,7 @@ def main(argv=None) -> int:
     rows = {k: [] for k in servers}
     try:
         for s in servers.values():
-            _ready(*s)
+            wait_loaded(*s)
         n_words = max(1, args.system_tokens // 2)  # roughly two tokens per word in small vocabularies
         for name, (_, url, _) in servers.items():
             _stream(url, args.model, [{"role": "user", "content": "warm up"}], 4)
@@ -98,17 +73,8 @@ def main(argv=None) -> int:
             proc.wait(30)
 
     med = statistics.median
-    first = next(iter(rows.values()))[0]
-    f = first["dflash"]
-    print(f"model: {args.model}; decoding: {f['mode']}{' (' + f['fallback'] + ')' if f['fallback'] else ''}, "
-          f"verify width {f['verify_width']}; second-conversation prompt {first['usage']['prompt_tokens']} tokens; "
-          f"{args.repeats} repeats, medians; the two servers ran side by side in one run\n")
-    print("| second conversation | client TTFT (ms) | server ttft_ms | prompt_ms | prefilled tokens | cached tokens |")
-    print("|---|---|---|---|---|---|")
-    for name, rs in rows.items():
-        print(f"| {name} | {med(r['ttft_ms'] for r in rs):.1f} | {med(r['dflash']['ttft_ms'] for r in rs):.1f} | "
-              f"{med(r['timings']['prompt_ms'] for r in rs):.1f} | {med(r['timings']['prompt_n'] for r in rs):.0f} | "
-              f"{med(r['usage']['prompt_tokens_details']['cached_tokens'] for r in rs):.0f} |")
+    report(args.model, rows, "second-conversation", args.repeats, "; the two servers ran side by side in one run",
+           column="second conversation", reused="cached tokens")
     a, b = (med(r["ttft_ms"] for r in rs) for rs in rows.values())
     print(f"\nclient TTFT ratio (no cache / cache): {b / a:.2f}x")
     return 0

@@ -68,6 +68,50 @@ def _stream(url: str, model: str, messages: list, max_tokens: int) -> dict:
             "dflash": final["dflash"]}
 
 
+def serve(model: str, settings: dict) -> tuple:
+    """`mlx-dflash serve --model MODEL` in a subprocess with a fresh settings home
+    holding `settings` (the user's own are never touched): (process, url, home)."""
+    home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-"))
+    (home / "settings.json").write_text(json.dumps({"version": 1, **settings}))
+    port = _port()
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", model, "--port", str(port)],
+                            cwd=ROOT, env={**os.environ, "MLX_DFLASH_HOME": str(home)}, stdout=log, stderr=log)
+    return proc, f"http://127.0.0.1:{port}", home
+
+
+def wait_loaded(proc, url: str, home: Path) -> str:
+    """Wait until the server has loaded its model; the model's id."""
+    while True:
+        if proc.poll() is not None:
+            sys.exit(f"server exited: {(home / 'server.log').read_text().strip()}")
+        try:
+            h = httpx.get(url + "/metrics", timeout=2).json()  # /health says only "ok"
+            if h["loaded"] is not None:
+                return h["loaded"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def report(model: str, rows: dict, what: str, repeats: int, note: str = "", column: str = "",
+           reused: str = "reused tokens") -> None:
+    """The markdown table of `rows` ({name: [_stream results]}), medians, under a line
+    saying how the server decoded; `what`: the timed request, `column`: its header."""
+    med = statistics.median
+    r0 = next(iter(rows.values()))[0]
+    f = r0["dflash"]
+    print(f"model: {model}; decoding: {f['mode']}{' (' + f['fallback'] + ')' if f['fallback'] else ''}, "
+          f"verify width {f['verify_width']}; {what} prompt {r0['usage']['prompt_tokens']} tokens; "
+          f"{repeats} repeats, medians{note}\n")
+    print(f"| {column or what + ' request'} | client TTFT (ms) | server ttft_ms | prompt_ms | prefilled tokens | {reused} |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in rows.items():
+        print(f"| {name} | {med(r['ttft_ms'] for r in rs):.1f} | {med(r['dflash']['ttft_ms'] for r in rs):.1f} | "
+              f"{med(r['timings']['prompt_ms'] for r in rs):.1f} | {med(r['timings']['prompt_n'] for r in rs):.0f} | "
+              f"{med(r['timings']['cache_n'] for r in rs):.0f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded/target", help="model id (or model folder) to serve")
@@ -77,26 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
 
-    home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-"))
     g = {"model_dirs": [str(Path(args.model_dir).resolve())]} if args.model_dir else {}
-    (home / "settings.json").write_text(json.dumps({"version": 1, "global": g, "models": {}}))
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", args.model, "--port", str(port)],
-                            cwd=ROOT, env={**os.environ, "MLX_DFLASH_HOME": str(home)}, stdout=log, stderr=log)
+    proc, url, home = serve(args.model, {"global": g, "models": {}})
     try:
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"server exited: {(home / 'server.log').read_text().strip()}")
-            try:
-                h = httpx.get(url + "/metrics", timeout=2).json()  # /health says only "ok"
-                if h["loaded"] is not None:
-                    model = h["loaded"]
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        model = wait_loaded(proc, url, home)
         n_words = max(1, args.history_tokens // 2)  # roughly two tokens per word in small vocabularies
         rows = {"reuse": [], "no reuse": []}
         _stream(url, model, [{"role": "user", "content": "warm up"}], 4)
@@ -114,17 +142,7 @@ def main(argv=None) -> int:
         proc.terminate()
         proc.wait(30)
 
-    med = statistics.median
-    f = rows["reuse"][0]["dflash"]
-    print(f"model: {model}; decoding: {f['mode']}{' (' + f['fallback'] + ')' if f['fallback'] else ''}, "
-          f"verify width {f['verify_width']}; follow-up prompt {rows['reuse'][0]['usage']['prompt_tokens']} tokens; "
-          f"{args.repeats} repeats, medians\n")
-    print("| follow-up request | client TTFT (ms) | server ttft_ms | prompt_ms | prefilled tokens | reused tokens |")
-    print("|---|---|---|---|---|---|")
-    for name, rs in rows.items():
-        print(f"| {name} | {med(r['ttft_ms'] for r in rs):.1f} | {med(r['dflash']['ttft_ms'] for r in rs):.1f} | "
-              f"{med(r['timings']['prompt_ms'] for r in rs):.1f} | {med(r['timings']['prompt_n'] for r in rs):.0f} | "
-              f"{med(r['timings']['cache_n'] for r in rs):.0f} |")
+    report(model, rows, "follow-up", args.repeats)
     return 0
 
 
