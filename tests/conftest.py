@@ -56,3 +56,11 @@ def world(tmp_path, monkeypatch, pairs):
     from model_world import make_world
 
     return make_world(tmp_path, monkeypatch, pairs)
+
+
+@pytest.fixture(scope="module")
+def serve_models(pairs, tmp_path_factory):
+    """(model folder, settings home) for `mlx-dflash serve` processes (tests/serve_process.py)."""
+    from serve_process import make_serve_models
+
+    return make_serve_models(pairs, tmp_path_factory)

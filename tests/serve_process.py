@@ -68,7 +68,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def serve_models(pairs, tmp_path_factory):
+def make_serve_models(pairs, tmp_path_factory):
     """A model folder with two targets (qwen: DFlash drafter; llama: another
     size, so the drafters do not mix) and a settings home pointing at it."""
     a, b = pairs(), pairs(family="llama", hidden=32)

@@ -9,29 +9,24 @@ import threading
 import httpx
 import pytest
 # ROOT and Server: test_server_security imports them from here
-from serve_process import MAX_TOKENS_SETTING, ROOT, SYSTEM, Server, api_error, serve_models  # noqa: F401
+from serve_process import MAX_TOKENS_SETTING, ROOT, SYSTEM, Server, api_error  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def models(pairs, tmp_path_factory):
-    return serve_models(pairs, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    s = Server(models[1], "--queue-size", "8")
+def server(serve_models):
+    s = Server(serve_models[1], "--queue-size", "8")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def ref(models):
+def ref(serve_models):
     """The same model in this process, for reference generations (plain decoding)."""
     from mlx_dflash import generate, load
 
-    model, tok, _ = load(str(models[0] / "qwen"))
+    model, tok, _ = load(str(serve_models[0] / "qwen"))
 
     def chat_prompt(messages):
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

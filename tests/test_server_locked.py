@@ -7,19 +7,14 @@ import time
 import httpx
 import openai
 import pytest
-from serve_process import Server, api_error, serve_models
+from serve_process import Server, api_error
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def models(pairs, tmp_path_factory):
-    return serve_models(pairs, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def locked(models):
-    s = Server(models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
+def locked(serve_models):
+    s = Server(serve_models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
     yield s
     s.stop()
 
