@@ -212,27 +212,35 @@ class ScriptDrafter:
         return Proposal(drafts, None, 0.0, [1.0] * len(drafts))
 
 
-class ScriptCatalog:
-    """The catalog the server's worker loads from: one scripted model, "script"."""
+class OneModelCatalog:
+    """A catalog for the server's worker with one model, `model_id`: fixed settings
+    and a prompt-cache budget in bytes; `load` is the subclass's."""
 
-    def __init__(self, tok, budget_mb=64, max_tokens=256, drafter=True):
-        from mlx_dflash.settings import ModelSettings
-
-        self.tok, self.budget_mb, self.with_drafter = tok, budget_mb, drafter
-        self.script = Script(tok)
-        self.settings_ = ModelSettings(max_tokens=max_tokens, block_size=4)
+    def __init__(self, model_id: str, settings, budget: int):
+        self.model_id, self.settings_, self.budget = model_id, settings, budget
 
     def targets(self):
-        return [{"id": "script", "owned_by": "tests", "drafters": []}]
+        return [{"id": self.model_id, "owned_by": "tests", "drafters": []}]
 
     def default(self):
-        return "script"
+        return self.model_id
 
     def settings(self, model_id):
         return self.settings_
 
     def prompt_cache_bytes(self):
-        return self.budget_mb << 20
+        return self.budget
+
+
+class ScriptCatalog(OneModelCatalog):
+    """The catalog the server's worker loads from: one scripted model, "script"."""
+
+    def __init__(self, tok, budget_mb=64, max_tokens=256, drafter=True):
+        from mlx_dflash.settings import ModelSettings
+
+        super().__init__("script", ModelSettings(max_tokens=max_tokens, block_size=4), budget_mb << 20)
+        self.tok, self.with_drafter = tok, drafter
+        self.script = Script(tok)
 
     def load(self, model_id):
         if model_id != "script":

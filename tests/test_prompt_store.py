@@ -4,6 +4,7 @@ A warm run must give exactly the tokens of a cold one; the budget only costs spe
 
 import mlx.core as mx
 import pytest
+from scripted import OneModelCatalog
 
 from mlx_dflash import generate, load
 from mlx_dflash.prompt_store import PromptStore, cache_bytes, tokens_of
@@ -162,26 +163,14 @@ def test_hybrid_target_reuses_only_full_prefixes(pair, family):
     assert r.stats.reused_tokens == len(cont) - 3 and r.token_ids == c.token_ids
 
 
-class PairCatalog:
+class PairCatalog(OneModelCatalog):
     """The test pair behind a server, with a prompt-cache budget in bytes."""
 
     def __init__(self, folder, budget):
         from mlx_dflash.settings import ModelSettings
 
-        self.folder, self.budget = folder, budget
-        self.settings_ = ModelSettings(max_tokens=N, block_size=W)
-
-    def targets(self):
-        return [{"id": "pair", "owned_by": "tests", "drafters": []}]
-
-    def default(self):
-        return "pair"
-
-    def settings(self, model_id):
-        return self.settings_
-
-    def prompt_cache_bytes(self):
-        return self.budget
+        super().__init__("pair", ModelSettings(max_tokens=N, block_size=W), budget)
+        self.folder = folder
 
     def load(self, model_id):  # on the worker's thread (MLX streams are per thread)
         from types import SimpleNamespace
