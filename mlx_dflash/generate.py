@@ -8,8 +8,10 @@ Verify modes:
 - `dflash` (default): the DFlash drafter at width w. With the default width
   (block_size None or 5) `policy.Guard` runs plain decoding whenever drafting
   is predicted not to pay (calibrated cycle cost vs live acceptance), probing
-  now and then; any other width, or `guard=False`, drafts at exactly that
-  width on every cycle (`guard=True` guards any width).
+  now and then, and verifies prompt-lookup drafts (the continuation of an
+  n-gram the context repeats) wherever their gate predicts they pay, in any
+  state; any other width, or `guard=False`, drafts at exactly that width on
+  every cycle (`guard=True` guards any width).
 - `adaptive`: per-cycle width and cut from the calibrated cost curve (policy.AdaptiveWidth).
 - `lookup`: prompt-lookup drafts (lookup.py), for any model; with a drafter,
   lookup when it has a full-width match, else DFlash.
@@ -53,6 +55,7 @@ class PromptCache:
     # context (plain steps and accepted rows since the last draft): the next call
     # hands them to its first draft, so the whole cached prefix stays reusable
     pending: Optional[mx.array] = None
+    index: Optional[NgramIndex] = None  # the n-gram index of the last call's text (lookup drafts)
 
 
 def reusable(pc: PromptCache, drafter) -> int:
@@ -89,7 +92,8 @@ class _Run:
     drafter: Optional[object]  # used for drafts (None: lookup only / off)
     capture: list
     policy: object = None  # policy.Fixed | Guard | AdaptiveWidth
-    index: Optional[NgramIndex] = None  # lookup mode
+    index: Optional[NgramIndex] = None  # lookup mode, and the guard's lookup drafts
+    lookup_due: bool = False  # the guard's lookup gate ended a plain run: verify the context's lookup next
 
 
 def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=True) -> _Run:
@@ -112,20 +116,35 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
     stats.mode, stats.block_size = mode, w
     run = _Run(mode, w, use, list(use.config.target_layer_ids) if use is not None else [])
     from . import calibrate, policy
+    from .adaptive import AdaptiveWidth
 
     if mode == "adaptive":  # per-cycle width from the measured cost curve
-        run.policy = policy.AdaptiveWidth(calibrate.get_costs(target.model, drafter, w), w)
+        run.policy = AdaptiveWidth(calibrate.get_costs(target.model, drafter, w), w)
     elif mode == "dflash" and (guard if guard is not None else block_size in (None, DEFAULT_BLOCK_SIZE)) and w > 1:
         costs = calibrate.get_costs(target.model, drafter, widths=(1, w), **GUARD_CALIBRATION)
         # a seeded call does not inherit the last call's state: same seed, same widths, same sample
-        run.policy = policy.Guard(w, costs, calibrate.load_observed(target.model, drafter) if carry else None)
+        prior = calibrate.load_observed(target.model, drafter) if carry else None
+        run.policy = policy.Guard(w, costs, prior, lookup=True)
+        run.index = _index(pc, ids)  # the guard also verifies prompt-lookup drafts where they pay
     elif mode != "off":
         run.policy = policy.Fixed(w)
     if mode == "lookup":
-        run.index = NgramIndex(ids)
+        run.index = _index(pc, ids)
         run.policy.reason = f"lookup width {w}" + (" (else DFlash)" if use is not None else "")
     stats.policy = run.policy.reason if run.policy else f"plain: {stats.fallback or 'verify mode off'}"
     return run
+
+
+def _index(pc, ids) -> NgramIndex:
+    """The lookup index of `ids`: the last call's, extended, when its text is a
+    prefix of them (a chat's next turn indexes only the new tokens), else new."""
+    idx, n = pc.index, len(pc.index.tokens) if pc.index is not None else 0
+    if idx is None or n > len(ids) or ids[:n] != idx.tokens:
+        idx = NgramIndex(ids)
+    else:
+        idx.extend(ids[n:])
+    pc.index = idx
+    return idx
 
 
 def _reuse(target, pc, ids, run, stats) -> int:
@@ -244,9 +263,11 @@ def _speculate(run, target, pc, token, rows, sp, emit, stats, gen_tic, max_token
     caller's list) always holds the features of fed rows the drafter has not seen."""
     pol, index = run.policy, run.index
     simple = hasattr(pol, "observe_plain")  # Fixed / Guard (else AdaptiveWidth: its own hooks)
+    gate = getattr(pol, "lookup", None)  # the guard's lookup drafts (lookup.py), in any of its states
     while True:
+        look = _guard_lookup(run, gate, pol.width(), max_tokens - len(emit.tokens))
         # -- plain steps (a policy fallback, or lookup with nothing to look up) --
-        burst = pol.plain_steps()
+        burst = 0 if look else pol.plain_steps()
         if burst > (0 if simple else 1) or (index is not None and run.drafter is None and not index.match()[0]):
             before = stats.plain_cycles
             token, _ = yield from plain(target, pc, token, sp, emit, stats, gen_tic, run.capture, burst or None,
@@ -261,7 +282,10 @@ def _speculate(run, target, pc, token, rows, sp, emit, stats, gen_tic, max_token
         # -- draft (lazy: computed with the verify) --
         t0 = time.perf_counter()
         w = max(1, min(pol.width(), max_tokens - len(emit.tokens)))  # never draft past max_tokens
-        prop, source = draft(run, target, pc, token, cat_feats(rows), w, sp)
+        if look:
+            prop, source = Proposal(mx.array(look, mx.int32)), "lookup"
+        else:
+            prop, source = draft(run, target, pc, token, cat_feats(rows), w, sp, None if gate else index)
         if source == "dflash":
             rows.clear()  # the drafter took them into its context
         drafts, q, conf, t_cut = _cut(pol, prop) if source == "dflash" and not simple else \
@@ -291,7 +315,9 @@ def _speculate(run, target, pc, token, rows, sp, emit, stats, gen_tic, max_token
                 break
         stats.add(cyc)  # before yielding, so every token of the cycle sees it
         if simple:
-            if n:
+            if source == "lookup" and gate is not None:
+                pol.observe_lookup(a, n)
+            elif n:
                 pol.observe(a + 1)
         else:
             pol.observe(cyc, conf)
@@ -322,16 +348,35 @@ def _report(pol, stats) -> None:
 
 def _on_plain(pol, index, run, stats, simple):
     """Per plain token: adaptive observes it; lookup indexes it and ends the run
-    once the context has a match (returns True)."""
+    once the context has a match (lookup mode without a drafter) or the guard's
+    gate takes one (returns True)."""
+    gate = getattr(pol, "lookup", None)
+
     def on(tok, cyc):
         if not simple:
             pol.observe(cyc)
             stats.adaptive = pol.summary()
-        if index is not None:
-            index.append(tok)
-            return run.drafter is None and index.match()[0] > 0
-        return False
+        if index is None:
+            return False
+        index.append(tok)
+        if gate is not None:
+            if not run.lookup_due:
+                run.lookup_due = gate.take(len(index.propose(pol.width() - 1)))
+            return run.lookup_due
+        return run.drafter is None and index.match()[0] > 0
     return on
+
+
+def _guard_lookup(run, gate, width, left):
+    """The guard's lookup drafts for this cycle, or None: the context's lookup
+    proposal (never past max_tokens) when the gate takes it, or took it at the
+    end of the plain run just before."""
+    if gate is None:
+        return None
+    n = min(width, left) - 1
+    look = run.index.propose(n) if n >= 1 else []
+    due, run.lookup_due = run.lookup_due, False
+    return look if look and (due or gate.take(len(look))) else None
 
 
 def _remember(run, target, drafter) -> None:

@@ -44,12 +44,13 @@ def cat_feats(feats):
     return mx.concatenate(feats, axis=1) if len(feats) > 1 else (feats[0] if feats else None)
 
 
-def draft(run, target, pc, token, new_feats, width, sp):
-    """The cycle's proposal (lazy; None when nothing is drafted) and its source."""
+def draft(run, target, pc, token, new_feats, width, sp, index=None):
+    """The cycle's proposal (lazy; None when nothing is drafted) and its source:
+    with an n-gram `index` (verify mode lookup), its full-width lookup, else DFlash."""
     if width < 2:
         return None, ""
-    if run.index is not None:
-        look = run.index.propose(width - 1)
+    if index is not None:
+        look = index.propose(width - 1)
         if look and (run.drafter is None or len(look) == width - 1):
             return Proposal(mx.array(look, mx.int32)), "lookup"
         if run.drafter is None:

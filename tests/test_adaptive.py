@@ -9,7 +9,7 @@ import pytest
 from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import calibrate, generate, load, stream_generate
 from mlx_dflash.calibrate import Costs
-from mlx_dflash.policy import AdaptiveWidth
+from mlx_dflash.adaptive import AdaptiveWidth
 from mlx_dflash.drafter import Proposal
 from mlx_dflash.generate import CycleStats
 

@@ -103,3 +103,79 @@ def test_lookup_sampling_is_seeded_and_exact_at_tiny_temperature(pairs):
     a = generate(model, tok, prompt, None, max_tokens=MAX, verify_mode="lookup", temperature=0.8, seed=3)
     b = generate(model, tok, prompt, None, max_tokens=MAX, verify_mode="lookup", temperature=0.8, seed=3)
     assert a.token_ids == b.token_ids and a.stats.cycles > 0
+
+
+# -- the default mode's guard verifies lookup drafts where they pay --------------------
+
+
+def _curve(c5, d5=0.0):
+    """Measured widths 1 and 5 only, as the guard calibrates; plain token = 1-token step."""
+    from mlx_dflash.calibrate import Costs
+
+    return Costs(0.01, {1: 1.0, 5: c5}, {1: 0.0, 5: d5}, t_plain=0.01)
+
+
+def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
+    from mlx_dflash.policy import Guard
+
+    assert Guard(5, _curve(3.4)).lookup is None  # only when asked for
+    g = Guard(5, _curve(3.4), lookup=True)
+    lk = g.lookup
+    assert [round(lk.k[w], 6) for w in (2, 3, 4, 5)] == [1.6, 2.2, 2.8, 3.4]  # linear between measured widths
+    assert not lk.pays(0) and not lk.take(0)
+    assert not lk.pays(1) and not lk.pays(4)  # 1 + 0.5 n < c(n + 1): not at the prior acceptance
+    g.observe_lookup(4, 4)  # every draft right: alpha 0.5 -> 0.6
+    assert lk.alpha == pytest.approx(0.6) and lk.pays(4)  # 1 + 0.6 * 4 = 3.4 >= c(5)
+    assert lk.pays(9)  # a longer proposal is priced at the widest width
+    assert "lookup: 1 cycles, 60% accepted" in g.reason and g.reason.startswith("dflash: probing")
+    for _ in range(3):
+        g.observe_lookup(0, 4)
+    assert not lk.pays(4)
+    # while it does not pay, every GAP-th match is verified anyway (a text may start repeating)
+    taken = [lk.take(4) for _ in range(2 * lk.GAP)]
+    assert taken.count(True) == 2 and taken[lk.GAP - 1] and taken[-1]
+    assert Guard(5, _curve(1.2), lookup=True).lookup.take(1)  # cheap verifies: even one draft pays
+
+
+def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
+    """The default mode (guard) with a drafter that never pays (plain steps) and
+    one that mostly does: lookup cycles happen in both, the drafter's context
+    stays in step (the oracle checks it), and every output is mlx-lm's."""
+    from mlx_dflash import calibrate
+
+    model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
+    vocab = model.args.vocab_size
+    looked = {}
+    for noise in (1.0, 0.2):
+        looked[noise] = 0
+        for i, prompt in enumerate(PROMPTS):
+            ref = reference_tokens(model, tok, prompt, MAX)
+            dr = OracleDrafter(len(tok.encode(prompt)), ref, vocab, noise=noise, seed=i)
+            calibrate.remember(model, dr, _curve(1.6, 0.4))  # DFlash pays from tau 2, lookup from 1 + 0.5 n >= c
+            r = generate(model, tok, prompt, dr, max_tokens=MAX)
+            assert r.token_ids == ref, (prompt, noise)
+            assert r.stats.mode == "dflash" and r.stats.block_size == 5
+            looked[noise] += r.stats.lookup_cycles
+            if noise == 1.0:  # DFlash does not pay: the guard's cycles are plain steps or lookups
+                assert r.stats.drafted <= 3 * 4 + 4 * r.stats.lookup_cycles
+    assert looked[1.0] > 0 and looked[0.2] > 0
+
+
+def test_lookup_index_is_kept_with_the_prompt_cache(pairs):
+    """A next turn that extends the last call's text indexes only its new tokens;
+    a prompt that does not is indexed afresh. Outputs stay mlx-lm's."""
+    from mlx_dflash.generate import PromptCache
+
+    model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
+    pc = PromptCache()
+    first = tok.encode(PROMPTS[0])
+    r = generate(model, tok, first, None, max_tokens=8, verify_mode="lookup", prompt_cache=pc)
+    idx = pc.index
+    assert idx is not None and idx.tokens[: len(first)] == first
+    assert idx.tokens[len(first):] == r.token_ids[: len(idx.tokens) - len(first)]
+    nxt = idx.tokens + tok.encode(PROMPTS[2])
+    r = generate(model, tok, nxt, None, max_tokens=MAX, verify_mode="lookup", prompt_cache=pc)
+    assert pc.index is idx and r.token_ids == reference_tokens(model, tok, nxt, MAX)
+    other = tok.encode(PROMPTS[3])
+    generate(model, tok, other, None, max_tokens=4, verify_mode="lookup", prompt_cache=pc)
+    assert pc.index is not idx and pc.index.tokens[: len(other)] == other

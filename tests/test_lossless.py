@@ -87,6 +87,8 @@ def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
 
 
 def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
+    # guard=False: exactly width w every cycle (at w = 5 the default guard would
+    # also take lookup drafts and plain steps)
     model, tok, _ = load_pair(pairs, drafter=False)
     vocab = model.args.vocab_size
     for w in [2, 3, 5, 8]:
@@ -95,11 +97,11 @@ def test_oracle_reaches_tau_w_and_wrong_drafter_gives_tau_1(pairs):
         ref = reference_tokens(model, tok, prompt, n)
         assert len(ref) == n
         p = len(tok.encode(prompt))
-        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab), max_tokens=n, block_size=w)
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab), max_tokens=n, block_size=w, guard=False)
         assert r.token_ids == ref
         assert r.stats.tau == w and r.stats.cycles == 4 and r.stats.acceptance_rate == 1.0
         assert r.from_draft.count(True) == 4 * (w - 1)
-        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab, noise=1.0), max_tokens=n, block_size=w)
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, vocab, noise=1.0), max_tokens=n, block_size=w, guard=False)
         assert r.token_ids == ref
         assert r.stats.tau == 1.0 and r.stats.accepted == 0 and r.stats.cycles == n - 1
 
