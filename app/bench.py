@@ -127,7 +127,8 @@ def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None) -> Run:
     return run
 
 
-def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=None, on_token=None) -> Run:
+def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=None, on_token=None,
+             lookup=True) -> Run:
     """mlx_dflash.stream_generate, the product's own loop; `costs` prices each cycle
     (c(w) + d(w), d only for drafter drafts) for the cost-model limit. `on_token(n)`
     is told the count of tokens received so far (the realistic bench's replay)."""
@@ -141,7 +142,7 @@ def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=
     t0 = time.perf_counter()
     first = None
     for r in stream_generate(model, tok, prompt, drafter, max_tokens=max_tokens, block_size=width,
-                             verify_mode=mode, guard=guard):
+                             verify_mode=mode, guard=guard, lookup=lookup):
         if first is None:
             first = time.perf_counter()
         if not (r.finish_reason == "stop" and r.token in eos):

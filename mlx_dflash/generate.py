@@ -11,7 +11,8 @@ Verify modes:
   now and then, and verifies prompt-lookup drafts (the continuation of an
   n-gram the context repeats) wherever their gate predicts they pay, in any
   state; any other width, or `guard=False`, drafts at exactly that width on
-  every cycle (`guard=True` guards any width).
+  every cycle (`guard=True` guards any width; `lookup=False` keeps the
+  guard's lookup drafts out).
 - `adaptive`: per-cycle width and cut from the calibrated cost curve (policy.AdaptiveWidth).
 - `lookup`: prompt-lookup drafts (lookup.py), for any model; with a drafter,
   lookup when it has a full-width match, else DFlash.
@@ -96,7 +97,8 @@ class _Run:
     lookup_due: bool = False  # the guard's lookup gate ended a plain run: verify the context's lookup next
 
 
-def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=True) -> _Run:
+def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=True,
+          lookup=True) -> _Run:
     mode = verify_mode
     if mode in ("dflash", "adaptive") and drafter is None:
         mode, stats.fallback = "off", "no drafter"
@@ -124,8 +126,9 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
         costs = calibrate.get_costs(target.model, drafter, widths=(1, w), **GUARD_CALIBRATION)
         # a seeded call does not inherit the last call's state: same seed, same widths, same sample
         prior = calibrate.load_observed(target.model, drafter) if carry else None
-        run.policy = policy.Guard(w, costs, prior, lookup=True)
-        run.index = _index(pc, ids)  # the guard also verifies prompt-lookup drafts where they pay
+        run.policy = policy.Guard(w, costs, prior, lookup=lookup)
+        if lookup:  # the guard also verifies prompt-lookup drafts where they pay
+            run.index = _index(pc, ids)
     elif mode != "off":
         run.policy = policy.Fixed(w)
     if mode == "lookup":
@@ -199,6 +202,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     max_context: Optional[int] = None,
     guard: Optional[bool] = None,
+    lookup: bool = True,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`.
 
@@ -209,7 +213,8 @@ def stream_generate(
 
     `guard` (verify mode dflash): None = on when `block_size` is None or the
     default width (5), off for any other width; True / False force it. The
-    stats' `policy` says what decided each width and why."""
+    guard also verifies prompt-lookup drafts where they pay, unless `lookup`
+    is False. The stats' `policy` says what decided each width and why."""
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"unknown verify mode '{verify_mode}'; valid: {', '.join(VERIFY_MODES)}")
     if max_tokens < 1:
@@ -228,7 +233,7 @@ def stream_generate(
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
-    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=seed is None)
+    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, seed is None, lookup)
     common = _reuse(target, pc, ids, run, stats)
     emit = Emitter(tokenizer, stop, max_tokens, stats)
 

@@ -246,7 +246,7 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "r" / "results.json").read_text()) == res
     t = res["targets"][0]
     rows = {r["method"]: r for r in t["methods"]}
-    assert set(rows) == {"mlx-lm", "default (dflash2, guard)", "dflash2-w5", "dflash2-w8", "dflash2-w16"}
+    assert set(rows) == {"mlx-lm", "default (dflash2, guard, no lookup)", "dflash2-w5", "dflash2-w8", "dflash2-w16"}
     for name, r in rows.items():
         assert r["mismatches"] == 0, name  # greedy: the replay never changes the output
         assert r["efficiency"] == pytest.approx(r["ratio"] / r["limit"])

@@ -159,6 +159,12 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
             if noise == 1.0:  # DFlash does not pay: the guard's cycles are plain steps or lookups
                 assert r.stats.drafted <= 3 * 4 + 4 * r.stats.lookup_cycles
     assert looked[1.0] > 0 and looked[0.2] > 0
+    prompt = PROMPTS[0]
+    ref = reference_tokens(model, tok, prompt, MAX)
+    dr = OracleDrafter(len(tok.encode(prompt)), ref, vocab, noise=1.0)
+    calibrate.remember(model, dr, _curve(1.6, 0.4))
+    r = generate(model, tok, prompt, dr, max_tokens=MAX, lookup=False)  # the guard without its lookup drafts
+    assert r.token_ids == ref and r.stats.lookup_cycles == 0 and "lookup" not in r.stats.policy
 
 
 def test_lookup_index_is_kept_with_the_prompt_cache(pairs):

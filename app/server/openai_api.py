@@ -37,7 +37,8 @@ def _report(stats, end: dict) -> dict:
                     "predicted_per_second": s.generation_tps,
                     "draft_n": s.drafted, "draft_n_accepted": s.accepted},
         "dflash": {"tau": s.tau, "cycles": s.cycles, "verify_width": s.block_size, "mode": s.mode,
-                   "fallback": s.fallback, "acceptance_rate": s.acceptance_rate,
+                   "fallback": s.fallback, "policy": s.policy, "lookup_cycles": s.lookup_cycles,
+                   "acceptance_rate": s.acceptance_rate,
                    "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
                    "queue_ms": end["queue_ms"]},
     }
