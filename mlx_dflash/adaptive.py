@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-# the cost curve's names stay importable from here (older callers)
-from .calibrate import Costs, cost_key, cost_path, get_costs, load_cached, measure_costs, remember, save_cached  # noqa: F401
+from .calibrate import Costs
 
 class _Calibration:
     """P(draft accepted | its drafter probability), in probability bins, from

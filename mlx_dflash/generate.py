@@ -30,6 +30,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import Drafter, Proposal
 from .lookup import NgramIndex
+from .prompt_cache import PromptCache, lookup_index, reusable, reuse  # noqa: F401 (PromptCache, reusable: public here too)
 from .sampling import SamplingParams
 from .stats import CycleStats, Emitter, GenerationResponse, GenerationStats  # noqa: F401 (public names)
 from .steps import bookkeep, cat_feats, draft, plain, prefill, readback, verify
@@ -41,33 +42,6 @@ DEFAULT_BLOCK_SIZE = 5
 # disk for a month): widths 1 and w, two rounds; 0.5 s on the embedded pair on
 # this shared 2-core machine
 GUARD_CALIBRATION = dict(budget_s=0.05, min_rounds=2, plain_steps=4, context=64)
-
-
-@dataclass
-class PromptCache:
-    """Target KV cache + drafter context kept across calls (chat turns, server
-    requests): a new prompt that extends `tokens` only prefills the rest."""
-
-    target: list = None
-    drafter: list = None
-    tokens: List[int] = field(default_factory=list)  # tokens whose K/V sit in `target`
-    drafter_id: Optional[int] = None  # the drafter the context rows belong to
-    # captured target features of tokens[drafter offset:], not yet in the drafter's
-    # context (plain steps and accepted rows since the last draft): the next call
-    # hands them to its first draft, so the whole cached prefix stays reusable
-    pending: Optional[mx.array] = None
-    index: Optional[NgramIndex] = None  # the n-gram index of the last call's text (lookup drafts)
-
-
-def reusable(pc: PromptCache, drafter) -> int:
-    """How many leading `pc.tokens` a call with `drafter` (None: none) can reuse:
-    the drafter's context must cover them, as context rows or pending features."""
-    if drafter is None:
-        return len(pc.tokens)
-    if pc.drafter is None or pc.drafter_id != id(drafter):
-        return 0
-    rows = pc.pending.shape[1] if pc.pending is not None else 0
-    return min(len(pc.tokens), pc.drafter[0].offset + rows)
 
 
 def _notice(msg: str) -> None:
@@ -128,56 +102,14 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
         prior = calibrate.load_observed(target.model, drafter) if carry else None
         run.policy = policy.Guard(w, costs, prior, lookup=lookup)
         if lookup:  # the guard also verifies prompt-lookup drafts where they pay
-            run.index = _index(pc, ids)
+            run.index = lookup_index(pc, ids)
     elif mode != "off":
         run.policy = policy.Fixed(w)
     if mode == "lookup":
-        run.index = _index(pc, ids)
+        run.index = lookup_index(pc, ids)
         run.policy.reason = f"lookup width {w}" + (" (else DFlash)" if use is not None else "")
     stats.policy = run.policy.reason if run.policy else f"plain: {stats.fallback or 'verify mode off'}"
     return run
-
-
-def _index(pc, ids) -> NgramIndex:
-    """The lookup index of `ids`: the last call's, extended, when its text is a
-    prefix of them (a chat's next turn indexes only the new tokens), else new."""
-    idx, n = pc.index, len(pc.index.tokens) if pc.index is not None else 0
-    if idx is None or n > len(ids) or ids[:n] != idx.tokens:
-        idx = NgramIndex(ids)
-    else:
-        idx.extend(ids[n:])
-    pc.index = idx
-    return idx
-
-
-def _reuse(target, pc, ids, run, stats) -> int:
-    """Keep the cached prefix shared with `ids` (always leaving >= 1 token to
-    process). Drafter context rows always cover a prefix of the target's cached
-    tokens; rows beyond what both share are dropped. Returns its length."""
-    d = run.drafter
-    if d is not None and (pc.drafter is None or pc.drafter_id != id(d)):
-        pc.drafter, pc.drafter_id, pc.pending = d.make_cache(), id(d), None
-    keep = reusable(pc, d)
-    common = 0
-    for x, y in zip(pc.tokens[:keep], ids[:-1]):
-        if x != y:
-            break
-        common += 1
-    if common < len(pc.tokens):
-        if target.can_trim(pc.target, len(pc.tokens) - common):
-            target.trim(pc.target, len(pc.tokens) - common)
-        else:
-            pc.target, common = target.make_cache(), 0
-    off = pc.drafter[0].offset if pc.drafter is not None else 0
-    if pc.drafter is not None and off > common:
-        for c in pc.drafter:
-            c.trim(c.offset - common)
-        pc.pending = None
-    elif pc.pending is not None:  # the pending rows of the shared prefix stay pending
-        pc.pending = pc.pending[:, : common - off] if common > off else None
-    stats.reused_tokens = common
-    pc.tokens = list(ids[:common])
-    return common
 
 
 # -- the loop ---------------------------------------------------------------------------
@@ -234,7 +166,7 @@ def stream_generate(
     if pc.target is None:
         pc.target = target.make_cache()
     run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, seed is None, lookup)
-    common = _reuse(target, pc, ids, run, stats)
+    common = reuse(target, pc, ids, run.drafter, stats)
     emit = Emitter(tokenizer, stop, max_tokens, stats)
 
     tic = time.perf_counter()
