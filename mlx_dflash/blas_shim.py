@@ -143,29 +143,48 @@ static const float* pack(I M, I K, const float* A, I lda) {
   return pack_buf;
 }
 
-/* C = alpha A B + beta C with B [K, N] row-major (attention's probs @ V), up to
-   4 rows at a time. Each C[m, n] sums k in order. */
+/* C = alpha A B + beta C with B [K, N] row-major (attention's probs @ V): MR
+   rows (a constant: registers, not memory) by 16 columns at a time, up to 6
+   rows (12 accumulators). Each C[m, n] sums k in order. */
+#define NN(MR)                                                                           \
+static void nn_##MR(I n, I K, const float* A, I lda, const float* B, I ldb, v8 acc[][2]) { \
+  v8 s[MR][2];                                                                           \
+  U for (int i = 0; i < MR; i++) s[i][0] = s[i][1] = (v8){0};                            \
+  for (I k = 0; k < K; k++) {                                                            \
+    const float* r = B + (size_t)k * ldb + n;                                            \
+    v8 w0 = ld(r), w1 = ld(r + 8);                                                       \
+    REG(w0); REG(w1);                                                                    \
+    U for (int i = 0; i < MR; i++) {                                                     \
+      float a = A[(size_t)i * lda + k];                                                  \
+      v8 x = {a, a, a, a, a, a, a, a};                                                   \
+      s[i][0] += x * w0; s[i][1] += x * w1;                                              \
+    }                                                                                    \
+  }                                                                                      \
+  U for (int i = 0; i < MR; i++) { acc[i][0] = s[i][0]; acc[i][1] = s[i][1]; }           \
+}
+NN(1) NN(2) NN(3) NN(4) NN(5) NN(6)
+typedef void (*nn_fn)(I, I, const float*, I, const float*, I, v8[][2]);
+static const nn_fn NN_FN[7] = {0, nn_1, nn_2, nn_3, nn_4, nn_5, nn_6};
 static void small_sgemm_nn(I M, I N, I K, float alpha, const float* A, I lda,
                            const float* B, I ldb, float beta, float* C, I ldc) {
-  I n = 0;
-  for (; n + 24 <= N; n += 24) {
-    v8 acc[4][3];
-    for (int i = 0; i < 4; i++) for (int j = 0; j < 3; j++) acc[i][j] = (v8){0};
-    for (I k = 0; k < K; k++) {
-      const float* r = B + (size_t)k * ldb + n;
-      v8 w0 = ld(r), w1 = ld(r + 8), w2 = ld(r + 16);
-      for (int i = 0; i < 4; i++)
-        if (i < M) { float x = A[(size_t)i * lda + k]; acc[i][0] += x * w0; acc[i][1] += x * w1; acc[i][2] += x * w2; }
+  v8 acc[6][2];
+  for (I i0 = 0; i0 < M; i0 += 6) {
+    I mr = M - i0 < 6 ? M - i0 : 6;
+    const float* a = A + (size_t)i0 * lda;
+    float* c = C + (size_t)i0 * ldc;
+    I n = 0;
+    for (; n + 16 <= N; n += 16) {
+      NN_FN[mr](n, K, a, lda, B, ldb, acc);
+      for (I i = 0; i < mr; i++)
+        for (int j = 0; j < 16; j++) put(c + (size_t)i * ldc + n + j, acc[i][j / 8][j % 8], alpha, beta);
     }
-    for (I i = 0; i < M; i++)
-      for (int j = 0; j < 24; j++) put(C + (size_t)i * ldc + n + j, acc[i][j / 8][j % 8], alpha, beta);
+    for (; n < N; n++)
+      for (I i = 0; i < mr; i++) {
+        float r = 0;
+        for (I k = 0; k < K; k++) r += a[(size_t)i * lda + k] * B[(size_t)k * ldb + n];
+        put(c + (size_t)i * ldc + n, r, alpha, beta);
+      }
   }
-  for (; n < N; n++)
-    for (I i = 0; i < M; i++) {
-      float r = 0;
-      for (I k = 0; k < K; k++) r += A[(size_t)i * lda + k] * B[(size_t)k * ldb + n];
-      put(C + (size_t)i * ldc + n, r, alpha, beta);
-    }
 }
 
 /* Threads: a small pool that sleeps on a condition variable between calls (it
@@ -275,9 +294,7 @@ void cblas_sgemm(I o, I ta, I tb, I m, I n, I k, float al, const void* a, I lda,
     }
     if (tb == 111 && (long)n * k <= 65536) {
       __atomic_fetch_add(&mlx_dflash_small_gemm_calls, 1, __ATOMIC_RELAXED);
-      for (I i = 0; i < m; i += 4)  /* attention-sized only: W @ x is rare */
-        small_sgemm_nn(m - i < 4 ? m - i : 4, n, k, al, (const float*)a + (size_t)i * lda, lda,
-                       b, ldb, be, (float*)c + (size_t)i * ldc, ldc);
+      small_sgemm_nn(m, n, k, al, a, lda, b, ldb, be, c, ldc);  /* attention-sized only */
       return;
     }
   }
