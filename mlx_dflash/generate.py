@@ -101,6 +101,8 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
         # a seeded call does not inherit the last call's state: same seed, same widths, same sample
         prior = calibrate.load_observed(target.model, drafter) if carry else None
         run.policy = policy.Guard(w, costs, prior, lookup=lookup)
+        if run.policy.hopeless:  # DFlash cannot pay here: no drafter forward, no feature capture
+            run.drafter, run.capture = None, []
         if lookup:  # the guard also verifies prompt-lookup drafts where they pay
             run.index = lookup_index(pc, ids)
     elif mode != "off":

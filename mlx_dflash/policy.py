@@ -86,6 +86,10 @@ class Guard:
     PROBE = 3  # cycles that end a probe that pays
     MARGIN = 1.1  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
     BACKOFF0, BACKOFF_MAX = 64, 1024  # plain tokens before the next probe
+    # DFlash is never tried where even a drafter accepting 90% of drafts per position
+    # could not pay: tau(w) / w <= 0.82 at w = 5 for such a drafter, so a cycle must
+    # cost at most 0.8 w plain tokens (ceiling w / k >= 1.25) to be worth a probe
+    CEILING_MIN = 1.25
     ALPHA_TAU = 0.15
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False):
@@ -99,7 +103,8 @@ class Guard:
         self.trial = []  # tokens of this probe's cycles
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
-        if self.ceiling() < 1.0:  # not even every draft accepted would pay
+        self.hopeless = self.ceiling() < self.CEILING_MIN  # then plain (and lookup) for good
+        if self.hopeless:
             self._to_plain(self.BACKOFF_MAX)
         elif prior.wait:  # the last request on these objects ended plain: so does this one begin
             self._to_plain(prior.wait)
@@ -128,7 +133,7 @@ class Guard:
 
     def _dflash_reason(self) -> str:
         s, tau = self.speedup(), self._tau()
-        if self.ceiling() < 1.0:
+        if self.hopeless:
             return f"plain: width {self.w} cannot pay here (a cycle costs {self.k:.2f} plain tokens)"
         why = f"{s:.2f}x predicted (tau {tau:.2f}, cycle = {self.k:.2f} plain tokens)" if s is not None else ""
         if self.state == "plain":
@@ -177,7 +182,9 @@ class Guard:
     def observe_plain(self, steps: int) -> None:
         """A run of `steps` plain tokens ended."""
         self.wait = max(0, self.wait - max(steps, 0))
-        if self.state == "plain" and self.wait == 0:
+        if self.hopeless:
+            self.wait = self.wait or self.BACKOFF_MAX
+        elif self.state == "plain" and self.wait == 0:
             self.state, self.trial = "probe", []
             self.probes += 1
         self.reason = self._reason()
@@ -192,7 +199,7 @@ class Guard:
         o = Observed(backoff=self.backoff)
         if self.tau.value is not None:
             o.tau[self.w] = self.tau.value
-        o.wait = self.wait if self.state == "plain" and self.ceiling() >= 1.0 else 0
+        o.wait = self.wait if self.state == "plain" and not self.hopeless else 0
         return o
 
     def summary(self) -> dict:

@@ -185,3 +185,23 @@ def test_lookup_index_is_kept_with_the_prompt_cache(pairs):
     other = tok.encode(PROMPTS[3])
     generate(model, tok, other, None, max_tokens=4, verify_mode="lookup", prompt_cache=pc)
     assert pc.index is not idx and pc.index.tokens[: len(other)] == other
+
+
+def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
+    """A DFlash cycle costing 4.5 plain tokens at width 5 (w / k < 1.25): the drafter is
+    never run (nor its features captured), lookup drafts still are; exact."""
+    from mlx_dflash import calibrate
+
+    model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
+    prompt = PROMPTS[0]
+    ref = reference_tokens(model, tok, prompt, MAX)
+    dr = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size)
+
+    def never(*a, **k):
+        raise AssertionError("the drafter ran where it cannot pay")
+
+    dr.propose = never
+    calibrate.remember(model, dr, _curve(2.0, 2.5))  # verifies are cheap, drafting is not
+    r = generate(model, tok, prompt, dr, max_tokens=MAX)
+    assert r.token_ids == ref and r.stats.mode == "dflash"
+    assert r.stats.policy.startswith("plain: width 5 cannot pay here") and r.stats.lookup_cycles > 0

@@ -234,8 +234,8 @@ def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monk
     monkeypatch.setattr(calibrate, "_MEMO", {})
     model, tok, drafter = load_pair(pairs)
     kw = dict(block_size=4) if how == "fixed" else {}
-    if how != "fixed":  # costs under which drafting cannot pay: the guard runs plain steps
-        calibrate.remember(model, drafter, Costs(0.01, {1: 1.0, 5: 6.0}, {1: 0.0, 5: 1.0}, t_plain=0.01))
+    if how != "fixed":  # costs under which a random drafter does not pay: after a probe, plain steps
+        calibrate.remember(model, drafter, Costs(0.01, {1: 1.0, 5: 2.5}, {1: 0.0, 5: 1.0}, t_plain=0.01))
     pc = PromptCache()
     conv = PROMPTS[0]
     for turn in range(3):
