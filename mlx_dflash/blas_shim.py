@@ -40,7 +40,6 @@ void cblas_cgemm(I o, I ta, I tb, I m, I n, I k, const void* al, const void* a, 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 #define MB 16
-#define PF 128  /* prefetch W 512 B ahead: 3-8% at 8-16 rows, measured */
 /* in a register: one load per value, not one per use (GCC reloads otherwise) */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
 #define REG(v) __asm__("" : "+x"(v))
@@ -61,7 +60,9 @@ static inline void put(float* c, float r, float alpha, float beta) {
    and reloaded vector: the order of the sums is unchanged). A comes packed as
    Ap[K / 8][M][8], so one pointer walks it. MR * NB accumulators, NB weights
    and one x fit AVX2's 16 registers (MR, NB constants: the loops unroll); each
-   weight is loaded once for the MR rows. */
+   weight is loaded once for the MR rows. pf (first group only): the next
+   block's rows, fetched while this block computes (5-10% at 8-16 rows here;
+   1-2 rows stream well without it). */
 #define U _Pragma("GCC unroll 8")
 #define STEP(k, q, MR, NB)                                                               \
   { v8 w[NB];                                                                            \
@@ -72,12 +73,13 @@ static inline void put(float* c, float r, float alpha, float beta) {
     } }
 #define BLK(MR, NB)                                                                      \
 static inline __attribute__((always_inline)) void blk_##MR##_##NB(                       \
-    const float* const* b, const float* p, size_t ms, I k, I k1, v8* part, int first) {  \
+    const float* const* b, const float* p, size_t ms, I k, I k1, v8* part, int first,    \
+    const float* const* pf) {                                                            \
   v8 acc[MR][NB];                                                                        \
   U for (int i = 0; i < MR; i++) U for (int j = 0; j < NB; j++)                          \
     acc[i][j] = first ? (v8){0} : part[i * NB + j];                                      \
   for (; k + 16 <= k1; k += 16, p += 2 * ms) {  /* one cache line of each row */         \
-    U for (int j = 0; j < NB; j++) __builtin_prefetch(b[j] + k + PF);                    \
+    if (pf) U for (int j = 0; j < 3; j++) __builtin_prefetch(pf[j] + k);                 \
     STEP(k, p, MR, NB) STEP(k + 8, p + ms, MR, NB)                                       \
   }                                                                                      \
   if (k < k1) STEP(k, p, MR, NB)                                                         \
@@ -86,7 +88,8 @@ static inline __attribute__((always_inline)) void blk_##MR##_##NB(              
 BLK(1, 8) BLK(2, 4) BLK(3, 3) BLK(2, 3) BLK(1, 3)
 
 /* Columns [n0, n1) of an M-row product, NB rows of B at a time: 1 or 2 rows of
-   A in one group; more in groups of 4 over the same rows of B, k cut in chunks
+   A in one group; more in groups of 3 over the same rows of B (3 x 3: ~70
+   GFLOP/s a core from L1 here; 4 x 3 spills to 40; 2 + 2 for 4 rows: no gain), k cut in chunks
    so that those rows and A's chunk stay in L1 from one group to the next. */
 #define KC 128  /* 3 rows of B + 16 of A per chunk: 10 KB (128: 5-10% faster than 256, measured) */
 #define NT(NAME, NB, GROUPS)                                                             \
@@ -96,8 +99,9 @@ static void NAME(I M, I n0, I n1, I K, float alpha, const float* Ap, const float
   v8 part[MB * NB];                                                                      \
   for (I n = n0; n < n1; n += NB) {                                                      \
     int nb = n1 - n < NB ? n1 - n : NB;                                                  \
-    const float* b[NB];                                                                  \
+    const float* b[NB], *pf[3];                                                          \
     for (int j = 0; j < NB; j++) b[j] = B + (size_t)(n + (j < nb ? j : 0)) * ldb;        \
+    for (int j = 0; j < 3; j++) pf[j] = n + NB + j < n1 ? b[0] + (size_t)(NB + j) * ldb : b[0]; \
     for (I k0 = 0, k1 = 0, once = 1; once || k1 < K8; k0 = k1, once = 0) { /* K < 8: once */ \
       k1 = k0 + kc < K8 ? k0 + kc : K8;                                                  \
       const float* p = Ap + (size_t)k0 * M;                                              \
@@ -114,13 +118,13 @@ static void NAME(I M, I n0, I n1, I K, float alpha, const float* Ap, const float
     }                                                                                    \
   }                                                                                      \
 }
-NT(nt_1, 8, blk_1_8(b, p, ms, k0, k1, part, k0 == 0);)
-NT(nt_2, 4, blk_2_4(b, p, ms, k0, k1, part, k0 == 0);)
+NT(nt_1, 8, blk_1_8(b, p, ms, k0, k1, part, k0 == 0, 0);)
+NT(nt_2, 4, blk_2_4(b, p, ms, k0, k1, part, k0 == 0, 0);)
 NT(nt_g, 3, {
   I i = 0;
-  for (; i + 3 <= M; i += 3) blk_3_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
-  if (M - i == 2) blk_2_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
-  if (M - i == 1) blk_1_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0);
+  for (; i + 3 <= M; i += 3) blk_3_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0, i ? 0 : pf);
+  if (M - i == 2) blk_2_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0, 0);
+  if (M - i == 1) blk_1_3(b, p + i * 8, ms, k0, k1, part + i * 3, k0 == 0, 0);
 })
 typedef void (*nt_fn)(I, I, I, I, float, const float*, const float*, I, const float*, I, float, float*, I);
 static nt_fn nt_for(I M) { return M == 1 ? nt_1 : M == 2 ? nt_2 : nt_g; }
