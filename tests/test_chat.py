@@ -79,7 +79,10 @@ def test_escape_stops_generation_at_once(chat_backend, tmp_path):
         await start(pilot, "last one", 2, "the next answer")
         return app
 
-    saved = saved_chat(tmp_path, drive(chat_backend, tmp_path, body))
+    # token batches every 50 ms (the app's default), not every token: a 4000-token answer
+    # posted token by token floods the UI under CPU contention, and Pilot's pause() then
+    # times out waiting for the backlog (seen with and without this file's refactor)
+    saved = saved_chat(tmp_path, drive(chat_backend, tmp_path, body, flush_s=0.05))
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
     assert saved["messages"][1]["content"] and saved["messages"][1]["stats"]["finish"] == "stopped"
     assert saved["model"] == "target"
