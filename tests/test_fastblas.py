@@ -178,6 +178,26 @@ def test_concurrent_first_starts_do_not_race(tmp_path):
     assert cal["t1"]["threads"] == 1 and len(cal["t1"]["route"]) == fastblas.MB + 1
 
 
+def test_calibration_from_a_busy_machine_is_measured_again_when_quiet(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DFLASH_BLAS_DIR", str(tmp_path))
+    monkeypatch.setenv("MLX_DFLASH_BLAS_THREADS", "1")  # routing only: quick
+    monkeypatch.setattr(fastblas, "_measure_route", lambda b: ([[1] * len(fastblas.CLASS_MAX)] * (fastblas.MB + 1), {}))
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"], [list(r) for r in fastblas.STATE["route"]], dict(fastblas.STATE)
+    try:
+        path = fastblas._calibration_path(fastblas._openblas_lib())
+        for load, again in ((0.1, False), (3.0, True)):
+            path.write_text(json.dumps({"version": fastblas.CALIBRATION_VERSION, "t1": {
+                "threads": 1, "kernel_threads": 1, "route": [[0] * len(fastblas.CLASS_MAX)] * (fastblas.MB + 1),
+                "load_average": [load], "date_utc": "old"}}))
+            monkeypatch.setattr(fastblas, "_load1", lambda: 0.2)
+            cal = fastblas.calibrate()
+            assert (cal["date_utc"] != "old") == again
+    finally:
+        fastblas.set_threads(*prev[:2])
+        fastblas.set_route(prev[2])
+        fastblas.STATE.update(prev[3])
+
+
 class _FakeBench:
     """Kernel vs OpenBLAS times by (m, n*k): the kernel wins for m <= 4 on every
     size, for m = 8 only on small weights, never for m = 16."""
