@@ -94,9 +94,9 @@ class Guard:
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False):
         self.w = width
-        self.lookup = _Lookup(costs, width) if lookup else None  # prompt-lookup drafts, gated
-        self.k = (costs.c[width] + costs.d.get(width, 0.0)) * costs.t1 / (costs.t_plain or costs.t1)
         prior = prior or Observed()
+        self.lookup = _Lookup(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
+        self.k = (costs.c[width] + costs.d.get(width, 0.0)) * costs.t1 / (costs.t_plain or costs.t1)
         self.tau = _Ema(self.ALPHA_TAU, prior.tau.get(width))
         self.backoff = prior.backoff or self.BACKOFF0
         self.state = "probe"  # "probe" | "draft" | "plain"
@@ -200,6 +200,7 @@ class Guard:
         if self.tau.value is not None:
             o.tau[self.w] = self.tau.value
         o.wait = self.wait if self.state == "plain" and not self.hopeless else 0
+        o.lookup_alpha = self.lookup.alpha if self.lookup is not None else None
         return o
 
     def summary(self) -> dict:
@@ -216,8 +217,9 @@ class _Lookup:
 
     ALPHA0, RATE, GAP = 0.5, 0.2, 16
 
-    def __init__(self, costs: Costs, width: int):
-        self.w, self.alpha, self.skipped, self.cycles, self.tokens = width, self.ALPHA0, 0, 0, 0
+    def __init__(self, costs: Costs, width: int, alpha: Optional[float] = None):
+        self.w, self.skipped, self.cycles, self.tokens = width, 0, 0, 0
+        self.alpha = self.ALPHA0 if alpha is None else alpha  # the last request's, when there was one
         scale = costs.t1 / (costs.t_plain or costs.t1)
         known = sorted((w, c) for w, c in costs.c.items() if w <= width)
         # c(w) between measured widths: linear (the guard measures only 1 and its width)

@@ -205,3 +205,17 @@ def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
     r = generate(model, tok, prompt, dr, max_tokens=MAX)
     assert r.token_ids == ref and r.stats.mode == "dflash"
     assert r.stats.policy.startswith("plain: width 5 cannot pay here") and r.stats.lookup_cycles > 0
+
+
+def test_guard_carries_lookup_acceptance_to_the_next_request():
+    from mlx_dflash.calibrate import Observed
+    from mlx_dflash.policy import Guard
+
+    g = Guard(5, _curve(2.5), lookup=True)
+    for _ in range(4):
+        g.observe_lookup(0, 4)
+    o = g.observed()
+    assert o.lookup_alpha == pytest.approx(0.5 * 0.8 ** 4)
+    nxt = Guard(5, _curve(2.5), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
+    assert nxt.lookup.alpha == pytest.approx(o.lookup_alpha) and not nxt.lookup.pays(4)
+    assert Guard(5, _curve(2.5), lookup=True).lookup.pays(4)  # a fresh start: the prior
