@@ -38,12 +38,6 @@ class Fixed:
     def observe(self, tokens: int) -> None:
         pass
 
-    def observe_lookup(self, accepted: int, n: int) -> None:
-        """A lookup cycle verified n drafts and accepted `accepted` (DFlash's own
-        acceptance and state are untouched)."""
-        self.lookup.observe(accepted, n)
-        self.reason = self._reason()
-
     def observe_plain(self, steps: int) -> None:
         pass
 
