@@ -118,14 +118,15 @@ def _curve(c5, d5=0.0):
 def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     from mlx_dflash.policy import Guard
 
-    assert Guard(5, _curve(3.4)).lookup is None  # only when asked for
-    g = Guard(5, _curve(3.4), lookup=True)
+    assert Guard(5, _curve(2.4)).lookup is None  # only when asked for
+    g = Guard(5, _curve(2.4), lookup=True)
     lk = g.lookup
-    assert [round(lk.k[w], 6) for w in (2, 3, 4, 5)] == [1.6, 2.2, 2.8, 3.4]  # linear between measured widths
+    assert [round(lk.k[w], 6) for w in (2, 3, 4, 5)] == [1.35, 1.7, 2.05, 2.4]  # linear between measured widths
     assert not lk.pays(0) and not lk.take(0)
-    assert not lk.pays(1) and not lk.pays(4)  # 1 + 0.5 n < c(n + 1): not at the prior acceptance
+    # pays when 1 + alpha n >= 1.1 c(n + 1) + 0.5: not at the prior acceptance 0.5 (3.0 < 3.14)
+    assert not lk.pays(1) and not lk.pays(4)
     g.observe_lookup(4, 4)  # every draft right: alpha 0.5 -> 0.6
-    assert lk.alpha == pytest.approx(0.6) and lk.pays(4)  # 1 + 0.6 * 4 = 3.4 >= c(5)
+    assert lk.alpha == pytest.approx(0.6) and lk.pays(4)  # 1 + 0.6 * 4 = 3.4 >= 3.14
     assert lk.pays(9)  # a longer proposal is priced at the widest width
     assert "lookup: 1 cycles, 60% accepted" in g.reason and g.reason.startswith("dflash: probing")
     for _ in range(3):
@@ -134,7 +135,7 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     # while it does not pay, every GAP-th match is verified anyway (a text may start repeating)
     taken = [lk.take(4) for _ in range(2 * lk.GAP)]
     assert taken.count(True) == 2 and taken[lk.GAP - 1] and taken[-1]
-    assert Guard(5, _curve(1.2), lookup=True).lookup.take(1)  # cheap verifies: even one draft pays
+    assert Guard(5, _curve(1.2), lookup=True).lookup.take(4)  # cheap verifies: pays at the prior
 
 
 def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
@@ -211,11 +212,11 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
     from mlx_dflash.calibrate import Observed
     from mlx_dflash.policy import Guard
 
-    g = Guard(5, _curve(2.5), lookup=True)
+    g = Guard(5, _curve(2.0), lookup=True)
     for _ in range(4):
         g.observe_lookup(0, 4)
     o = g.observed()
     assert o.lookup_alpha == pytest.approx(0.5 * 0.8 ** 4)
-    nxt = Guard(5, _curve(2.5), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
+    nxt = Guard(5, _curve(2.0), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
     assert nxt.lookup.alpha == pytest.approx(o.lookup_alpha) and not nxt.lookup.pays(4)
-    assert Guard(5, _curve(2.5), lookup=True).lookup.pays(4)  # a fresh start: the prior
+    assert Guard(5, _curve(2.0), lookup=True).lookup.pays(4)  # a fresh start: the prior
