@@ -78,10 +78,10 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
-    from mlx_dflash import adaptive, load
+    from mlx_dflash import calibrate, load
 
     m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
-    cached = adaptive.load_cached(adaptive.cost_key(m, dr), widest)
+    cached = calibrate.load_cached(calibrate.cost_key(m, dr), widest)
     assert cached is not None and cached.to_json()["c"] == c["c"]
 
 

@@ -38,8 +38,10 @@ def test_identity_initialised_dflash2_equals_dflash1(pairs):
     assert mx.array_equal(h1, h2).item()
     for prompt in PROMPTS:
         for w in (3, 5, 8):
-            r1 = generate(model, tok, prompt, d1, max_tokens=20, block_size=w)
-            r2 = generate(model, tok, prompt, d2, max_tokens=20, block_size=w)
+            # guard=False: at w = 5 the default guard would decide per drafter from
+            # each one's own measured costs, so the two runs could draft differently
+            r1 = generate(model, tok, prompt, d1, max_tokens=20, block_size=w, guard=False)
+            r2 = generate(model, tok, prompt, d2, max_tokens=20, block_size=w, guard=False)
             assert r1.token_ids == r2.token_ids and r1.from_draft == r2.from_draft
             assert r1.stats.accepted == r2.stats.accepted
 
