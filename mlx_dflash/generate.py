@@ -73,7 +73,7 @@ class _Run:
 
 
 def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, carry=True,
-          lookup=True) -> _Run:
+          lookup=True, keep=False) -> _Run:
     mode = verify_mode
     if mode in ("dflash", "adaptive") and drafter is None:
         mode, stats.fallback = "off", "no drafter"
@@ -102,7 +102,10 @@ def _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context,
         # a seeded call does not inherit the last call's state: same seed, same widths, same sample
         prior = calibrate.load_observed(target.model, drafter) if carry else None
         run.policy = policy.Guard(w, costs, prior, lookup=lookup)
-        if run.policy.hopeless:  # DFlash cannot pay here: no drafter forward, no feature capture
+        # DFlash cannot pay here: the drafter never runs, and without a prompt cache to
+        # keep (a one-shot call) no features are captured either; with one they are, so
+        # the cached prefix stays reusable by a later call that drafts
+        if run.policy.hopeless and not keep:
             run.drafter, run.capture = None, []
         if lookup:  # the guard also verifies prompt-lookup drafts where they pay
             run.index = lookup_index(pc, ids)
@@ -168,7 +171,8 @@ def stream_generate(
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     if pc.target is None:
         pc.target = target.make_cache()
-    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, seed is None, lookup)
+    run = _plan(target, drafter, ids, pc, verify_mode, block_size, guard, max_context, stats, seed is None, lookup,
+                prompt_cache is not None)
     common = reuse(target, pc, ids, run.drafter, stats)
     emit = Emitter(tokenizer, stop, max_tokens, stats)
 

@@ -220,3 +220,24 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
     nxt = Guard(5, _curve(2.0), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
     assert nxt.lookup.alpha == pytest.approx(o.lookup_alpha) and not nxt.lookup.pays(4)
     assert Guard(5, _curve(2.0), lookup=True).lookup.pays(4)  # a fresh start: the prior
+
+
+def test_guard_where_dflash_cannot_pay_keeps_the_prompt_cache_reusable(pairs):
+    """With a prompt cache (chat, server) the drafter still never runs, but the
+    features are kept, so a later call reuses the whole cached prefix."""
+    from mlx_dflash import calibrate
+    from mlx_dflash.generate import PromptCache, reusable
+
+    model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
+    prompt = PROMPTS[0]
+    ref = reference_tokens(model, tok, prompt, MAX)
+    dr = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size)
+    dr.propose = lambda *a, **k: pytest.fail("the drafter ran where it cannot pay")
+    calibrate.remember(model, dr, _curve(2.0, 2.5))
+    pc = PromptCache()
+    r = generate(model, tok, prompt, dr, max_tokens=MAX, prompt_cache=pc)
+    assert r.token_ids == ref and r.stats.policy.startswith("plain: width 5 cannot pay here")
+    assert reusable(pc, dr) == len(pc.tokens) > len(tok.encode(prompt))
+    nxt = pc.tokens + tok.encode(PROMPTS[1])
+    r = generate(model, tok, nxt, dr, max_tokens=8, prompt_cache=pc)
+    assert r.stats.reused_tokens == len(nxt) - len(tok.encode(PROMPTS[1])) and r.token_ids == reference_tokens(model, tok, nxt, 8)
