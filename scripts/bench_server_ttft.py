@@ -3,7 +3,9 @@ with and without prefix reuse.
 
 A chat client sends the whole conversation again each turn. With reuse, the
 server's prompt cache already holds the previous turn, so only the new part is
-prefilled; without, an unrelated request ran in between and evicted it.
+prefilled; without, the same requests go to a second server whose prompt cache
+is off (`prompt_cache_mb` 0; the store keeps several conversations, so an
+unrelated request in between no longer evicts one).
 
     python scripts/bench_server_ttft.py [--model embedded/target] [--model-dir DIR]
         [--history-tokens 1500] [--repeats 5] [--max-tokens 16]
@@ -122,25 +124,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     g = {"model_dirs": [str(Path(args.model_dir).resolve())]} if args.model_dir else {}
-    proc, url, home = serve(args.model, {"global": g, "models": {}})
+    servers = [serve(args.model, {"global": g, "models": {}}),
+               serve(args.model, {"global": {**g, "prompt_cache_mb": 0}, "models": {}})]
     try:
-        model = wait_loaded(proc, url, home)
+        (model, url), (_, url_off) = [(wait_loaded(p, u, h), u) for p, u, h in servers]
         n_words = max(1, args.history_tokens // 2)  # roughly two tokens per word in small vocabularies
         rows = {"reuse": [], "no reuse": []}
-        _stream(url, model, [{"role": "user", "content": "warm up"}], 4)
+        for u in (url, url_off):
+            _stream(u, model, [{"role": "user", "content": "warm up"}], 4)
         for i in range(args.repeats):
             history = [{"role": "user", "content": _text(n_words, i)}]
             first = _stream(url, model, history, args.max_tokens)
             follow = history + [{"role": "assistant", "content": first["text"]},
                                 {"role": "user", "content": "Go on, briefly."}]
             rows["reuse"].append(_stream(url, model, follow, args.max_tokens))
-            # same follow-up after an unrelated request replaced the cached conversation
-            _stream(url, model, [{"role": "user", "content": _text(n_words, i + 100)}], 4)
-            rows["no reuse"].append(_stream(url, model, follow, args.max_tokens))
+            _stream(url_off, model, history, args.max_tokens)  # the same turns, on the server without a cache
+            rows["no reuse"].append(_stream(url_off, model, follow, args.max_tokens))
             assert rows["reuse"][-1]["text"] == rows["no reuse"][-1]["text"], "prefix reuse changed the output"
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _, _ in servers:
+            proc.terminate()
+            proc.wait(30)
 
     report(model, rows, "follow-up", args.repeats)
     return 0
