@@ -215,22 +215,15 @@ class CostSampler:
                 self.d[w].append(self._draft(w) / t1)
 
     def costs(self):
-        from mlx_dflash.calibrate import Costs
+        from mlx_dflash.calibrate import Costs, interpolate
 
         def med(xs):
             return sorted(xs)[len(xs) // 2]
 
         c = {1: 1.0, **{w: med(v) for w, v in self.c.items() if v}}
         d = {1: 0.0, **{w: med(v) for w, v in self.d.items()}}
-        ws = self.ws
-
-        def interp(f, w):
-            lo = max(x for x in ws if x <= w)
-            hi = min(x for x in ws if x >= w)
-            return f[lo] if lo == hi else f[lo] + (f[hi] - f[lo]) * (w - lo) / (hi - lo)
-
-        full = range(1, max(ws) + 1)
-        return Costs(med(self.t1), {w: interp(c, w) for w in full}, {w: interp(d, w) for w in full},
+        full = range(1, max(self.ws) + 1)
+        return Costs(med(self.t1), {w: interpolate(c, w) for w in full}, {w: interpolate(d, w) for w in full},
                      self.context, time.time())
 
 

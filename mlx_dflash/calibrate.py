@@ -65,6 +65,14 @@ class Costs:
 COST_METHOD = 2
 
 
+def interpolate(curve: Dict[int, float], w: int) -> float:
+    """A cost curve at width w, linear between the nearest measured widths (the
+    guard measures only 1 and its width; the realistic bench a few)."""
+    lo = max(x for x in curve if x <= w)
+    hi = min(x for x in curve if x >= w)
+    return curve[lo] if lo == hi else curve[lo] + (curve[hi] - curve[lo]) * (w - lo) / (hi - lo)
+
+
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]

@@ -344,8 +344,7 @@ def calibrate(force: bool = False, log=None) -> dict:
     set_route(cal["route"])
     STATE["threads_from"] = ("MLX_DFLASH_BLAS_THREADS" if fixed
                              else f"measured fastest on this machine ({cal.get('date_utc')} UTC)")
-    STATE["calibration"] = {"file": str(path), **{k: v for k, v in cal.items() if k not in ("times_us", "kernel_thread_times_ms")},
-                            "kernel_thread_times_ms": cal.get("kernel_thread_times_ms")}
+    STATE["calibration"] = {"file": str(path), **{k: v for k, v in cal.items() if k != "times_us"}}
     STATE["blas"] = _describe()
     return cal
 

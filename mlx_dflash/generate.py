@@ -13,7 +13,7 @@ Verify modes:
   state; any other width, or `guard=False`, drafts at exactly that width on
   every cycle (`guard=True` guards any width; `lookup=False` keeps the
   guard's lookup drafts out).
-- `adaptive`: per-cycle width and cut from the calibrated cost curve (policy.AdaptiveWidth).
+- `adaptive`: per-cycle width and cut from the calibrated cost curve (adaptive.AdaptiveWidth).
 - `lookup`: prompt-lookup drafts (lookup.py), for any model; with a drafter,
   lookup when it has a full-width match, else DFlash.
 - `off`: plain decoding, pipelined like mlx-lm."""

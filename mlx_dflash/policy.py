@@ -11,15 +11,16 @@ the costs.
   (`reason`).
   Inside it, prompt lookup (lookup.py): whenever the context ends in an
   n-gram seen before, its continuation is verified as free drafts if
-  (1 + alpha * n) / k_lookup(n + 1) >= 1 (alpha: the live share of lookup
-  drafts accepted; no draft cost), in any state, plain included.
+  1 + alpha * n >= 1.1 k_lookup(n + 1) + 0.5 (alpha: the live share of lookup
+  drafts accepted; k_lookup: the verify alone, in plain tokens), in any state,
+  plain included.
 - `AdaptiveWidth` (adaptive.py): verify mode `adaptive`."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .calibrate import Costs, Observed
+from .calibrate import Costs, Observed, interpolate
 
 
 class Fixed:
@@ -216,12 +217,10 @@ class _Lookup:
     # tokens, lookup at 40% acceptance cost 3-5% without them
 
     def __init__(self, costs: Costs, width: int, alpha: Optional[float] = None):
-        self.w, self.skipped, self.cycles, self.tokens = width, 0, 0, 0
+        self.w, self.skipped, self.cycles = width, 0, 0
         self.alpha = self.ALPHA0 if alpha is None else alpha  # the last request's, when there was one
         scale = costs.t1 / (costs.t_plain or costs.t1)
-        known = sorted((w, c) for w, c in costs.c.items() if w <= width)
-        # c(w) between measured widths: linear (the guard measures only 1 and its width)
-        self.k = {w: _interp(known, w) * scale for w in range(2, width + 1)}
+        self.k = {w: interpolate(costs.c, w) * scale for w in range(2, width + 1)}
 
     def pays(self, n: int) -> bool:
         n = min(n, self.w - 1)
@@ -240,13 +239,5 @@ class _Lookup:
         return False
 
     def observe(self, accepted: int, n: int) -> None:
-        self.cycles, self.tokens = self.cycles + 1, self.tokens + accepted + 1
+        self.cycles += 1
         self.alpha += self.RATE * (accepted / n - self.alpha)
-
-
-def _interp(known, w: int) -> float:
-    lo = max((p for p in known if p[0] <= w), default=(1, 1.0))
-    hi = min((p for p in known if p[0] >= w), default=lo)
-    if hi[0] == lo[0]:
-        return lo[1] if lo[0] == w else lo[1] * w / lo[0]  # past the last measured width: proportional
-    return lo[1] + (hi[1] - lo[1]) * (w - lo[0]) / (hi[0] - lo[0])
