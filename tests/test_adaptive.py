@@ -337,6 +337,7 @@ def test_default_mode_guard_in_the_loop(pairs):
         assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
     # a right drafter in the default mode keeps drafting
     right = OracleDrafter(p, ref, model.args.vocab_size)
+    calibrate.remember(model, right, _costs(2.0))  # the same fixed costs: the decision is the guard's, not the load's
     r = generate(model, tok, prompt, right, max_tokens=n)
     assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.tau > 4
 

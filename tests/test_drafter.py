@@ -62,7 +62,8 @@ def test_dflash2_greedy_equals_mlx_lm(pairs):
 def test_dflash2_sampling_uses_selector_q(pairs):
     d = pairs("qwen3", version=2)
     model, tok, d2 = load(str(d / "target"), str(d / "drafter"))
-    r = generate(model, tok, PROMPTS[0], d2, max_tokens=16, temperature=0.8, seed=3)
+    # guard=False: the default guard may find drafting cannot pay on this machine and never draft
+    r = generate(model, tok, PROMPTS[0], d2, max_tokens=16, temperature=0.8, seed=3, guard=False)
     assert len(r.token_ids) == 16 and r.stats.drafted > 0
 
 
