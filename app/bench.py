@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from app import bench_realistic
 from app.bench_costs import measure
-from app.bench_prompts import load_prompts  # noqa: F401  (part of this module's interface)
-from app.bench_report import COSTS_OF, KINDS, OURS, _machine, goals, markdown, summarize, write  # noqa: F401
+from app.bench_prompts import load_prompts
+from app.bench_report import KINDS, OURS, goals, machine_info, markdown, summarize, write
+from app.bench_runs import Method
 
 DEFAULT_KINDS = ("mlx-lm", "mlx-lm-spec", "dflash1", "dflash2", "adaptive", "default", "lookup")
 SHARED = ("The machine may have been shared with other jobs while this ran: compare the ratios "
@@ -59,131 +61,7 @@ def add_parser(sub):
     p.add_argument("--out", default=None, help="output folder (default: bench-<prompts>-<time>, ignored by git)")
     p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, fewer widths (< 3 min)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    from app.bench_realistic import add_arguments
-
-    add_arguments(p)
-
-
-# -- one generation --------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    """One method on one prompt."""
-
-    tokens: List[int]
-    prompt_tokens: int
-    ttft: float  # s, call to first token (prefill included)
-    prompt_time: float
-    gen_time: float  # s, first token to last
-    peak_memory: float  # GB
-    cycles: int = 0
-    cycle_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    plain_cycles: int = 0
-    t: dict = field(default_factory=dict)  # draft / select / verify / book seconds (ours)
-    cost_units: float = 0.0  # sum over cycles of c(w) + d(w): the cost model's time
-    adaptive: Optional[dict] = None
-    lookup_cycles: int = 0
-    policy: str = ""
-    cycle_log: list = field(default_factory=list)  # (width, source) per cycle, to re-price the run
-
-    @property
-    def gen_tokens(self) -> int:  # tokens after the first
-        return max(0, len(self.tokens) - 1)
-
-
-def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None) -> Run:
-    import mlx.core as mx
-    import mlx_lm
-
-    mx.reset_peak_memory()
-    kw = dict(draft_model=draft, num_draft_tokens=k) if draft is not None else {}
-    eos = set(tok.eos_token_ids)
-    toks, src, first, r = [], [], None, None
-    t0 = time.perf_counter()
-    for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens, **kw):
-        if first is None:
-            first = time.perf_counter()
-        if r.finish_reason == "stop" and r.token in eos:
-            break
-        toks.append(r.token)
-        src.append(bool(r.from_draft))
-    last = time.perf_counter()
-    run = Run(toks, r.prompt_tokens, first - t0, r.prompt_tokens / r.prompt_tps if r.prompt_tps else first - t0,
-              last - first, r.peak_memory)
-    if draft is not None:  # mlx-lm: each cycle drafts min(k, tokens left), then emits the
-        cur = 0            # accepted drafts and the target's own token (from_draft False)
-        for f in src + [False] * bool(src and src[-1]):  # a last cycle cut short by the limit
-            cur += 1
-            if not f:
-                run.drafted += min(k, max_tokens - run.cycle_tokens)
-                run.cycles += 1
-                run.cycle_tokens += cur
-                cur = 0
-        run.cycle_tokens = len(src)
-        run.accepted = sum(src)
-    return run
-
-
-def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=None, on_token=None,
-             lookup=True) -> Run:
-    """mlx_dflash.stream_generate, the product's own loop; `costs` prices each cycle
-    (c(w) + d(w), d only for drafter drafts) for the cost-model limit. `on_token(n)`
-    is told the count of tokens received so far (the realistic bench's replay)."""
-    import mlx.core as mx
-
-    from mlx_dflash import stream_generate
-
-    mx.reset_peak_memory()
-    eos = set(tok.eos_token_ids)
-    toks, seen, units, r, log = [], None, 0.0, None, []
-    t0 = time.perf_counter()
-    first = None
-    for r in stream_generate(model, tok, prompt, drafter, max_tokens=max_tokens, block_size=width,
-                             verify_mode=mode, guard=guard, lookup=lookup):
-        if first is None:
-            first = time.perf_counter()
-        if not (r.finish_reason == "stop" and r.token in eos):
-            toks.append(r.token)
-        if on_token is not None:
-            on_token(len(toks))
-        c = r.cycle
-        if c is not None and c is not seen:  # each cycle once: its cost in 1-token steps
-            seen = c
-            units += costs.c[c.width] + (costs.d[c.width] if c.source == "dflash" else 0.0)
-            log.append((c.width, c.source))
-    s = r.stats
-    run = Run(toks, s.prompt_tokens, first - t0, s.prompt_time, s.generation_time, s.peak_memory,
-              s.cycles, s.cycle_tokens, s.drafted, s.accepted, s.plain_cycles,
-              {"draft": s.t_draft, "select": s.t_select, "verify": s.t_verify, "book": s.t_book}, units,
-              s.adaptive, s.lookup_cycles, s.policy, log)
-    return run
-
-
-# -- the run -------------------------------------------------------------------------------
-
-
-@dataclass
-class Method:
-    name: str
-    kind: str  # one of KINDS
-    width: Optional[int] = None  # verify width (ours) / draft tokens (mlx-lm-spec)
-    runs: list = field(default_factory=list)
-
-    def go(self, ctx, prompt, max_tokens) -> Run:
-        if self.kind == "mlx-lm":
-            return run_mlx_lm(ctx["model"], ctx["tok"], prompt, max_tokens)
-        if self.kind == "mlx-lm-spec":
-            return run_mlx_lm(ctx["model"], ctx["tok"], prompt, max_tokens, ctx["draft"], self.width)
-        k = self.kind
-        d = ctx["dflash1"] if k == "dflash1" else None if k == "lookup" else ctx["dflash2"]
-        costs = ctx["costs"][COSTS_OF[k]]
-        mode = {"adaptive": "adaptive", "lookup": "lookup", "lookup-dflash": "lookup"}.get(k, "dflash")
-        guard = {"dflash1": False, "dflash2": False, "default": True}.get(k)  # fixed widths are exactly that
-        width = None if k == "default" else self.width
-        return run_ours(ctx["model"], ctx["tok"], prompt, d, max_tokens, width, mode, costs, guard)
+    bench_realistic.add_arguments(p)
 
 
 def _ints(s: str, what: str) -> List[int]:
@@ -301,7 +179,7 @@ def setup(args, log=lambda s: None):
     if use1:
         w1 = min(args.dflash1_width, ctx["dflash1"].block_size)
         methods.append(Method(f"dflash1-w{w1}", "dflash1", w1))
-    from mlx_dflash.generate import DEFAULT_BLOCK_SIZE
+    from mlx_dflash.modes import DEFAULT_BLOCK_SIZE
 
     wl = args.lookup_width or DEFAULT_BLOCK_SIZE
     if use2:
@@ -363,7 +241,7 @@ def bench(args, log=lambda s: None) -> dict:
                  "seconds": round(time.time() - t_start, 1), "prompts": args.prompts,
                  "num_prompts": len(prompts), "max_tokens": args.max_tokens, "quick": args.quick,
                  "temperature": 0.0, "batch": 1, "models": ctx["paths"], "skipped": skipped,
-                 "machine": _machine(), "costs": cost_json, "shared_machine": SHARED},
+                 "machine": machine_info(), "costs": cost_json, "shared_machine": SHARED},
         "methods": rows,
         "goals": goals(rows),
         "per_prompt": [{"prompt": p["id"], **{m.name: {"tokens": len(m.runs[i].tokens),
@@ -379,9 +257,8 @@ def run(args):
         sys.stderr.flush()
 
     if args.realistic:
-        from app.bench_realistic import run as run_realistic
 
-        return run_realistic(args, log)
+        return bench_realistic.run(args, log)
     res = bench(args, log)
     name = Path(args.prompts).stem if args.prompts.endswith(".jsonl") else args.prompts
     out = Path(args.out or f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from app.bench_report import fmt_num, machine_info, summarize
+from app.bench_runs import Method, run_mlx_lm, run_ours
+
 # published shapes (config.json of the Hugging Face repos), vocab included
 _QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -107,7 +110,7 @@ class ReplayDrafter:
         k = min(n, width - 1)
         drafts = true[:k] + [(t + 1) % self.vocab for t in true[k:]]  # each one differs from the target's token
         tokens = mx.array(drafts, mx.int32) + 0 * prop.tokens.astype(mx.int32)  # keeps the real forward
-        return type(prop)(tokens, None, 0.0, prop.conf)
+        return type(prop)(tokens, None, prop.conf)
 
 
 def _tokenizer(vocab: int):
@@ -215,7 +218,7 @@ class CostSampler:
                 self.d[w].append(self._draft(w) / t1)
 
     def costs(self):
-        from mlx_dflash.calibrate import Costs, interpolate
+        from mlx_dflash.costs import Costs, interpolate
 
         def med(xs):
             return sorted(xs)[len(xs) // 2]
@@ -228,8 +231,6 @@ class CostSampler:
 
 
 def bench_target(name, args, log) -> dict:
-    from app.bench import Method, run_mlx_lm, run_ours
-    from app.bench_report import summarize
 
     widths = sorted({int(x) for x in args.realistic_widths.split(",") if x.strip()})
     t0 = time.time()
@@ -305,7 +306,6 @@ def goals(targets: list) -> list:
 
 
 def markdown(res: dict) -> str:
-    from app.bench_report import _f
 
     meta = res["meta"]
     lines = ["# mlx-dflash bench --realistic", "",
@@ -318,14 +318,14 @@ def markdown(res: dict) -> str:
                   + (f", {t['bits']}-bit" if t["bits"] else "") + f"): {t['params'] / 1e6:.0f}M parameters", "",
                   f"Drafter: DFlash 2, {t['drafter_layers']} layers, {t['drafter_params'] / 1e6:.0f}M parameters "
                   f"(+ the target's embedding and head); replayed alpha {t['alpha']:.3f} (mean accept length drawn "
-                  f"{_f(t['replayed_mean_accept_len'])} of 15); 1-token step {1e3 * t['costs']['t1']:.1f} ms; "
+                  f"{fmt_num(t['replayed_mean_accept_len'])} of 15); 1-token step {1e3 * t['costs']['t1']:.1f} ms; "
                   f"{t['seconds']:.0f} s.", "",
                   "| method | tau | tok/s | x mlx-lm | c | d | limit | efficiency | lossless |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in t["methods"]:
             ok = "-" if r.get("mismatches") is None else ("yes" if r["mismatches"] == 0 else f"{r['mismatches']} differ")
-            lines.append(f"| {r['method']} | {_f(r['tau'])} | {_f(r['tok_s'], '{:.2f}')} | {_f(r['ratio'])}x "
-                         f"| {_f(r.get('c'))} | {_f(r.get('d'))} | {_f(r['limit'])} | {_f(r['efficiency'], '{:.0%}')} "
+            lines.append(f"| {r['method']} | {fmt_num(r['tau'])} | {fmt_num(r['tok_s'], '{:.2f}')} | {fmt_num(r['ratio'])}x "
+                         f"| {fmt_num(r.get('c'))} | {fmt_num(r.get('d'))} | {fmt_num(r['limit'])} | {fmt_num(r['efficiency'], '{:.0%}')} "
                          f"| {ok} |")
         lines.append("")
     for n, msg in (res.get("failed") or {}).items():
@@ -337,7 +337,6 @@ def markdown(res: dict) -> str:
 
 
 def run(args, log) -> int:
-    from app.bench_report import _machine
     from app.cli import UserError
 
     names = [x.strip() for x in args.targets.split(",") if x.strip()]
@@ -353,7 +352,7 @@ def run(args, log) -> int:
                     if len(sys.argv) > 1 and sys.argv[1] == "bench" else None,
                     "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t_start)),
                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "tau": args.tau,
-                    "machine": _machine(),
+                    "machine": machine_info(),
                     "note": "Random weights of published shapes; the drafter's forward is real, its accuracy is "
                             "replayed (geometric acceptance with the published mean tau at block 16) against the "
                             "target's own greedy continuation. On this CPU, sizes were chosen to finish in minutes: "

@@ -47,7 +47,7 @@ def summarize(m, base: Optional[dict], costs: dict, base_tokens: Optional[list])
     s["acceptance"] = sum(r.accepted for r in runs) / drafted if drafted else None
     s["ratio"] = tps / base["tok_s"] if base and base["tok_s"] else 1.0
     if m.kind in OURS:
-        t = {k: sum(r.t[k] for r in runs) for k in ("draft", "select", "verify", "book")}
+        t = {k: sum(r.t[k] for r in runs) for k in ("draft", "verify", "book")}
         s["shares"] = {k: v / gt for k, v in t.items()} if gt else None
         if s["shares"]:
             s["shares"]["other"] = 1.0 - sum(s["shares"].values())
@@ -114,7 +114,7 @@ def goals(rows: List[dict]) -> dict:
     return out
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     import mlx.core as mx
 
     from mlx_dflash import fastblas
@@ -126,7 +126,7 @@ def _machine() -> dict:
 # -- output ---------------------------------------------------------------------------------
 
 
-def _f(x, fmt="{:.2f}"):
+def fmt_num(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
@@ -139,17 +139,17 @@ def markdown(res: dict) -> str:
     if meta.get("command"):
         lines += ["```", meta["command"], "```", ""]
     lines += ["| method | tau | accept | tok/s | x mlx-lm | prefill tok/s | TTFT ms | peak GB "
-              "| draft / select / verify / book / other % | c + d | limit | efficiency | lossless |",
+              "| draft / verify / book / other % | c + d | limit | efficiency | lossless |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["methods"]:
         sh = r.get("shares")
-        shares = " / ".join(f"{100 * sh[k]:.0f}" for k in ("draft", "select", "verify", "book", "other")) if sh else "-"
+        shares = " / ".join(f"{100 * sh[k]:.0f}" for k in ("draft", "verify", "book", "other")) if sh else "-"
         cd = (r["c"] or 0) + (r["d"] or 0) if r.get("c") is not None else None
         ok = "-" if r.get("mismatches") is None else ("yes" if r["mismatches"] == 0 else f"{r['mismatches']} differ")
-        lines.append(f"| {r['method']} | {_f(r['tau'])} | {_f(r['acceptance'], '{:.0%}')} | {_f(r['tok_s'], '{:.1f}')} "
-                     f"| {_f(r['ratio'])}x | {_f(r['prefill_tok_s'], '{:.0f}')} | {_f(r['ttft_ms'], '{:.1f}')} "
-                     f"| {_f(r['peak_memory_gb'], '{:.3f}')} | {shares} | {_f(cd)} | {_f(r['limit'])} "
-                     f"| {_f(r['efficiency'], '{:.0%}')} | {ok} |")
+        lines.append(f"| {r['method']} | {fmt_num(r['tau'])} | {fmt_num(r['acceptance'], '{:.0%}')} | {fmt_num(r['tok_s'], '{:.1f}')} "
+                     f"| {fmt_num(r['ratio'])}x | {fmt_num(r['prefill_tok_s'], '{:.0f}')} | {fmt_num(r['ttft_ms'], '{:.1f}')} "
+                     f"| {fmt_num(r['peak_memory_gb'], '{:.3f}')} | {shares} | {fmt_num(cd)} | {fmt_num(r['limit'])} "
+                     f"| {fmt_num(r['efficiency'], '{:.0%}')} | {ok} |")
     c = meta["costs"]
     lines += ["", "tau: tokens per verify; limit = tau / (c + d), c = verify cost at that width and d = draft cost, "
               "both in 1-token target steps measured in this run; efficiency = (x mlx-lm) / limit, i.e. the share of the "
@@ -175,19 +175,19 @@ def markdown(res: dict) -> str:
         lines += ["", "Goals (this run):"]
         if "default_vs_mlx_lm" in g:
             v = g["default_vs_mlx_lm"]
-            lines.append(f"- default mode vs mlx-lm: {_f(v['value'])}x, goal >= 0.97x: " + ("met" if v["met"] else "NOT met"))
+            lines.append(f"- default mode vs mlx-lm: {fmt_num(v['value'])}x, goal >= 0.97x: " + ("met" if v["met"] else "NOT met"))
         names = {"dflash2_vs_mlx_lm": "DFlash 2 vs mlx-lm", "dflash2_vs_mlx_lm_spec": "DFlash 2 vs mlx-lm speculative",
                  "efficiency": "efficiency"}
         for k, label in names.items():
             if k in g and "best_dflash2" in g:
                 v = g[k]
-                val = _f(v["value"], "{:.0%}") if k == "efficiency" else _f(v["value"]) + "x"
+                val = fmt_num(v["value"], "{:.0%}") if k == "efficiency" else fmt_num(v["value"]) + "x"
                 goal = f"{v['goal']:.0%}" if k == "efficiency" else f"{v['goal']}x"
                 lines.append(f"- {label} ({g['best_dflash2']}): {val}, goal >= {goal}: "
                              + ("met" if v["met"] else "NOT met"))
         if "adaptive_vs_best_fixed" in g:
             v = g["adaptive_vs_best_fixed"]
-            lines.append(f"- adaptive vs best fixed width ({v['against']}): {_f(v['value'])}x "
+            lines.append(f"- adaptive vs best fixed width ({v['against']}): {fmt_num(v['value'])}x "
                          + ("(better)" if v["better"] else "(within 3%)" if v["within_3pct"] else "(more than 3% slower)"))
     if meta.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in meta["skipped"].items())]
@@ -216,7 +216,7 @@ def chart(res: dict, path: Path) -> None:
     a.set_title(f"{res['meta']['prompts']}: {res['meta']['num_prompts']} prompts x {res['meta']['max_tokens']} tokens",
                 fontsize=9)
     left = [0.0] * len(rows)
-    for k, col in zip(("draft", "select", "verify", "book", "other"), ("#e93", "#c5c", "#27b", "#999", "#ddd")):
+    for k, col in zip(("draft", "verify", "book", "other"), ("#e93", "#27b", "#999", "#ddd")):
         vals = [(r["shares"] or {}).get(k, 0.0) if r.get("shares") else 0.0 for r in rows]
         b.barh(y, vals, left=left, color=col, label=k)
         left = [l + v for l, v in zip(left, vals)]

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
 import sys
 
-import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
+import mlx_dflash  # (fast BLAS before anything imports mlx)
+from mlx_dflash import fastblas
 
 # name -> module under app/
 COMMANDS = {
@@ -61,7 +64,23 @@ def build_parser():
     return ap, mods
 
 
+def _first_start(argv) -> None:
+    """The first start on a machine (Linux): build the fast BLAS shim and measure
+    it in a child, then start again so that mlx binds to it (it must be loaded
+    before mlx, and importing mlx_dflash never builds or measures)."""
+    if fastblas.ready() or os.environ.get("MLX_DFLASH_PREPARED") == "1":
+        return
+    sys.stderr.write("mlx-dflash: preparing the fast BLAS for this machine (once, about a minute)...\n")
+    r = subprocess.run([sys.executable, "-c", "from mlx_dflash import fastblas; fastblas.prepare()"])
+    os.environ["MLX_DFLASH_PREPARED"] = "1"  # whatever happened: never a loop of restarts
+    if r.returncode == 0:
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "app.cli", *argv])
+
+
 def main(argv=None) -> int:
+    if argv is None:  # the command itself (not a caller in this process): it may restart
+        _first_start(sys.argv[1:])
     ap, mods = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in broken:

@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 
 
 def _verify_modes() -> tuple:
-    from mlx_dflash.generate import VERIFY_MODES
+    from mlx_dflash.modes import VERIFY_MODES
 
     return tuple(VERIFY_MODES)
 

@@ -4,8 +4,13 @@ from .fastblas import use_fast_blas
 
 use_fast_blas()  # must precede the first `import mlx` (see fastblas.py)
 
-from .generate import GenerationResponse, GenerationResult, PromptCache, generate, stream_generate  # noqa: E402
+from .decode_config import DecodeConfig  # noqa: E402
+from .decoder import Decoder  # noqa: E402
+from .generate import GenerationResult, generate, stream_generate  # noqa: E402
 from .manager import load  # noqa: E402  (loader.load, taking any model name `models list` prints)
+from .prompt_cache import PromptCache  # noqa: E402
+from .stats import GenerationResponse, GenerationStats  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "stream_generate", "GenerationResponse", "GenerationResult", "PromptCache"]
+__all__ = ["load", "generate", "stream_generate", "Decoder", "DecodeConfig", "GenerationResponse", "GenerationResult",
+           "GenerationStats", "PromptCache"]

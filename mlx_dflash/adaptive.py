@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .calibrate import Costs
+from .costs import Costs
+from .policy import DFLASH, Draft, LoopState, Plain, Policy
+from .stats import CycleResult
+
 
 class _Calibration:
     """P(draft accepted | its drafter probability), in probability bins, from
@@ -64,11 +67,14 @@ class _Scale:
         return True
 
 
-class AdaptiveWidth:
+class AdaptiveWidth(Policy):
     """Per-cycle verify width for `stream_generate(verify_mode="adaptive")`.
 
-    The decode loop calls `width()` before drafting, `cut(proposal)` after, and
-    `observe(cycle_stats, conf)` after the verify."""
+    The decode session asks `next(state)` (a plain run while falling back, else
+    a draft at the planned width), `trim(drafts, conf)` after the draft (the cut:
+    it reads the drafts' confidences), and reports `observe(result)`."""
+
+    reads_confidence = True
 
     PATIENCE = 4  # cycles below break-even before falling back to plain steps
     BACKOFF0, BACKOFF_MAX = 8, 64  # plain steps before the next re-probe (a probe costs ~1 step)
@@ -155,14 +161,12 @@ class AdaptiveWidth:
         self._rc += self.RATE_ALPHA * (cost - self._rc)
         return self._rt / self._rc * self.cost(1, 0)
 
-    # -- the hooks ---------------------------------------------------------------
-    def plain_steps(self) -> int:
-        """Plain steps due before the next re-probe (0 when drafting): the loop
-        runs them as one pipelined burst, observing each."""
+    # -- the interface -----------------------------------------------------------
+    def next(self, state: LoopState):
         if self.state == "fallback" and self.wait > 0:
-            self._dw, self._conf = None, None  # what width() does for a plain step
-            return self.wait
-        return 0
+            self._dw, self._conf = None, None
+            return Plain(self.wait)
+        return Draft(self.width(), DFLASH)
 
     def width(self) -> int:
         self._dw, self._conf = None, None
@@ -186,13 +190,13 @@ class AdaptiveWidth:
         n = max(range(n_drafts + 1), key=lambda i: (e[i] / self.cost(draft_width, i), i))
         return n, self.speedup(e[n], draft_width, n)
 
-    def cut(self, prop) -> int:
+    def trim(self, tokens: list, conf: list) -> int:
         """How many of the drafts to verify (all of them when probing)."""
-        drafts = prop.tokens
-        self._dw, self._conf = len(drafts) + 1, prop.conf
-        return len(drafts) if self.probing else self.best_cut(prop.conf, len(drafts), self._dw)[0]
+        self._dw, self._conf = len(tokens) + 1, conf
+        return len(tokens) if self.probing else self.best_cut(conf, len(tokens), self._dw)[0]
 
-    def observe(self, cyc, conf=None) -> None:
+    def observe(self, cyc: CycleResult) -> None:
+        conf = cyc.conf
         n = cyc.width - 1  # drafts verified
         self.widths[cyc.width] = self.widths.get(cyc.width, 0) + 1
         alpha = self.ALPHA_PROBE if self.probing else self.ALPHA
@@ -213,7 +217,7 @@ class AdaptiveWidth:
             c = self.costs
             self.sv.update(cyc.t_verify, c.c[cyc.width] * c.t1)
             if self._dw is not None:
-                td = cyc.t_draft + cyc.t_select
+                td = cyc.t_draft
                 if not self.sd.update(td, c.d[self._dw] * c.t1):
                     self.d_seen += 0.2 * (td - self.d_seen)
             self.book += 0.1 * (cyc.t_book - self.book)

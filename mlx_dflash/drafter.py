@@ -204,9 +204,9 @@ class Drafter(nn.Module):
         logits = self.logits(target, h)
         if self.config.version == 1:
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-            return Proposal(tokens, None, 0.0, mx.softmax(logits, axis=-1).max(axis=-1))
+            return Proposal(tokens, None, mx.softmax(logits, axis=-1).max(axis=-1))
         tokens, q, conf = self.candidate_selector.walk(logits, h, anchor, target.embed_tokens, temperature)
-        return Proposal(tokens, q, 0.0, conf)
+        return Proposal(tokens, q, conf)
 
 
 @dataclass
@@ -215,7 +215,6 @@ class Proposal:
 
     tokens: object  # the drafts d_1 .. d_{w-1}: an mx.array [w-1] (lazy) or a list of ids
     q: Optional[mx.array] = None  # [n, V] proposal rows when sampled; None: deterministic
-    t_select: float = 0.0  # seconds spent in the path selector (0 when it runs lazily with the verify)
     conf: object = None  # per draft, mx.array or list: DFlash 2 path score as a probability, DFlash 1 softmax
 
 

@@ -280,11 +280,13 @@ def _calibration_path(lib: Path) -> Path:
     return cache_dir() / f"calibration-{shim_key(lib)}-{_cpus()}cpu.json"
 
 
-def calibrate(force: bool = False, log=None) -> dict:
+def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
     """Measure (or read back) the thread count and the kernel's routing for this
     machine, and apply them. Cached next to the shim; concurrent first starts
     wait for one measurement (file lock). MLX_DFLASH_BLAS_THREADS=N fixes the
-    thread count (the routing is then measured for N)."""
+    thread count (the routing is then measured for N). With `measure` False
+    (importing the package) nothing is measured: a missing calibration runs
+    one thread with every product on OpenBLAS until `prepare()` measures it."""
     from filelock import FileLock, Timeout
 
     lib = _openblas_lib()
@@ -305,7 +307,10 @@ def calibrate(force: bool = False, log=None) -> dict:
         return key not in data or (was[0] > 0.5 * _cpus() and _load1() < 0.25 * _cpus())
 
     data = {} if force else read()
-    if stale(data):
+    if not measure and key not in data:
+        data = {key: {"threads": fixed or 1, "kernel_threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
+                      "date_utc": None, "note": "not measured yet: run `mlx-dflash doctor`"}}
+    elif measure and stale(data):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with FileLock(str(path) + ".lock", timeout=300):
@@ -364,28 +369,56 @@ def _describe() -> str:
 # -- loading ----------------------------------------------------------------------------
 
 
-def use_fast_blas() -> str:
-    """Load the OpenBLAS shim on Linux (idempotent). Returns a description."""
+def ready() -> bool:
+    """Whether the shim is built and this machine measured (what `prepare` does
+    once); a cheap file check. Always True where there is no shim to build."""
+    if not sys.platform.startswith("linux") or os.environ.get("MLX_DFLASH_REFERENCE_BLAS") == "1":
+        return True
+    lib = _openblas_lib()
+    if lib is None:
+        return True
+    built = (cache_dir() / f"libmlx_dflash_blas-{shim_key(lib)}.so").exists()
+    try:
+        data = json.loads(_calibration_path(lib).read_text())
+    except (OSError, ValueError):
+        data = {}
+    return built and data.get("version") == CALIBRATION_VERSION
+
+
+def use_fast_blas(prepare: bool = False) -> str:
+    """Load the OpenBLAS shim on Linux (idempotent). Returns a description.
+
+    Importing the package calls this with `prepare` False: a shim already
+    built is loaded and its calibration read; nothing is compiled, measured,
+    written or started. `prepare=True` (`prepare()`: doctor, the CLI's first
+    start, the tests) also builds the shim and measures this machine."""
     if STATE["shim"] or not sys.platform.startswith("linux"):
         if not sys.platform.startswith("linux"):
             STATE["blas"] = "Accelerate (macOS)" if sys.platform == "darwin" else "platform default"
+        elif prepare:
+            calibrate()
         return STATE["blas"]
     if os.environ.get("MLX_DFLASH_REFERENCE_BLAS") == "1":  # for A/B measurements
         STATE["error"] = "disabled by MLX_DFLASH_REFERENCE_BLAS=1"
         return STATE["blas"]
-    if "mlx.core" in sys.modules:
+    late = "mlx.core" in sys.modules  # mlx is bound already: a shim loaded now is only measured
+    if late and not prepare:
         STATE["error"] = "mlx was imported before mlx_dflash; import mlx_dflash first"
         return STATE["blas"]
     lib = _openblas_lib()
     if lib is None:
         STATE["error"] = "scipy-openblas32 is not installed (pip install scipy-openblas32)"
         return STATE["blas"]
+    shim = cache_dir() / f"libmlx_dflash_blas-{shim_key(lib)}.so"
+    if not prepare and not shim.exists():
+        STATE["error"] = "the fast BLAS is not built yet: run `mlx-dflash doctor` (once per machine)"
+        return STATE["blas"]
     # OpenBLAS threads spin ~0.1 s after each call by default, which stalls a
     # shared CPU (seen: 7x slower decode steps); 2^4 cycles is its minimum.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     global _SHIM, _BLAS
     try:
-        shim = build(lib)
+        shim = build(lib) if prepare else shim
         _BLAS = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
         _SHIM = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
@@ -395,10 +428,21 @@ def use_fast_blas() -> str:
         STATE["error"] = f"could not build the BLAS shim ({type(e).__name__}: {e})"
         return STATE["blas"]
     STATE["shim"] = str(shim)
+    if late:
+        STATE["error"] = "mlx was imported before the shim was built: it is used from the next start"
     mode = os.environ.get("MLX_DFLASH_SMALL_GEMM", "1")
     set_small_gemm("all" if mode == "all" else mode != "0")
-    calibrate()
+    calibrate(measure=prepare)
     return STATE["blas"]
+
+
+def prepare(log=None) -> str:
+    """Build the shim and measure this machine (once; a calibration taken on a
+    busy machine is measured again when it is quiet). Returns a description."""
+    out = use_fast_blas(prepare=True)
+    if log is not None and STATE["error"]:
+        log(STATE["error"])
+    return out
 
 
 def gemm_gflops(n: int = 384, reps: int = 5) -> float:
@@ -413,3 +457,7 @@ def gemm_gflops(n: int = 384, reps: int = 5) -> float:
         mx.eval(a @ b)
     dt = (time.perf_counter() - t0) / reps
     return 2 * n**3 / dt / 1e9
+
+
+if __name__ == "__main__":  # `python -m mlx_dflash.fastblas`: what `prepare()` does, for installers
+    print(prepare(log=lambda m: print(f"mlx-dflash: {m}", file=sys.stderr)))

@@ -1,46 +1,137 @@
-"""Speculation policies: pure functions of numbers (costs, live acceptance,
-timings) -> draft at width w, or run plain steps. No model in here; the decode
-loop (generate.py) hands each policy what it measured, calibrate.py supplies
-the costs.
+"""Speculation policies behind one declared interface, and the registry from
+verify mode to policy.
 
-- `Fixed`: always width w (an explicit block size).
+Each cycle the decode session (decoder.py) asks its policy `next(state)` and
+gets `Plain(n)` (decode n tokens plainly, then ask again; asked again after
+each of them) or `Draft(width, source)` (draft from `source`, verify `width`
+rows); after every cycle or plain token it reports `observe(CycleResult)`.
+Policies are pure: numbers in (costs, live acceptance, what a draft source
+offers now), decisions out; no model in here.
+
+- `Fixed`: always width w from the DFlash drafter (an explicit block size).
 - `Guard`: the default mode (verify mode `dflash`, default width): drafts at
   width w while tau / k(w) >= 1, where k(w) is a cycle's calibrated cost in
   plain tokens and tau the live acceptance, else runs plain decoding,
   re-probing after 64, 128, ... 1024 plain tokens. Reversible, and it says why
-  (`reason`).
-  Inside it, prompt lookup (lookup.py): whenever the context ends in an
-  n-gram seen before, its continuation is verified as free drafts if
+  (`reason`). Inside it, prompt lookup (lookup.py): whenever the context ends
+  in an n-gram seen before, its continuation is verified as free drafts if
   1 + alpha * n >= 1.1 k_lookup(n + 1) + 0.5 (alpha: the live share of lookup
   drafts accepted; k_lookup: the verify alone, in plain tokens), in any state,
   plain included.
-- `AdaptiveWidth` (adaptive.py): verify mode `adaptive`."""
+- `LookupFirst`: verify mode `lookup`, prompt-lookup drafts at a fixed width
+  (with a drafter: DFlash where the context has no full-width match).
+- `PlainOnly`: verify mode `off`.
+- `AdaptiveWidth` (adaptive.py): verify mode `adaptive`.
+
+A new verify mode is one `Policy` subclass and one `POLICIES` line."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
-from .calibrate import Costs, Observed, interpolate
+from .costs import Costs, Observed, interpolate
+from .stats import CycleResult
+
+DFLASH, LOOKUP = "dflash", "lookup"  # draft sources
 
 
-class Fixed:
-    """Verify width w on every cycle: what the user set, exactly."""
+@dataclass(frozen=True)
+class Plain:
+    """Decode plainly: at most n more tokens (None: until the policy says otherwise)."""
+
+    n: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft `width - 1` tokens from `source` and verify them with the anchor."""
+
+    width: int
+    source: str = DFLASH
+
+
+@dataclass
+class LoopState:
+    """What a policy may look at when it decides: tokens left before max_tokens
+    and what each draft source offers now (`sources[name](n)`: how many of n
+    drafts it can propose; DFlash offers all n, lookup what the context repeats)."""
+
+    left: int
+    sources: Dict[str, Callable[[int], int]]
+    in_plain: bool = False  # asked between two plain tokens (a plain run is under way)
+
+    def offers(self, source: str, n: int) -> int:
+        f = self.sources.get(source)
+        return f(n) if f is not None and n > 0 else 0
+
+
+class Policy:
+    """The interface the decode session drives. `reason` says in a few words
+    what decided the last choice and why (GenerationStats.policy)."""
+
+    reason: str = ""
+    reads_confidence = False  # `trim` needs the drafts' confidences read back (one extra sync)
+    uses_drafter = True  # may ask for DFlash drafts (else a one-shot call captures no features)
+    uses_lookup = False  # may ask for prompt-lookup drafts (the session keeps an n-gram index)
+
+    def next(self, state: LoopState):
+        raise NotImplementedError
+
+    def observe(self, result: CycleResult) -> None:
+        """A cycle (or one plain token: width 1, source "") ended."""
+
+    def trim(self, tokens: list, conf: list) -> int:
+        """How many of the proposed drafts to verify (all, unless the policy cuts)."""
+        return len(tokens)
+
+    def observed(self) -> Optional[Observed]:
+        """What to carry to the next request on the same model objects (None: nothing)."""
+        return None
+
+    def summary(self) -> Optional[dict]:
+        """The policy's state for the stats (GenerationStats.adaptive)."""
+        return None
+
+
+class PlainOnly(Policy):
+    """Verify mode off: plain decoding, pipelined like mlx-lm."""
+
+    uses_drafter = False
+
+    def __init__(self, why: str = "verify mode off"):
+        self.reason = f"plain: {why}"
+
+    def next(self, state: LoopState):
+        return Plain()
+
+
+class Fixed(Policy):
+    """Verify width w on every cycle, DFlash drafts: what the user set, exactly."""
 
     def __init__(self, width: int):
         self.w = width
         self.reason = f"fixed width {width}"
 
-    def plain_steps(self) -> int:
-        return 0
+    def next(self, state: LoopState):
+        return Draft(self.w, DFLASH)
 
-    def width(self) -> int:
-        return self.w
 
-    def observe(self, tokens: int) -> None:
-        pass
+class LookupFirst(Policy):
+    """Verify mode lookup: prompt-lookup drafts at width w (lookup.py). With a
+    drafter, lookup where the context has a full-width match, DFlash elsewhere;
+    without one, lookup wherever the context matches, plain decoding between."""
 
-    def observe_plain(self, steps: int) -> None:
-        pass
+    def __init__(self, width: int, with_drafter: bool):
+        self.w, self.dflash = width, with_drafter
+        self.uses_drafter, self.uses_lookup = with_drafter, True
+        self.reason = f"lookup width {width}" + (" (else DFlash)" if with_drafter else "")
+
+    def next(self, state: LoopState):
+        n = state.offers(LOOKUP, self.w - 1)
+        if n and (not self.dflash or n == self.w - 1):
+            return Draft(n + 1, LOOKUP)
+        return Draft(self.w, DFLASH) if self.dflash else Plain()
 
 
 class _Ema:
@@ -58,7 +149,7 @@ class _Ema:
         self.value += (alpha or self.alpha) * (x - self.value)
 
 
-class Guard:
+class Guard(Policy):
     """Never slower than plain decoding, by prediction from calibrated costs.
 
     Predicted speedup = tau / k: tau = tokens per draft + verify cycle (live
@@ -74,9 +165,9 @@ class Guard:
     - draft: tau is a running mean; below break-even -> plain.
     - plain: `wait` plain tokens (64, 128, ... 1024, doubling per failed probe), then probe.
 
-    The loop asks `plain_steps()` (> 0: run that many plain tokens, pipelined)
-    and otherwise drafts at `width()`; it reports back with `observe(tokens)`
-    (accepted + 1) and `observe_plain(steps)`."""
+    `next(state)` says Plain(wait) in the plain state, else Draft at the width,
+    unless the lookup gate takes what the context repeats; `observe` takes
+    draft cycles, lookup cycles and plain tokens alike."""
 
     PROBE = 3  # cycles that end a probe that pays
     MARGIN = 1.1  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
@@ -99,6 +190,7 @@ class Guard:
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
         self.hopeless = self.ceiling() < self.CEILING_MIN  # then plain (and lookup) for good
+        self.uses_drafter, self.uses_lookup = not self.hopeless, self.lookup is not None
         if self.hopeless:
             self._to_plain(self.BACKOFF_MAX)
         elif prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -143,14 +235,24 @@ class Guard:
     def _to_plain(self, n: int) -> None:
         self.state, self.wait, self.trial = "plain", n, []
 
-    # -- the hooks -----------------------------------------------------------------
-    def plain_steps(self) -> int:
-        return self.wait if self.state == "plain" else 0
+    # -- the interface ------------------------------------------------------------
+    def next(self, state: LoopState):
+        if self.lookup is not None:  # the context repeats itself: verify its continuation if it pays
+            n = state.offers(LOOKUP, min(self.w, state.left + 1) - 1)
+            if n and self.lookup.take(n):
+                return Draft(n + 1, LOOKUP)
+        return Plain(self.wait) if self.state == "plain" else Draft(self.w, DFLASH)
 
-    def width(self) -> int:
-        return self.w
+    def observe(self, result: CycleResult) -> None:
+        if result.source == LOOKUP:  # DFlash's own acceptance and state are untouched
+            self.lookup.observe(result.accepted, result.width - 1)
+        elif result.width == 1:
+            self._plain_token()
+        else:
+            self._cycle(result.accepted + 1)
+        self.reason = self._reason()
 
-    def observe(self, tokens: int) -> None:
+    def _cycle(self, tokens: int) -> None:
         """One draft + verify cycle emitted `tokens` (accepted + 1)."""
         if self.state == "probe":
             self.trial.append(tokens)
@@ -166,23 +268,14 @@ class Guard:
             self.tau.update(tokens)
             if self.speedup() < 1.0:
                 self._fall_back()
-        self.reason = self._reason()
 
-    def observe_lookup(self, accepted: int, n: int) -> None:
-        """A lookup cycle verified n drafts and accepted `accepted` (DFlash's own
-        acceptance and state are untouched)."""
-        self.lookup.observe(accepted, n)
-        self.reason = self._reason()
-
-    def observe_plain(self, steps: int) -> None:
-        """A run of `steps` plain tokens ended."""
-        self.wait = max(0, self.wait - max(steps, 0))
+    def _plain_token(self) -> None:
+        self.wait = max(0, self.wait - 1)
         if self.hopeless:
             self.wait = self.wait or self.BACKOFF_MAX
         elif self.state == "plain" and self.wait == 0:
             self.state, self.trial = "probe", []
             self.probes += 1
-        self.reason = self._reason()
 
     def _fall_back(self) -> None:
         self.fallbacks += 1

@@ -51,7 +51,7 @@ def lookup_index(pc, ids) -> NgramIndex:
     return idx
 
 
-def reuse(target, pc, ids, drafter, stats) -> int:
+def reuse(target, pc, ids, drafter) -> int:
     """Keep the cached prefix shared with `ids` (always leaving >= 1 token to
     process). Drafter context rows always cover a prefix of the target's cached
     tokens; rows beyond what both share are dropped (`drafter`: the one this
@@ -77,6 +77,5 @@ def reuse(target, pc, ids, drafter, stats) -> int:
         pc.pending = None
     elif pc.pending is not None:  # the pending rows of the shared prefix stay pending
         pc.pending = pc.pending[:, : common - off] if common > off else None
-    stats.reused_tokens = common
     pc.tokens = list(ids[:common])
     return common

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .generate import PromptCache, reusable
+from .prompt_cache import PromptCache, reusable
 from .target import Target
 
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from .modes import VERIFY_MODES
+
 QUANT_BITS = (None, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 ACTIVATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,11 +29,8 @@ def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
 
 
 def verify_modes() -> tuple:
-    """Valid verify modes: the engine's, plus "adaptive" (settings may name it
-    before the engine has it; `generation_kwargs` then maps it to "dflash")."""
-    from .generate import VERIFY_MODES
-
-    return tuple(VERIFY_MODES) + (() if "adaptive" in VERIFY_MODES else ("adaptive",))
+    """Valid verify modes: the engine's registry (modes.py)."""
+    return tuple(VERIFY_MODES)
 
 
 @dataclass
@@ -54,11 +53,7 @@ class ModelSettings:
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments for `stream_generate`."""
-        from .generate import VERIFY_MODES
-
         mode = self.verify_mode if self.dflash_enabled else "off"
-        if mode not in VERIFY_MODES:  # "adaptive" before the engine has it
-            mode = "dflash"
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, block_size=self.block_size,
                     verify_mode=mode, max_context=self.max_context)

@@ -1,27 +1,27 @@
-"""What the decode loop reports (per cycle, per generation) and the token
-bookkeeping every mode shares (EOS, stop strings, max tokens, streamed text)."""
+"""What the decode session reports (per cycle, per generation) and the token
+bookkeeping every mode shares (EOS, stop strings, max tokens, streamed text).
+The session (decoder.Decoder) is the only writer of GenerationStats."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence
-
-import mlx.core as mx
+from typing import List, Optional, Sequence, Tuple
 
 
 @dataclass
-class CycleStats:
-    """One draft + verify cycle (or one plain step: width 1)."""
+class CycleResult:
+    """One draft + verify cycle (or one plain step: width 1), as the session
+    saw it: what the policy observes and the stats add up."""
 
     width: int  # verify width w: anchor + w-1 drafts
     accepted: int  # drafts accepted
     emitted: int  # tokens this cycle produced (accepted + bonus, less any cut by a stop)
     t_draft: float = 0.0  # host time building the draft (it is computed with the verify)
-    t_select: float = 0.0
     t_verify: float = 0.0  # draft + verify compute and the one readback
     t_book: float = 0.0
     source: str = ""  # "dflash" | "lookup" | "" (plain)
     t_wait: float = 0.0  # of t_verify: blocked in the readback (compute not hidden behind the host)
+    conf: Optional[list] = None  # the verified drafts' confidences, when the policy read them (adaptive)
 
 
 @dataclass
@@ -40,7 +40,6 @@ class GenerationStats:
     prompt_time: float = 0.0
     generation_time: float = 0.0
     t_draft: float = 0.0
-    t_select: float = 0.0
     t_verify: float = 0.0
     t_book: float = 0.0
     peak_memory: float = 0.0  # GB
@@ -68,7 +67,7 @@ class GenerationStats:
         n = self.generation_tokens - 1
         return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
-    def add(self, c: CycleStats) -> None:
+    def add(self, c: CycleResult) -> None:
         self.cycles += 1
         self.plain_cycles += c.width == 1
         self.lookup_cycles += c.source == "lookup"
@@ -76,7 +75,6 @@ class GenerationStats:
         self.accepted += c.accepted
         self.cycle_tokens += c.emitted
         self.t_draft += c.t_draft
-        self.t_select += c.t_select
         self.t_verify += c.t_verify
         self.t_book += c.t_book
 
@@ -94,55 +92,57 @@ class GenerationResponse:
     from_draft: bool  # an accepted draft token (False: the target's own token)
     finish_reason: Optional[str]  # None, "stop" or "length"
     stats: GenerationStats
-    cycle: Optional[CycleStats] = None  # the cycle that produced this token
+    cycle: Optional[CycleResult] = None  # the cycle that produced this token
+    logprobs: object = None  # mx.array [V]: this step's log-probabilities (DecodeConfig.logprobs)
 
 
 class Emitter:
     """Token bookkeeping shared by every mode: EOS, stop strings (also across a
     block), max tokens, and text held back while it may begin a stop string.
     Only the unsent tail of the text is kept: per-token work does not grow
-    with the length of the answer."""
+    with the length of the answer. `push` returns (text to send, finish reason)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str], max_tokens: int, stats):
-        self.eos = set(tokenizer.eos_token_ids)
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
+    def __init__(self, tokenizer, stop: Optional[Sequence[str]], max_tokens: int):
+        # without a tokenizer (calibration, token-id sessions): no text and no EOS
+        self.eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
+        self.detok = tokenizer.detokenizer if tokenizer is not None else None
+        if self.detok is not None:
+            self.detok.reset()
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.max_tokens = max_tokens
-        self.stats = stats
         self.tokens: List[int] = []
         self.buf = ""  # text not yet sent (at most `hold` chars between tokens)
         self.done = False
 
-    def push(self, token: int, from_draft: bool, cycle=None) -> GenerationResponse:
+    @property
+    def left(self) -> int:
+        return self.max_tokens - len(self.tokens)
+
+    def push(self, token: int) -> Tuple[str, Optional[str]]:
         """Account one token; sets self.done when generation must end."""
-        st = self.stats
         if token in self.eos:
-            self.done = True
-            return self._final(token, from_draft, "stop", cycle)
+            return self._final("stop")
         self.tokens.append(token)
-        st.generation_tokens = len(self.tokens)
-        self.detok.add_token(token)
-        self.buf += self.detok.last_segment
+        if self.detok is not None:
+            self.detok.add_token(token)
+            self.buf += self.detok.last_segment
         if self.stop:
             # a stop string ending in the new text starts within the held-back tail
             hits = [i for i in (self.buf.find(s) for s in self.stop) if i >= 0]
             if hits:
                 self.buf = self.buf[: min(hits)]
-                self.done = True
-                return self._final(token, from_draft, "stop", cycle, flush=False)
+                return self._final("stop", flush=False)
         if len(self.tokens) >= self.max_tokens:
-            self.done = True
-            return self._final(token, from_draft, "length", cycle)
+            return self._final("length")
         cut = max(0, len(self.buf) - self.hold) if self.stop else len(self.buf)
         text, self.buf = self.buf[:cut], self.buf[cut:]
-        return GenerationResponse(text, token, from_draft, None, st, cycle)
+        return text, None
 
-    def _final(self, token, from_draft, reason, cycle, flush=True):
-        if flush:
+    def _final(self, reason, flush=True):
+        self.done = True
+        if flush and self.detok is not None:
             self.detok.finalize()
             self.buf += self.detok.last_segment
         text, self.buf = self.buf, ""
-        self.stats.peak_memory = mx.get_peak_memory() / 1e9
-        return GenerationResponse(text, token, from_draft, reason, self.stats, cycle)
+        return text, reason

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: E402,F401
 import mlx_lm  # noqa: E402
 
-from app.bench import load_prompts  # noqa: E402
+from app.bench_prompts import load_prompts  # noqa: E402
 from mlx_dflash import load, stream_generate  # noqa: E402
 
 model, tok, d2 = load("models/target", "models/dflash2")

@@ -11,6 +11,12 @@ if "MLX_DFLASH_HOME" not in os.environ:  # measured costs and settings go to a s
 
     os.environ["MLX_DFLASH_HOME"] = tempfile.mkdtemp(prefix="mlx-dflash-tests-")
 
+# Importing mlx_dflash builds and measures nothing: prepare the fast BLAS (once per
+# machine) in a child, so that this process loads it before anything imports mlx.
+import subprocess  # noqa: E402
+
+subprocess.run([sys.executable, "-c", "from mlx_dflash import fastblas; fastblas.prepare()"], cwd=ROOT, check=False)
+
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before anything imports mlx)
 import pytest  # noqa: E402
 

@@ -45,7 +45,7 @@ class OracleDrafter:
             true = self.cont[pos + k] if pos + k < len(self.cont) else 0
             wrong = self.rng.random() < self.noise
             out.append((true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab if wrong else true)
-        return Proposal(out, None, 0.0, [1.0] * len(out))
+        return Proposal(out, None, [1.0] * len(out))
 
 
 class FixedDrafter(OracleDrafter):
@@ -58,7 +58,7 @@ class FixedDrafter(OracleDrafter):
 
     def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
         self.proposed += 1
-        return Proposal(self.tokens[: width - 1], None, 0.0, [1.0] * (width - 1))
+        return Proposal(self.tokens[: width - 1], None, [1.0] * (width - 1))
 
 
 def reference_tokens(model, tok, prompt, max_tokens=24):
@@ -89,4 +89,4 @@ class PrefixOracle(OracleDrafter):
         if k < len(out):
             out[k] = (out[k] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
         self.log.append((width, k))
-        return Proposal(out, None, 0.0, [1.0] * len(out))
+        return Proposal(out, None, [1.0] * len(out))

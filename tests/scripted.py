@@ -209,7 +209,7 @@ class ScriptDrafter:
         drafts = self.script.continuation(ctx + [anchor], width - 1)
         if len(drafts) >= 3:
             drafts[-1] = (drafts[-1] + 1) % self.vocab
-        return Proposal(drafts, None, 0.0, [1.0] * len(drafts))
+        return Proposal(drafts, None, [1.0] * len(drafts))
 
 
 class OneModelCatalog:

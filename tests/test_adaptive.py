@@ -7,11 +7,11 @@ import json
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import calibrate, generate, load, stream_generate
-from mlx_dflash.calibrate import Costs
+from mlx_dflash import calibrate, costs, generate, load, stream_generate
+from mlx_dflash.costs import Costs
 from mlx_dflash.adaptive import AdaptiveWidth
-from mlx_dflash.drafter import Proposal
-from mlx_dflash.generate import CycleStats
+from mlx_dflash.policy import DFLASH, Draft, LoopState, Plain
+from mlx_dflash.stats import CycleResult
 
 PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
            "class Stack:\n    def push(self, x):", "The answer is", "while True:"]
@@ -21,7 +21,7 @@ PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "impo
 def _home(tmp_path, monkeypatch):
     """Cost curves go to a temporary cache dir, measured afresh per test."""
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
 
 
 
@@ -115,7 +115,7 @@ def test_width_choice_follows_cost_model(c, d, p):
     assert pol.width() == want
     # the cut: drafts the drafter doubts are not worth verifying
     conf = [0.97, 0.95, 0.05, 0.95, 0.9, 0.9, 0.9]
-    n = pol.cut(Proposal([1] * 7, None, 0.0, conf))
+    n = pol.trim([1] * 7, conf)
     a = [pol.calib(x) for x in conf]
     want_n = max(range(8), key=lambda k: (_rate(a[:k], c[k], d[7]), k))
     assert n == want_n and n <= 2  # never past the doubtful third draft
@@ -127,12 +127,12 @@ def test_cut_uses_recent_acceptance():
     pol = _policy([1, 1.2, 1.3, 1.4, 1.5], [0, .2, .22, .24, .26], [0.9] * 5)
     pol.PATIENCE = 10**6  # this test is about the cut, not the fallback
     conf = [0.95] * 4
-    assert pol.cut(Proposal([1] * 4, None, 0.0, conf)) == 4
+    assert pol.trim([1] * 4, conf) == 4
     for _ in range(40):
         pol.width()
-        n = pol.cut(Proposal([1] * 4, None, 0.0, conf))
-        pol.observe(CycleStats(n + 1, 0, 1), conf[:n])
-    assert pol.cut(Proposal([1] * 4, None, 0.0, conf)) == 0
+        n = pol.trim([1] * 4, conf)
+        pol.observe(CycleResult(n + 1, 0, 1, conf=conf[:n]))
+    assert pol.trim([1] * 4, conf) == 0
 
 
 def test_fallback_is_reversible_with_backoff():
@@ -142,11 +142,11 @@ def test_fallback_is_reversible_with_backoff():
     def cycle(accepted_all):
         w = pol.width()
         if w == 1:
-            pol.observe(CycleStats(1, 0, 1))
+            pol.observe(CycleResult(1, 0, 1))
             return 1
         conf = good if accepted_all else bad
-        n = pol.cut(Proposal([1] * (w - 1), None, 0.0, conf))
-        pol.observe(CycleStats(n + 1, n if accepted_all else 0, 1), conf[:n])
+        n = pol.trim([1] * (w - 1), conf)
+        pol.observe(CycleResult(n + 1, n if accepted_all else 0, 1, conf=conf[:n]))
         return w
 
     seq = [cycle(False) for _ in range(80)]
@@ -172,39 +172,39 @@ def test_fallback_is_reversible_with_backoff():
 def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
     d = pairs("qwen3", version=2)
     model, _, drafter = load(str(d / "target"), str(d / "drafter"))
-    costs = calibrate.get_costs(model, drafter, max_width=4)
-    assert costs.c[1] == 1.0 and set(costs.c) == {1, 2, 3, 4} and costs.d[1] == 0.0
-    assert all(costs.d[w] > 0 for w in (2, 3, 4))
-    key = calibrate.cost_key(model, drafter)
-    path = calibrate.cost_path(key)
+    curve = calibrate.get_costs(model, drafter, max_width=4)
+    assert curve.c[1] == 1.0 and set(curve.c) == {1, 2, 3, 4} and curve.d[1] == 0.0
+    assert all(curve.d[w] > 0 for w in (2, 3, 4))
+    key = costs.cost_key(model, drafter)
+    path = costs.cost_path(key)
     assert path.is_relative_to(tmp_path / "cache") and path.exists()
     assert json.loads(path.read_text())["key"] == key
-    assert calibrate.load_cached(key, 4) == costs
-    assert calibrate.load_cached(key, 5) is None  # wider than measured: measure again
-    old = Costs(costs.t1, costs.c, costs.d, costs.context, costs.measured_at - 40 * 86400)
-    calibrate.save_cached(key, old)
-    assert calibrate.load_cached(key, 4) is None  # too old: measure again
-    calibrate.save_cached(key, costs)
+    assert costs.load_cached(key, 4) == curve
+    assert costs.load_cached(key, 5) is None  # wider than measured: measure again
+    old = Costs(curve.t1, curve.c, curve.d, curve.context, curve.measured_at - 40 * 86400)
+    costs.save_cached(key, old)
+    assert costs.load_cached(key, 4) is None  # too old: measure again
+    costs.save_cached(key, curve)
 
     def boom(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     monkeypatch.setattr(calibrate, "measure_costs", boom)
-    assert calibrate.get_costs(model, drafter, max_width=3) == costs  # from the file
+    assert calibrate.get_costs(model, drafter, max_width=3) == curve  # from the file
     # another model (or machine) has another key
     other, _, _ = load(str(pairs("qwen3", version=1, hidden=128) / "target"))
-    assert calibrate.cost_key(other, drafter) != key
+    assert costs.cost_key(other, drafter) != key
     key2 = dict(key, machine=dict(key["machine"], blas="reference"))
-    assert calibrate.cost_path(key2) != path
+    assert costs.cost_path(key2) != path
     # a corrupt file is measured again, not an error
     path.write_text("{not json")
-    assert calibrate.load_cached(key, 4) is None
+    assert costs.load_cached(key, 4) is None
 
 
 # -- the default mode's guard (policy.Guard): pure, no model ------------------------------
 
-from mlx_dflash.calibrate import Observed  # noqa: E402
+from mlx_dflash.costs import Observed  # noqa: E402
 from mlx_dflash.policy import Fixed, Guard  # noqa: E402
 
 
@@ -216,18 +216,38 @@ def _costs(k, w=5):
     return Costs(t1, {1: 1.0, w: 0.75 * steps}, {1: 0.0, w: 0.25 * steps}, t_plain=tp)
 
 
+STATE = LoopState(10**6, {DFLASH: lambda n: n})
+
+
+def _plain_due(g) -> int:
+    """Plain tokens the guard asks for now (0: it drafts)."""
+    d = g.next(STATE)
+    return d.n if isinstance(d, Plain) else 0
+
+
+def _cycle(g, tokens, w=5):
+    """A DFlash cycle at width w that emitted `tokens` (accepted + 1)."""
+    g.observe(CycleResult(w, tokens - 1, tokens, source=DFLASH))
+
+
+def _plain(g, k):
+    for _ in range(k):
+        g.observe(CycleResult(1, 0, 1))
+
+
 def _drive(g, tau, cycles):
     """Run the guard's loop for `cycles` decisions, each draft cycle emitting
     `tau` tokens. Returns the decisions: a width, or -k for k plain tokens."""
     seq = []
     for _ in range(cycles):
-        k = g.plain_steps()
-        if k:
-            g.observe_plain(k)
-            seq.append(-k)
+        d = g.next(STATE)
+        if isinstance(d, Plain):
+            _plain(g, d.n)
+            seq.append(-d.n)
         else:
-            g.observe(tau)
-            seq.append(g.width())
+            assert d == Draft(g.w, DFLASH)
+            _cycle(g, tau)
+            seq.append(d.width)
     return seq
 
 
@@ -239,7 +259,7 @@ def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
 
 def test_guard_keeps_drafting_when_it_pays():
     g = Guard(5, _costs(2.0))
-    assert g.plain_steps() == 0 and g.reason.startswith("dflash: probing")
+    assert _plain_due(g) == 0 and g.reason.startswith("dflash: probing")
     seq = _drive(g, tau=3.5, cycles=60)
     assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
     assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x predicted")
@@ -250,23 +270,23 @@ def test_guard_probe_is_a_sequential_test():
     the width: one poor cycle ends it, cycles that pay keep it going."""
     k, w = 3.2, 5
     g = Guard(w, _costs(k))
-    g.observe(1)  # (2 * 4.1 + 1) / 3 = 3.07 < 3.2 -> plain
-    assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF0 and g.fallbacks == 1
+    _cycle(g, 1)  # (2 * 4.1 + 1) / 3 = 3.07 < 3.2 -> plain
+    assert g.state == "plain" and _plain_due(g) == Guard.BACKOFF0 and g.fallbacks == 1
     g = Guard(w, _costs(k))
     for t in (5, 2, 3):  # (8.2 + 5) / 3, (8.2 + 7) / 4, (8.2 + 10) / 5 = 3.64: pays by >= MARGIN
-        g.observe(t)
+        _cycle(g, t)
     assert g.state == "draft" and g.tau.value == pytest.approx(10 / 3)  # from here on, what it saw
-    g.observe(4)  # running mean 0.85 * 3.33 + 0.15 * 4 = 3.43 > 3.2: keeps drafting
+    _cycle(g, 4)  # running mean 0.85 * 3.33 + 0.15 * 4 = 3.43 > 3.2: keeps drafting
     assert g.state == "draft"
-    g.observe(1)  # 3.07: below -> plain
+    _cycle(g, 1)  # 3.07: below -> plain
     assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.96x predicted (tau 3.07")
     g = Guard(w, _costs(k))
     for t in (4, 3, 3):  # (8.2 + 10) / 5 = 3.64: pays by 1.14x ...
-        g.observe(t)
+        _cycle(g, t)
     assert g.state == "draft"
     g = Guard(w, _costs(k))
     for t in (4, 2, 2):  # ... but (8.2 + 8) / 5 = 3.24 only by 1.01x, not by MARGIN -> plain
-        g.observe(t)
+        _cycle(g, t)
     assert g.state == "plain"
 
 
@@ -295,24 +315,24 @@ def test_guard_never_drafts_where_even_full_acceptance_loses():
         g = Guard(5, _costs(k), Observed(tau={5: 4.0}))
         assert g.hopeless == hopeless
         if not hopeless:
-            assert g.state == "draft" and g.plain_steps() == 0
+            assert g.state == "draft" and _plain_due(g) == 0
             continue
-        assert g.plain_steps() == Guard.BACKOFF_MAX and "cannot pay" in g.reason
+        assert _plain_due(g) == Guard.BACKOFF_MAX and "cannot pay" in g.reason
         for _ in range(5):  # plain for good: it never probes
-            g.observe_plain(g.plain_steps())
-            assert g.state == "plain" and g.plain_steps() == Guard.BACKOFF_MAX and g.probes == 0
+            _plain(g, _plain_due(g))
+            assert g.state == "plain" and _plain_due(g) == Guard.BACKOFF_MAX and g.probes == 0
         assert g.observed().wait == 0  # nothing to carry: the next request decides the same from the costs
 
 
 def test_guard_prior_carries_acceptance_and_backoff():
     g = Guard(5, _costs(3.0), Observed(tau={5: 2.0}, backoff=64, wait=40))
-    assert g.plain_steps() == 40  # the last request ended plain: this one continues it
+    assert _plain_due(g) == 40  # the last request ended plain: this one continues it
     o = g.observed()
     assert o.tau[5] == 2.0 and o.backoff == 64 and o.wait == 40
     g = Guard(5, _costs(3.0), Observed(tau={5: 4.0}))
-    assert g.plain_steps() == 0 and g.state == "draft" and g.speedup() == pytest.approx(4 / 3)
+    assert _plain_due(g) == 0 and g.state == "draft" and g.speedup() == pytest.approx(4 / 3)
     f = Fixed(4)
-    assert f.plain_steps() == 0 and f.width() == 4 and f.reason == "fixed width 4"
+    assert f.next(STATE) == Draft(4, DFLASH) and f.reason == "fixed width 4"
 
 
 def test_default_mode_guard_in_the_loop(pairs):
@@ -347,14 +367,14 @@ def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     d = pairs("qwen3", version=2)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     r = generate(model, tok, PROMPTS[1], drafter, max_tokens=8)
-    key = calibrate.cost_key(model, drafter)
-    costs = calibrate.load_cached(key, widths=(1, 5))
-    assert costs is not None and set(costs.c) == {1, 5} and costs.t_plain > 0 and costs.d[5] > 0
+    key = costs.cost_key(model, drafter)
+    curve = costs.load_cached(key, widths=(1, 5))
+    assert curve is not None and set(curve.c) == {1, 5} and curve.t_plain > 0 and curve.d[5] > 0
     assert r.stats.policy
 
     def boom(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     monkeypatch.setattr(calibrate, "measure_costs", boom)
     generate(model, tok, PROMPTS[2], drafter, max_tokens=8)

@@ -57,7 +57,7 @@ def test_quick_json(pairs, tmp_path, capsys):
             assert 0.0 <= r["acceptance"] <= 1.0
         if r["kind"] in bench.OURS:
             sh = r["shares"]
-            assert set(sh) == {"draft", "select", "verify", "book", "other"}
+            assert set(sh) == {"draft", "verify", "book", "other"}  # (t_select was always 0: gone)
             assert sum(sh.values()) == pytest.approx(1.0)
             assert all(v >= 0 for k, v in sh.items() if k != "other") and sh["other"] > -0.05
             assert sh["verify"] > 0  # drafts are computed with the verify (one readback a cycle)
@@ -78,10 +78,10 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
-    from mlx_dflash import calibrate, load
+    from mlx_dflash import calibrate, costs, load
 
     m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
-    cached = calibrate.load_cached(calibrate.cost_key(m, dr), widest)
+    cached = costs.load_cached(costs.cost_key(m, dr), widest)
     assert cached is not None and cached.to_json()["c"] == c["c"]
 
 

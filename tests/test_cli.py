@@ -143,7 +143,7 @@ def test_generate_embedded_name(capsys):
 
 
 def test_generate_help_lists_every_verify_mode(capsys):
-    from mlx_dflash.generate import VERIFY_MODES
+    from mlx_dflash.modes import VERIFY_MODES
 
     with pytest.raises(SystemExit) as e:
         main("generate", "--help")

@@ -153,6 +153,7 @@ def test_switch_routes_to_openblas():
     np.testing.assert_allclose(on, off, rtol=1e-5, atol=1e-5)
 
 
+_PREPARE = "from mlx_dflash import fastblas\nfastblas.prepare()\n"
 _IMPORT = ("import mlx_dflash, mlx.core as mx\n"
            "from mlx_dflash import fastblas\n"
            "assert fastblas.STATE['shim'], fastblas.STATE\n"
@@ -161,21 +162,52 @@ _IMPORT = ("import mlx_dflash, mlx.core as mx\n"
 
 
 def test_concurrent_first_starts_do_not_race(tmp_path):
-    """Six processes import mlx_dflash at once with an empty shim folder: one builds
-    and measures under the file lock, the others wait and load the same library
-    (7 of 40 simultaneous first imports used to fail with an undefined symbol)."""
+    """Six processes prepare the fast BLAS at once with an empty shim folder: one
+    builds and measures under the file lock, the others wait and load the same
+    library (7 of 40 simultaneous first starts used to fail with an undefined
+    symbol); a later import then loads it before mlx."""
     env = {**os.environ, "MLX_DFLASH_BLAS_DIR": str(tmp_path / "blas"), "MLX_DFLASH_BLAS_THREADS": "1"}
     root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT], cwd=root, env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(6)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-        assert out.split() == ["1", "64.0"]
     assert len(list((tmp_path / "blas").glob("libmlx_dflash_blas-*.so"))) == 1
     assert not list((tmp_path / "blas").glob("*.tmp")) and not list((tmp_path / "blas").glob("*.c"))
     cal = json.loads(next((tmp_path / "blas").glob("calibration-*.json")).read_text())
     assert cal["t1"]["threads"] == 1 and len(cal["t1"]["route"]) == fastblas.MB + 1
+    out = subprocess.run([sys.executable, "-c", _IMPORT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "64.0"]
+
+
+_NO_WORK = ("import subprocess, os\n"
+            "def refuse(*a, **k):\n"
+            "    raise AssertionError(f'a process was started at import: {a[:1]}')\n"
+            "subprocess.Popen.__init__ = refuse\n"
+            "os.fork = refuse\n"
+            "import mlx_dflash\n"
+            "from mlx_dflash import fastblas\n"
+            "assert fastblas.STATE['shim'] is None and 'doctor' in fastblas.STATE['error'], fastblas.STATE\n"
+            "assert not fastblas.ready()\n")
+
+
+def test_importing_the_package_builds_measures_and_writes_nothing(tmp_path):
+    """A fresh machine (empty shim folder, cache and home): importing mlx_dflash
+    compiles nothing, starts no process and writes no file; it runs on the
+    reference BLAS and says how to prepare the fast one."""
+    dirs = {k: tmp_path / k for k in ("blas", "home", "cache", "tmp")}
+    for d in dirs.values():
+        d.mkdir()
+    env = {**os.environ, "MLX_DFLASH_BLAS_DIR": str(dirs["blas"]), "MLX_DFLASH_HOME": str(dirs["home"]),
+           "XDG_CACHE_HOME": str(dirs["cache"]), "TMPDIR": str(dirs["tmp"])}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _NO_WORK], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p for d in dirs.values() for p in d.rglob("*")] == []
 
 
 def test_calibration_from_a_busy_machine_is_measured_again_when_quiet(tmp_path, monkeypatch):

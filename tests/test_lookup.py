@@ -110,13 +110,14 @@ def test_lookup_sampling_is_seeded_and_exact_at_tiny_temperature(pairs):
 
 def _curve(c5, d5=0.0):
     """Measured widths 1 and 5 only, as the guard calibrates; plain token = 1-token step."""
-    from mlx_dflash.calibrate import Costs
+    from mlx_dflash.costs import Costs
 
     return Costs(0.01, {1: 1.0, 5: c5}, {1: 0.0, 5: d5}, t_plain=0.01)
 
 
 def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
-    from mlx_dflash.policy import Guard
+    from mlx_dflash.policy import LOOKUP, Guard
+    from mlx_dflash.stats import CycleResult
 
     assert Guard(5, _curve(2.4)).lookup is None  # only when asked for
     g = Guard(5, _curve(2.4), lookup=True)
@@ -125,12 +126,12 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     assert not lk.pays(0) and not lk.take(0)
     # pays when 1 + alpha n >= 1.1 c(n + 1) + 0.5: not at the prior acceptance 0.5 (3.0 < 3.14)
     assert not lk.pays(1) and not lk.pays(4)
-    g.observe_lookup(4, 4)  # every draft right: alpha 0.5 -> 0.6
+    g.observe(CycleResult(5, 4, 5, source=LOOKUP))  # every draft right: alpha 0.5 -> 0.6
     assert lk.alpha == pytest.approx(0.6) and lk.pays(4)  # 1 + 0.6 * 4 = 3.4 >= 3.14
     assert lk.pays(9)  # a longer proposal is priced at the widest width
     assert "lookup: 1 cycles, 60% accepted" in g.reason and g.reason.startswith("dflash: probing")
     for _ in range(3):
-        g.observe_lookup(0, 4)
+        g.observe(CycleResult(5, 0, 1, source=LOOKUP))
     assert not lk.pays(4)
     # while it does not pay, every GAP-th match is verified anyway (a text may start repeating)
     taken = [lk.take(4) for _ in range(2 * lk.GAP)]
@@ -171,7 +172,7 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
 def test_lookup_index_is_kept_with_the_prompt_cache(pairs):
     """A next turn that extends the last call's text indexes only its new tokens;
     a prompt that does not is indexed afresh. Outputs stay mlx-lm's."""
-    from mlx_dflash.generate import PromptCache
+    from mlx_dflash.prompt_cache import PromptCache
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     pc = PromptCache()
@@ -209,12 +210,13 @@ def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
 
 
 def test_guard_carries_lookup_acceptance_to_the_next_request():
-    from mlx_dflash.calibrate import Observed
-    from mlx_dflash.policy import Guard
+    from mlx_dflash.costs import Observed
+    from mlx_dflash.policy import LOOKUP, Guard
+    from mlx_dflash.stats import CycleResult
 
     g = Guard(5, _curve(2.0), lookup=True)
     for _ in range(4):
-        g.observe_lookup(0, 4)
+        g.observe(CycleResult(5, 0, 1, source=LOOKUP))
     o = g.observed()
     assert o.lookup_alpha == pytest.approx(0.5 * 0.8 ** 4)
     nxt = Guard(5, _curve(2.0), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
@@ -226,7 +228,7 @@ def test_guard_where_dflash_cannot_pay_keeps_the_prompt_cache_reusable(pairs):
     """With a prompt cache (chat, server) the drafter still never runs, but the
     features are kept, so a later call reuses the whole cached prefix."""
     from mlx_dflash import calibrate
-    from mlx_dflash.generate import PromptCache, reusable
+    from mlx_dflash.prompt_cache import PromptCache, reusable
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     prompt = PROMPTS[0]

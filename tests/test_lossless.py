@@ -163,7 +163,7 @@ def test_verify_mode_off_is_plain_decoding(pairs):
 def test_untrimmable_cache_falls_back(pairs, capsys):
     from mlx_lm.models.cache import KVCache
 
-    from mlx_dflash.generate import PromptCache
+    from mlx_dflash.prompt_cache import PromptCache
 
     class NoTrim(KVCache):
         def is_trimmable(self):
@@ -179,7 +179,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
 
 
 def test_prompt_cache_reuse_is_lossless(pairs):
-    from mlx_dflash.generate import PromptCache
+    from mlx_dflash.prompt_cache import PromptCache
 
     model, tok, drafter = load_pair(pairs)
     pc = PromptCache()
@@ -199,7 +199,7 @@ def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
     """Verify mode off runs pipelined (the next step is queued before a token is read):
     after a max-tokens stop, a stop string, or a caller that walks away mid-stream,
     the cached rows still match the cached tokens, so the next turn stays exact."""
-    from mlx_dflash.generate import PromptCache
+    from mlx_dflash.prompt_cache import PromptCache
 
     model, tok, _ = load_pair(pairs, drafter=False)
     pc = PromptCache()
@@ -227,11 +227,11 @@ def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monk
     runs) stay with the cache as pending features: the next turn reuses every
     cached token, even after a caller that stops mid-run, and stays exact."""
     from mlx_dflash import calibrate
-    from mlx_dflash.calibrate import Costs
-    from mlx_dflash.generate import PromptCache, reusable
+    from mlx_dflash.costs import Costs
+    from mlx_dflash.prompt_cache import PromptCache, reusable
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))  # this test's cost curve stays with it
-    monkeypatch.setattr(calibrate, "_MEMO", {})
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     model, tok, drafter = load_pair(pairs)
     kw = dict(block_size=4) if how == "fixed" else {}
     if how != "fixed":  # costs under which a random drafter does not pay: after a probe, plain steps

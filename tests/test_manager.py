@@ -155,7 +155,7 @@ def test_damaged_model_folder_is_one_line_naming_the_file(world, damage, msg):
 
 
 def test_acceptance_warning_rule():
-    from mlx_dflash.generate import GenerationStats
+    from mlx_dflash.stats import GenerationStats
 
     s = GenerationStats(mode="dflash", cycles=60, drafted=240, accepted=2)
     why = acceptance_warning(s, "org/d")

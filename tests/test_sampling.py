@@ -108,7 +108,9 @@ def test_end_to_end_sampling_distribution(pairs):
     spec = Counter(draw(True, 10_000 + s) for s in range(n))
     keys = sorted(set(plain) | set(spec))
     table = np.array([[plain[k] + 0.5 for k in keys], [spec[k] + 0.5 for k in keys]])
-    assert fixed.proposed == n and 0 < accepted < n  # drafts were really verified
+    # drafts were really verified (every call drafts, at the published width: a rejection
+    # before the last token drafts again)
+    assert fixed.proposed >= n and 0 < accepted < fixed.proposed
     assert len(keys) > 3  # a real distribution, not one path
     assert chi2_contingency(table).pvalue > 1e-3
 

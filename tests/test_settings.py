@@ -56,13 +56,14 @@ def test_round_trip(store, tmp_path):
 
 
 def test_generation_kwargs_fit_stream_generate():
-    import inspect
+    from dataclasses import fields
 
-    from mlx_dflash.generate import VERIFY_MODES, stream_generate
+    from mlx_dflash import DecodeConfig
+    from mlx_dflash.modes import VERIFY_MODES
 
     kw = ModelSettings(block_size=3, temperature=0.5).generation_kwargs()
-    params = inspect.signature(stream_generate).parameters
-    assert set(kw) <= set(params)
+    assert set(kw) <= {f.name for f in fields(DecodeConfig)}  # what stream_generate takes
+    assert DecodeConfig(**kw).block_size == 3
     assert kw["block_size"] == 3 and kw["temperature"] == 0.5 and kw["verify_mode"] == "dflash"
     assert ModelSettings(dflash_enabled=False).generation_kwargs()["verify_mode"] == "off"
     adaptive = ModelSettings(verify_mode="adaptive").generation_kwargs()["verify_mode"]

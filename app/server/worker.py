@@ -6,6 +6,8 @@ the same ("token" | "call" | "end") events."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import queue
 import sys
@@ -14,8 +16,13 @@ import time
 import traceback
 from typing import Dict, List, Optional
 
+from mlx_dflash import DecodeConfig, stream_generate
+from mlx_dflash.prompt_store import PromptStore
+from mlx_dflash.target import Target
+
 from .catalog import Counters, Job, ManagerCatalog, _budget, _context_limit  # noqa: F401 (app, cli import them here)
 from .errors import APIError, _bad, _line
+from .processors import fallback_reason, logits_processors, logprob_entry
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 
@@ -172,48 +179,39 @@ class Worker:
         if ctx is not None and len(ids) >= ctx:
             raise _bad(f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
                        "messages" if job.kind == "chat" else "prompt", "context_length_exceeded")
-        kw = settings.generation_kwargs()
-        if lm.drafter is not None:  # as load_model fits it to the drafter
-            kw["block_size"] = min(kw["block_size"], lm.drafter.block_size)
-        for k in ("temperature", "top_p", "top_k", "min_p"):
-            v = getattr(req, k)
-            if v is not None:
-                kw[k] = v
-        if req.limit() is not None:
-            kw["max_tokens"] = req.limit()
+        max_tokens = req.limit()
         if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
-            kw["max_tokens"] = max(1, min(kw["max_tokens"], ctx - len(ids)))
-        kw.update(seed=req.seed, stop=req.stops() or None)
-
-        fallback = self._fallback_reason(req)
+            max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
+        fallback = fallback_reason(req)
+        n_lp = req.n_logprobs()
+        procs = logits_processors(req, tok, Target(lm.model).vocab_size, len(ids), max_tokens or settings.max_tokens) \
+            if fallback else []
+        cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
+                                         top_k=req.top_k, min_p=req.min_p, max_tokens=max_tokens, seed=req.seed,
+                                         stop=req.stops() or None, logits_processors=procs,
+                                         logprobs=n_lp is not None, plain_reason=fallback)
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        if fallback:
-            gen = self._plain(lm, ids, kw, req, fallback, tok)
+        if fallback:  # one request's own processors: nothing to share through the prompt store
+            gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
         else:
-            from mlx_dflash import stream_generate
-            from mlx_dflash.prompt_store import PromptStore
-            from mlx_dflash.target import Target
-
             if self.store is None:
                 self.store = PromptStore(_budget(self.catalog))
             target = Target(lm.model)
-            mc = kw.get("max_context")
-            with_drafter = lm.drafter is not None and kw["verify_mode"] != "off" and not (mc and len(ids) > mc)
+            mc = cfg.max_context
+            with_drafter = lm.drafter is not None and cfg.verify_mode != "off" and not (mc and len(ids) > mc)
             branch = self.store.branch_point(target, ids, lm.drafter, with_drafter)
             pc, n0 = self.store.take(target, ids, lm.drafter, with_drafter)
             if branch >= MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
-                extra = self._checkpoint(lm, tok, target, ids[:branch], pc, kw, n0)
-            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, **kw)
+                extra = self._checkpoint(lm, tok, target, ids[:branch], pc, cfg, n0)
+            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, config=cfg)
         tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
         eos = set(tok.eos_token_ids)
-        n_lp = req.n_logprobs()
         r, first, cancelled, cut = None, None, False, False
         raw, gen_ids = [], []
         try:
-            for item in gen:
-                r, lp = item if fallback else (item, None)
+            for r in gen:
                 if first is None:
                     first = time.perf_counter()
                 if job.cancel.is_set():
@@ -228,7 +226,8 @@ class Worker:
                     evs = tools.feed(r.text) + (tools.finish() if r.finish_reason else [])
                     text = "".join(e[1] for e in evs if e[0] == "text")
                     calls = [e[1] for e in evs if e[0] == "call"]
-                job.send("token", text, None if is_eos else r.token, lp if n_lp is not None and not is_eos else None)
+                lp = logprob_entry(tok, r.token, r.logprobs, n_lp) if n_lp is not None and not is_eos else None
+                job.send("token", text, None if is_eos else r.token, lp)
                 for c in calls:
                     job.send("call", c)
                 if calls and not req.parallel_tool_calls and not r.finish_reason:
@@ -243,7 +242,7 @@ class Worker:
                 self.store.put(pc, target)
                 self.cache_summary = (job.model_id, self.store.summary())
         s = r.stats
-        if extra[0]:  # the engine found them cached, but this request prefilled them
+        if extra[0]:  # the engine found them cached, but this request prefilled them (its own report)
             s.reused_tokens -= extra[0]
             s.prompt_time += extra[1]
         with self.lock:
@@ -259,25 +258,21 @@ class Worker:
         if cut or (finish == "stop" and tools is not None and tools.calls):
             finish = "tool_calls"
         stop_seq = None
-        if r.finish_reason == "stop" and r.token not in eos and kw["stop"]:  # which stop string ended it
+        if r.finish_reason == "stop" and r.token not in eos and cfg.stop:  # which stop string ended it
             full, n = tok.decode(gen_ids), len("".join(raw))  # the text was cut where the stop began
-            hits = sorted((i, x) for x in kw["stop"] if (i := full.find(x, max(0, n - len(x)))) >= 0)
+            hits = sorted((i, x) for x in cfg.stop if (i := full.find(x, max(0, n - len(x)))) >= 0)
             stop_seq = hits[0][1] if hits else None
         job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
 
-    def _checkpoint(self, lm, tok, target, prefix, pc, kw, n0):
+    def _checkpoint(self, lm, tok, target, prefix, pc, cfg, n0):
         """A recurrent target cannot cut a cached conversation back to where this
         one branches from it (after a shared system prompt, say): prefill up to
         that point first (work this request needs anyway) and cache a copy, so
         the next conversation from there starts from it. Returns (tokens, seconds)."""
-        import copy
-
-        from mlx_dflash import stream_generate
-
         t0 = time.perf_counter()
         for _ in stream_generate(lm.model, tok, prefix, lm.drafter, prompt_cache=pc,
-                                 **{**kw, "max_tokens": 1, "stop": None}):
+                                 config=dataclasses.replace(cfg, max_tokens=1, stop=None)):
             pass
         self.store.put(copy.deepcopy(pc), target, shared=True)
         return len(prefix) - n0, time.perf_counter() - t0
@@ -334,17 +329,6 @@ class Worker:
             if vocab is not None and int(k) >= vocab:
                 raise _bad(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
         return ids, prefix
-
-    @staticmethod
-    def _fallback_reason(req) -> Optional[str]:
-        from .plain import fallback_reason
-
-        return fallback_reason(req)
-
-    def _plain(self, lm, ids, kw, req, reason, tok):
-        from .plain import plain
-
-        return plain(lm, ids, kw, req, reason, tok)
 
 
 def _closing(message: str = "the server is shutting down") -> APIError:
