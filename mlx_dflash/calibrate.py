@@ -106,10 +106,11 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
     c = {w: _median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
     d = {1: 0.0}
     d.update({w: (_median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0) for w in widths if w > 1})
-    # a plain token: the fastest round. Pipelining hides the graph building only
-    # while a core is free, so a busy round overstates it, and an overstated plain
-    # token makes a draft cycle look cheap: the guard would draft where it loses
-    return Costs(t1, c, d, context, time.time(), t1 * min(a / b for a, b in zip(tp, tv[1])))
+    # a plain token, as a ratio to the 1-token step within each round like c and d
+    # (the session's plain run includes the loop's own per-token work). The median:
+    # the fastest round (used before) picked a lucky round on a busy machine and
+    # made every cycle look ~2x dearer than fixed widths measured it
+    return Costs(t1, c, d, context, time.time(), t1 * _median([a / b for a, b in zip(tp, tv[1])]))
 
 
 class Calibration:
@@ -120,11 +121,12 @@ class Calibration:
         self.book = book or CostBook()
 
     def costs(self, model, drafter=None, max_width: int = 0, refresh: bool = False,
-              widths: Sequence[int] = (), **measure) -> Costs:
+              widths: Sequence[int] = (), enough: Sequence[int] = (), **measure) -> Costs:
         """The cost curve with widths 1..max_width (and `widths`): held here, or
         cached on disk, else measured now (`measure`: budget and rounds for
-        measure_costs) and cached."""
-        got = None if refresh else self.book.curve(model, drafter, max_width, widths)
+        measure_costs) and cached. A curve held or cached with the widths in
+        `enough` will do (the guard chooses among the widths it has)."""
+        got = None if refresh else self.book.curve(model, drafter, max_width, enough or widths)
         if got is None:
             got = measure_costs(model, drafter, max(need(max_width, widths)), widths=sorted(need(max_width, widths)),
                                 **measure)

@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -55,7 +55,8 @@ class Costs:
 
 # bumped when a measurement changes, so curves measured the old way are not reused
 # (2: 16 pipelined plain steps, not 4, and the fastest round: both inflated t_plain;
-# 3: timed through the decode session's own steps, plain steps with feature capture)
+# 3: timed through the decode session's own steps, plain steps with feature capture, a plain
+# token as the median ratio to the 1-token step)
 COST_METHOD = 3
 
 
@@ -76,6 +77,7 @@ class Observed:
     backoff: int = 0  # the guard's next plain-run length (0: the first)
     wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
     lookup_alpha: Optional[float] = None  # share of the guard's lookup drafts accepted
+    p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)
 
 
 # -- the on-disk cache -----------------------------------------------------------------

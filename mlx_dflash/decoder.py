@@ -99,7 +99,7 @@ class Decoder:
             print("mlx-dflash: this target's KV cache cannot be trimmed; using plain decoding", file=sys.stderr)
         st.mode, st.block_size = mode, w
         carry = cfg.seed is None  # a seeded call does not inherit the last call's state: same seed, same sample
-        ctx = PolicyContext(w, use is not None, cfg.guard, cfg.default_width, cfg.lookup, costs=self._costs,
+        ctx = PolicyContext(w, drafter.block_size if use is not None else w, use is not None, cfg.guard, cfg.default_width, cfg.lookup, costs=self._costs,
                             prior=lambda: self.calibration.prior(self.target.model, drafter)
                             if carry and self.calibration is not None else None,
                             plain_reason=st.fallback or "verify mode off")

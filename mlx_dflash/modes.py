@@ -13,10 +13,11 @@ from .policy import Fixed, Guard, LookupFirst, PlainOnly, Policy
 
 DEFAULT_BLOCK_SIZE = 5
 # the guard's calibration, once per model, drafter and machine (then cached on
-# disk for a month): widths 1 and w, three rounds, 16 pipelined plain steps each
-# (fewer overstate a plain token: the pipeline's first step does not overlap);
-# about 1.5 s on the embedded pair in bfloat16 on a 2-core x86 CPU
+# disk for a month): the widths it may choose among, three rounds, 16 pipelined
+# plain steps each (fewer overstate a plain token: the pipeline's first step does
+# not overlap); a few seconds on the embedded pair on a 2-core x86 CPU
 GUARD_CALIBRATION = dict(budget_s=0.3, min_rounds=3, plain_steps=16, context=128)
+GUARD_WIDTHS = (2, 3, 5, 8, 12, 16)  # measured up to the widest it may draft at (costs between: interpolated)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PolicyContext:
     are called only by the policies that need them (measuring takes time)."""
 
     width: int
+    max_width: int  # the widest block the drafter takes (its trained block size)
     drafter: bool  # a DFlash drafter drafts in this call
     guard: Optional[bool]  # DecodeConfig.guard
     default_width: bool  # no block size given, or the default one
@@ -35,10 +37,14 @@ class PolicyContext:
 
 
 def _dflash(ctx: PolicyContext) -> Policy:
+    """The default width is the guard's to choose, up to the drafter's block size;
+    any other width is drafted exactly (guarded only when asked, at most that width)."""
     guarded = ctx.guard if ctx.guard is not None else ctx.default_width
     if guarded and ctx.width > 1:
-        return Guard(ctx.width, ctx.costs(widths=(1, ctx.width), **GUARD_CALIBRATION), ctx.prior(),
-                     lookup=ctx.lookup)
+        cap = max(ctx.width, ctx.max_width) if ctx.default_width else ctx.width
+        widths = sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
+        costs = ctx.costs(widths=widths, enough=(1, ctx.width), **GUARD_CALIBRATION)
+        return Guard(max(x for x in costs.c if x <= cap), costs, ctx.prior(), lookup=ctx.lookup)
     return Fixed(ctx.width)
 
 

@@ -28,7 +28,7 @@ A new verify mode is one `Policy` subclass and one `POLICIES` line."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from .costs import Costs, Observed, interpolate
 from .stats import CycleResult
@@ -134,6 +134,18 @@ class LookupFirst(Policy):
         return Draft(self.w, DFLASH) if self.dflash else Plain()
 
 
+def monotone(ys: List[float]) -> List[float]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators)."""
+    blocks = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
+
+
 class _Ema:
     """Running mean that starts at its first value; one outlier (a page fault,
     another process) moves it by a bounded step."""
@@ -150,24 +162,30 @@ class _Ema:
 
 
 class Guard(Policy):
-    """Never slower than plain decoding, by prediction from calibrated costs.
+    """Never slower than plain decoding, by prediction from calibrated costs,
+    and at the width that pays best.
 
-    Predicted speedup = tau / k: tau = tokens per draft + verify cycle (live
-    acceptance), k = a cycle's cost in plain tokens, (c(w) + d(w)) * t1 /
-    t_plain, from the calibrated curve (calibrate.py: ratios measured within a
-    round, so the machine's load drift cancels; live wall times on a shared
-    machine do not). States:
+    Predicted speedup at width w = tau(w) / k(w): tau(w) = tokens per draft +
+    verify cycle at w (live acceptance), k(w) = a cycle's cost in plain tokens,
+    (c(w) + d(w)) * t1 / t_plain, from the calibrated curve (calibrate.py:
+    ratios measured within a round, so the machine's load drift cancels; live
+    wall times on a shared machine do not). With costs measured at one width
+    (besides 1), tau is a running mean of the tokens per cycle; with several,
+    tau(w) = 1 + sum_k prod_{i<=k} p_i from per-position acceptance estimates
+    p_i, and each cycle drafts at the w (up to `width`) that maximises tau(w) / k(w).
+    States:
 
-    - probe: drafting on trial (a fresh start, or after a plain run). tau is the
-      probe's own mean with two pseudo-cycles halfway between break-even and
-      the width, judged after every cycle: on a text that does not draft well
-      the probe costs one to three cycles; PROBE cycles that pay by MARGIN (10%) switch to draft.
-    - draft: tau is a running mean; below break-even -> plain.
+    - probe: drafting on trial (a fresh start, or after a plain run). The
+      estimates start from two pseudo-cycles halfway between break-even and
+      the widest width, judged after every cycle: on a text that does not draft
+      well the probe costs one to three cycles; PROBE cycles that pay by MARGIN
+      (10%) switch to draft.
+    - draft: running means; below break-even -> plain.
     - plain: `wait` plain tokens (64, 128, ... 1024, doubling per failed probe), then probe.
 
-    `next(state)` says Plain(wait) in the plain state, else Draft at the width,
-    unless the lookup gate takes what the context repeats; `observe` takes
-    draft cycles, lookup cycles and plain tokens alike."""
+    `next(state)` says Plain(wait) in the plain state, else Draft at the best
+    width, unless the lookup gate takes what the context repeats; `observe`
+    takes draft cycles, lookup cycles and plain tokens alike."""
 
     PROBE = 3  # cycles that end a probe that pays
     MARGIN = 1.1  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
@@ -177,41 +195,103 @@ class Guard(Policy):
     # cost at most 0.8 w plain tokens (ceiling w / k >= 1.25) to be worth a probe
     CEILING_MIN = 1.25
     ALPHA_TAU = 0.15
+    PSEUDO = 2  # pseudo-cycles of the probe's prior
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False):
-        self.w = width
+        self.w = width  # the widest width it drafts at
         prior = prior or Observed()
         self.lookup = _Lookup(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
-        self.k = (costs.c[width] + costs.d.get(width, 0.0)) * costs.t1 / (costs.t_plain or costs.t1)
+        scale = costs.t1 / (costs.t_plain or costs.t1)
+        ws = sorted({x for x in costs.c if 2 <= x <= width} | {width})
+        # a wider verify or draft is never cheaper: timing noise must not make a width look free
+        c, d = monotone([interpolate(costs.c, x) for x in ws]), monotone([interpolate(costs.d, x) for x in ws])
+        self.kw = {x: (cx + dx) * scale for x, cx, dx in zip(ws, c, d)}
+        self.k = self.kw[width]
+        self.multi = len(ws) > 1  # choose the width (else: drafts at `width`, tau a running mean)
         self.tau = _Ema(self.ALPHA_TAU, prior.tau.get(width))
+        self.p: Optional[List[float]] = None  # per-position acceptance (multi)
+        if self.multi and prior.p and len(prior.p) >= width - 1:
+            self.p = list(prior.p[: width - 1])
         self.backoff = prior.backoff or self.BACKOFF0
         self.state = "probe"  # "probe" | "draft" | "plain"
-        self.trial = []  # tokens of this probe's cycles
+        self.trial = []  # tokens of this probe's cycles (one width)
+        self.counts = None  # per position [hits, tries] of this probe's cycles (multi)
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
+        self.widths: Dict[int, int] = {}  # width -> DFlash cycles
         self.hopeless = self.ceiling() < self.CEILING_MIN  # then plain (and lookup) for good
         self.uses_drafter, self.uses_lookup = not self.hopeless, self.lookup is not None
         if self.hopeless:
             self._to_plain(self.BACKOFF_MAX)
         elif prior.wait:  # the last request on these objects ended plain: so does this one begin
             self._to_plain(prior.wait)
-        elif self.tau.value is not None and self.tau.value >= self.k:  # it was drafting, and paying
+        elif self._was_paying():  # it was drafting, and paying
             self.state = "draft"
+        if self.state == "probe":
+            self._start_probe()
         self.reason = self._reason()
 
+    def _was_paying(self) -> bool:
+        if self.multi:
+            return self.p is not None and self.best(self.p)[1] >= 1.0
+        return self.tau.value is not None and self.tau.value >= self.k
+
     # -- the prediction --------------------------------------------------------
-    def _tau(self) -> Optional[float]:
+    @staticmethod
+    def expected(p: List[float], w: int) -> float:
+        """Tokens per cycle at width w: 1 + sum_k prod_{i<=k} p_i over w - 1 drafts."""
+        out, run = 1.0, 1.0
+        for x in p[: w - 1]:
+            run *= x
+            out += run
+        return out
+
+    def best(self, p: List[float]):
+        """(width, predicted speedup) that maximises tau(w) / k(w)."""
+        return max(((x, self.expected(p, x) / k) for x, k in self.kw.items()), key=lambda ws: (ws[1], -ws[0]))
+
+    def _p_mid(self) -> float:
+        """The constant per-position acceptance whose tau at the widest width is halfway
+        between break-even and the width (the single-width probe's prior)."""
+        want, lo, hi = (self.k + self.w) / 2, 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.expected([mid] * (self.w - 1), self.w) < want else (lo, mid)
+        return (lo + hi) / 2
+
+    def _probe_p(self) -> List[float]:
+        pm = self._p_mid()
+        return [(self.PSEUDO * pm + h) / (self.PSEUDO + n) for h, n in self.counts]
+
+    def _estimate(self):
+        """(width, tau at it) as now predicted, or (width, None) before any evidence."""
+        if self.multi:
+            if self.state == "probe":
+                p = self._probe_p()
+                x = self.best(p)[0]
+                return x, self.expected(p, x)
+            if self.p is None:
+                return self.w, None
+            x = self.best(self.p)[0]
+            return x, self.expected(self.p, x)
         if self.state == "probe":
             prior = (self.k + self.w) / 2
-            return (2 * prior + sum(self.trial)) / (2 + len(self.trial)) if self.trial else None
-        return self.tau.value
+            return self.w, ((self.PSEUDO * prior + sum(self.trial)) / (self.PSEUDO + len(self.trial))
+                            if self.trial else None)
+        return self.w, self.tau.value
+
+    def _tau(self) -> Optional[float]:
+        return self._estimate()[1]
+
+    def width(self) -> int:
+        return self._estimate()[0]
 
     def speedup(self) -> Optional[float]:
-        t = self._tau()
-        return None if t is None else t / self.k
+        x, t = self._estimate()
+        return None if t is None else t / self.kw[x]
 
     def ceiling(self) -> float:
-        return self.w / self.k
+        return max(x / k for x, k in self.kw.items())
 
     def _reason(self) -> str:
         lk = self.lookup
@@ -219,21 +299,24 @@ class Guard(Policy):
         return self._dflash_reason() + tail
 
     def _dflash_reason(self) -> str:
-        s, tau = self.speedup(), self._tau()
         if self.hopeless:
             return f"plain: width {self.w} cannot pay here (a cycle costs {self.k:.2f} plain tokens)"
-        why = f"{s:.2f}x predicted (tau {tau:.2f}, cycle = {self.k:.2f} plain tokens)" if s is not None else ""
+        x, tau = self._estimate()
+        s = self.speedup()
+        at = f"width {x}, " if self.multi else ""
+        why = f"{s:.2f}x predicted ({at}tau {tau:.2f}, cycle = {self.kw[x]:.2f} plain tokens)" if s is not None else ""
         if self.state == "plain":
-            last = self.tau.value
-            s = None if last is None else last / self.k
-            return (f"plain: DFlash {s:.2f}x predicted (tau {last:.2f}, cycle = {self.k:.2f} plain tokens); "
-                    f"probe in {self.wait}") if s is not None else f"plain: probe in {self.wait}"
+            return f"plain: DFlash {why}; probe in {self.wait}" if s is not None else f"plain: probe in {self.wait}"
         if self.state == "probe":
             return f"dflash: probing, {why}" if s is not None else f"dflash: probing (cycle = {self.k:.2f} plain tokens)"
         return f"dflash: {why}"
 
     def _to_plain(self, n: int) -> None:
-        self.state, self.wait, self.trial = "plain", n, []
+        self.state, self.wait, self.trial, self.counts = "plain", n, [], None
+
+    def _start_probe(self) -> None:
+        self.state, self.trial = "probe", []
+        self.counts = [[0, 0] for _ in range(self.w - 1)]
 
     # -- the interface ------------------------------------------------------------
     def next(self, state: LoopState):
@@ -241,19 +324,21 @@ class Guard(Policy):
             n = state.offers(LOOKUP, min(self.w, state.left + 1) - 1)
             if n and self.lookup.take(n):
                 return Draft(n + 1, LOOKUP)
-        return Plain(self.wait) if self.state == "plain" else Draft(self.w, DFLASH)
+        return Plain(self.wait) if self.state == "plain" else Draft(self.width(), DFLASH)
 
     def observe(self, result: CycleResult) -> None:
         if result.source == LOOKUP:  # DFlash's own acceptance and state are untouched
             self.lookup.observe(result.accepted, result.width - 1)
         elif result.width == 1:
             self._plain_token()
+        elif self.multi:
+            self._cycle_at(result.width - 1, result.accepted)
         else:
             self._cycle(result.accepted + 1)
         self.reason = self._reason()
 
     def _cycle(self, tokens: int) -> None:
-        """One draft + verify cycle emitted `tokens` (accepted + 1)."""
+        """One draft + verify cycle (one width) emitted `tokens` (accepted + 1)."""
         if self.state == "probe":
             self.trial.append(tokens)
             s = self.speedup()
@@ -269,12 +354,36 @@ class Guard(Policy):
             if self.speedup() < 1.0:
                 self._fall_back()
 
+    def _cycle_at(self, n: int, a: int) -> None:
+        """One cycle verified n drafts and accepted a: evidence on positions 1..min(a + 1, n)."""
+        self.widths[n + 1] = self.widths.get(n + 1, 0) + 1
+        tested = range(min(a + 1, n))
+        if self.state == "probe":
+            if self.counts is None:
+                self._start_probe()
+            for i in tested:
+                self.counts[i][0] += i < a
+                self.counts[i][1] += 1
+            self.trial.append(a + 1)
+            s = self.speedup()
+            if s < 1.0 or (len(self.trial) >= self.PROBE and s < self.MARGIN):
+                self.p = self._probe_p()
+                self._fall_back()
+            elif len(self.trial) >= self.PROBE:
+                self.p, self.state, self.trial, self.counts = self._probe_p(), "draft", [], None
+                self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
+        elif self.state == "draft":
+            for i in tested:
+                self.p[i] += self.ALPHA_TAU * ((i < a) - self.p[i])
+            if self.speedup() < 1.0:
+                self._fall_back()
+
     def _plain_token(self) -> None:
         self.wait = max(0, self.wait - 1)
         if self.hopeless:
             self.wait = self.wait or self.BACKOFF_MAX
         elif self.state == "plain" and self.wait == 0:
-            self.state, self.trial = "probe", []
+            self._start_probe()
             self.probes += 1
 
     def _fall_back(self) -> None:
@@ -283,17 +392,18 @@ class Guard(Policy):
         self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
 
     def observed(self) -> Observed:
-        """What to carry to the next request (calibrate.save_observed)."""
+        """What to carry to the next request (Calibration.keep)."""
         o = Observed(backoff=self.backoff)
         if self.tau.value is not None:
             o.tau[self.w] = self.tau.value
+        o.p = list(self.p) if self.p is not None else None
         o.wait = self.wait if self.state == "plain" and not self.hopeless else 0
         o.lookup_alpha = self.lookup.alpha if self.lookup is not None else None
         return o
 
     def summary(self) -> dict:
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
-                "speedup": self.speedup(), "cycle_cost": self.k, "tau": self._tau()}
+                "speedup": self.speedup(), "cycle_cost": self.k, "tau": self._tau(), "widths": dict(self.widths)}
 
 
 class _Lookup:

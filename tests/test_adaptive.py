@@ -363,13 +363,17 @@ def test_default_mode_guard_in_the_loop(pairs):
 
 
 def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
-    """The default mode measures widths 1 and w once, then reads the cache."""
+    """The default mode measures the widths it chooses among (up to the drafter's
+    block size) once, then reads the cache."""
+    from mlx_dflash.modes import GUARD_WIDTHS
+
     d = pairs("qwen3", version=2)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     r = generate(model, tok, PROMPTS[1], drafter, max_tokens=8)
     key = costs.cost_key(model, drafter)
     curve = costs.load_cached(key, widths=(1, 5))
-    assert curve is not None and set(curve.c) == {1, 5} and curve.t_plain > 0 and curve.d[5] > 0
+    want = {1, drafter.block_size} | {w for w in GUARD_WIDTHS if w < drafter.block_size}
+    assert curve is not None and set(curve.c) == want and curve.t_plain > 0 and curve.d[5] > 0
     assert r.stats.policy
 
     def boom(*a, **k):
@@ -378,3 +382,54 @@ def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     monkeypatch.setattr(calibrate, "measure_costs", boom)
     generate(model, tok, PROMPTS[2], drafter, max_tokens=8)
+
+
+# -- the guard choosing its width (costs measured at several widths) ----------------------
+
+
+def _multi(c, d, tp=0.01):
+    """A curve measured at several widths: c, d dicts over the same widths (1 included)."""
+    return Costs(0.01, c, d, t_plain=tp)
+
+
+def _accepting(g, a, n):
+    g.observe(CycleResult(n + 1, a, a + 1, source=DFLASH))
+
+
+def test_guard_chooses_the_width_that_pays_best():
+    from mlx_dflash.policy import monotone
+
+    assert monotone([1.0, 1.5, 1.3, 1.4, 3.0]) == pytest.approx([1.0, 1.4, 1.4, 1.4, 3.0])  # noise pooled
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify (memory-bound target)
+    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
+    g = Guard(8, _multi(c, d))
+    assert g.multi and g.state == "probe" and g.next(STATE) == Draft(8, DFLASH)  # the probe's prior: widest
+    for _ in range(12):  # every draft accepted: the widest block pays best
+        _accepting(g, 7, 7)
+    assert g.state == "draft" and g.next(STATE) == Draft(8, DFLASH) and g.speedup() > 3
+    for _ in range(40):  # the first draft right, the second wrong: two-token blocks are the most a cycle emits
+        _accepting(g, 1, g.next(STATE).width - 1)
+    x = g.next(STATE)
+    assert isinstance(x, Draft) and x.width in (2, 3)
+    assert g.widths[8] >= 12 and sum(v for w, v in g.widths.items() if w < 8) > 0
+    o = g.observed()
+    assert o.p is not None and len(o.p) == 7 and o.p[0] > 0.9 and o.p[1] < 0.2
+    nxt = Guard(8, _multi(c, d), o)  # the next request starts where this one left off
+    assert nxt.state == "draft" and nxt.next(STATE).width == x.width
+
+
+def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_pays():
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6
+    d = {w: 0.0 if w == 1 else 0.6 for w in ws}
+    g = Guard(8, _multi(c, d))
+    cycles = 0
+    while isinstance(g.next(STATE), Draft) and cycles < 10:  # nothing accepted: no width pays
+        _accepting(g, 0, g.next(STATE).width - 1)
+        cycles += 1
+    assert cycles <= 4 and g.state == "plain" and g.next(STATE) == Plain(Guard.BACKOFF0) and g.fallbacks == 1
+    assert g.reason.startswith("plain: DFlash") and g.reason.endswith("probe in 64")
+    dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
+    h = Guard(8, _multi(c, dear))
+    assert h.hopeless and isinstance(h.next(STATE), Plain) and "cannot pay" in h.reason

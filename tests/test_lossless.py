@@ -78,7 +78,7 @@ def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
         n_prompt = len(tok.encode(prompt))
         for w in WIDTHS:
             o = OracleDrafter(n_prompt, ref, vocab, noise=0.3, seed=i * 31 + w)
-            r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w)
+            r = generate(model, tok, prompt, o, max_tokens=MAX, block_size=w, guard=False)
             assert r.token_ids == ref, (prompt, w)
             acc[w][0] += r.stats.accepted
             acc[w][1] += r.stats.drafted
