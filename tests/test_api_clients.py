@@ -340,3 +340,20 @@ def test_clients_keep_working_after_all_of_it(srv):
                    json={"model": "script", "messages": [{"role": "user", "content": "bye"}], "seed": 1})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Echo: bye"
 
+
+
+def test_agent_history_blocks(ant):
+    """A tool result with an image (Claude Code's Read on a picture) and an earlier turn
+    that used a server tool: rendered as text, never a 400."""
+    img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    m = ant.messages.create(model="script", max_tokens=100, tools=ANT_TOOLS, messages=[
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "shot:"}, img]}]}])
+    assert m.content[0].text == "Answer: shot:[image left out: this model reads text only]"
+    with pytest.raises(anthropic.BadRequestError, match="image"):  # a user's own image: said, not dropped
+        ant.messages.create(model="script", max_tokens=10, messages=[{"role": "user", "content": [img]}])

@@ -106,17 +106,23 @@ class CountRequest(_WithTools):
 
 # -- Anthropic messages -> template messages ----------------------------------------------
 
-def _text(blocks, where: str) -> str:
+def _text(blocks, where: str, placeholders: bool = False) -> str:
+    """The text of a string or text blocks. With `placeholders` (a tool's result,
+    which the agent cannot choose), an image or document block becomes a line
+    saying it was left out; otherwise it is a 400."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
         raise _bad(f"{where} must be a string or a list of text blocks", where)
     out = []
     for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        if kind == "text" and isinstance(b.get("text"), str):
+            out.append(b["text"])
+        elif placeholders and kind in ("image", "document"):
+            out.append(f"[{kind} left out: this model reads text only]")
+        else:
             raise _bad(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
-        out.append(b["text"])
     return "".join(out)
 
 
@@ -155,12 +161,16 @@ def _messages(req) -> List[dict]:
                     text = []
                 if not isinstance(b.get("tool_use_id"), str):
                     raise _bad(f"{w}: tool_result needs tool_use_id", w)
-                out = _text(b.get("content", ""), f"{w}.content")
+                out = _text(b.get("content", ""), f"{w}.content", placeholders=True)
                 if b.get("is_error"):
                     out = "Error: " + out
                 msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": out})
             elif t in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier reasoning: templates drop it too
+            elif role == "assistant" and t in ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                                               "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                                               "container_upload"):
+                ignored("assistant block", [t])  # server tools' turns (run at Anthropic): nothing to render
             else:
                 raise _bad(f"{w}: block type '{t}' is not supported in a {role} message", w)
         if role == "assistant" and (text or calls):
