@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Dict, List, Literal, Optional, Union
+from typing import List, Literal, Optional, Union
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
