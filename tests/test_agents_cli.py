@@ -37,7 +37,8 @@ class AgentScript(Script):
     """Claude Code and Codex put system reminders, developer messages and their own
     context around the user's words: the script reads the last user or tool turn
     (system turns skipped); "RAW:<text>" anywhere in a user turn is written verbatim,
-    a tool turn is answered "Answer: <output>", anything else "OK"."""
+    a tool turn is answered "Answer: <output>", Claude Code's session-title request
+    (JSON) with a title, anything else "OK"."""
 
     def _answer(self, prompt_ids) -> str:
         key = tuple(prompt_ids)
@@ -51,6 +52,8 @@ class AgentScript(Script):
                     break
             if role == "tool":
                 a = "Answer: " + content.replace("<tool_response>\n", "").replace("\n</tool_response>", "")
+            elif "<session>" in content:  # a constrained decode: off script it would run to max_tokens
+                a = '{"title":"Read a file"}'
             elif role == "user" and "RAW:" in content:
                 a = content.rsplit("RAW:", 1)[1].split("\n", 1)[0]
             else:
@@ -152,6 +155,17 @@ def server(pairs, tmp_path_factory):
     thread.join(10)
 
 
+def _claude_env(home, url):
+    # the README's configuration: the server's URL and key; the model names until the
+    # server answers any name with the served model (issue 22, item 2)
+    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": KEY,
+           "ANTHROPIC_MODEL": "script", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "script",
+           "ANTHROPIC_SMALL_FAST_MODEL": "script",
+           "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    env.pop("ANTHROPIC_API_KEY", None)
+    return env
+
+
 def _work(tmp_path):
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
@@ -179,13 +193,7 @@ def test_claude_code_tool_round_trip(clis, server, tmp_path):
     home, work = _work(tmp_path)
     start = len(app.seen)
     call = json.dumps({"name": "Read", "arguments": {"file_path": str(work / "hello.txt")}})
-    # the README's configuration: the server's URL and key; the model names until the
-    # server answers any name with the served model (issue 22, item 2)
-    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": KEY,
-           "ANTHROPIC_MODEL": "script", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "script",
-           "ANTHROPIC_SMALL_FAST_MODEL": "script",
-           "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
-    env.pop("ANTHROPIC_API_KEY", None)
+    env = _claude_env(home, url)
     r = subprocess.run([str(clis["claude"]), "-p", f"RAW:<tool_call>{call}</tool_call>", "--max-turns", "3",
                         "--output-format", "json", "--allowedTools", "Read"],
                        cwd=work, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
@@ -215,11 +223,68 @@ def test_codex_exec_tool_round_trip(clis, server, tmp_path):
     env.pop("OPENAI_API_KEY", None)
     r = subprocess.run([str(clis["codex"]), "exec", "--skip-git-repo-check", f"RAW:<tool_call>{call}</tool_call>"],
                        cwd=work, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-    seen = app.seen[start:]
-    _report("codex exec", seen)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     assert "cat hello.txt" in r.stderr and r.stdout.strip().startswith("Answer: ")  # ran it, then answered
     assert NOTE in r.stderr  # the command's output, as Codex shows it
+    # a second turn of the same session
+    r2 = subprocess.run([str(clis["codex"]), "exec", "--skip-git-repo-check", "resume", "--last",
+                         "RAW:Second turn done."],
+                        cwd=work, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    seen = app.seen[start:]
+    _report("codex exec (+ resume)", seen)
+    assert r2.returncode == 0 and r2.stdout.strip() == "Second turn done.", (r2.stdout[-2000:], r2.stderr[-2000:])
     calls = _api_calls(seen, "/v1/responses")
-    assert len(calls) == 2 and calls[-1]["cached"] > 0
+    assert len(calls) == 3 and calls[1]["cached"] > 0 and calls[2]["prompt"] > calls[1]["prompt"]
     assert all(r["status"] < 400 for r in seen)
+
+
+def test_claude_code_interactive_session_in_tmux(clis, server, tmp_path):
+    """Claude Code's interactive UI in a tmux pane: a turn with a tool call, then a second turn."""
+    tmux = shutil.which("tmux")
+    if tmux is None:
+        pytest.skip("tmux is not installed: the interactive session runs in a tmux pane")
+    app, url = server
+    home, work = _work(tmp_path)
+    # first-run screens (onboarding, folder trust) answered as a user would have
+    (home / ".claude.json").write_text(json.dumps({"hasCompletedOnboarding": True, "theme": "dark", "projects": {
+        str(work): {"hasTrustDialogAccepted": True, "allowedTools": []}}}))
+    sock = f"mlx-dflash-{os.getpid()}"
+    env = _claude_env(home, url)
+    cmd = " ".join(f"{k}={json.dumps(v)}" for k, v in env.items() if k.startswith(("ANTHROPIC_", "DISABLE_", "CLAUDE_"))
+                   or k == "HOME")
+    start = len(app.seen)
+
+    def pane():
+        return subprocess.run([tmux, "-L", sock, "capture-pane", "-p", "-t", "cc"], capture_output=True,
+                              text=True).stdout
+
+    def wait_for(text, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in pane():
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{text!r} never showed; the pane:\n{pane()}")
+
+    def say(text):
+        subprocess.run([tmux, "-L", sock, "send-keys", "-t", "cc", "-l", text], check=True)
+        time.sleep(0.5)
+        subprocess.run([tmux, "-L", sock, "send-keys", "-t", "cc", "Enter"], check=True)
+
+    subprocess.run([tmux, "-L", sock, "new-session", "-d", "-s", "cc", "-x", "200", "-y", "50", "-c", str(work),
+                    f"env {cmd} {clis['claude']} --allowedTools Read"], check=True)
+    try:
+        wait_for("for shortcuts", 60)
+        call = json.dumps({"name": "Read", "arguments": {"file_path": str(work / "hello.txt")}})
+        say(f"RAW:<tool_call>{call}</tool_call>")
+        wait_for("Answer: ")
+        wait_for(NOTE)
+        say("RAW:Second turn done.")
+        wait_for("● Second turn done.", 60)
+    finally:
+        subprocess.run([tmux, "-L", sock, "kill-server"], capture_output=True)
+    seen = app.seen[start:]
+    _report("claude (interactive, tmux)", seen)
+    calls = _api_calls(seen, "/v1/messages")
+    assert len(calls) >= 3  # the tool call, the answer from its output, the second turn (+ a title)
+    assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)
