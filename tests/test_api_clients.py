@@ -357,3 +357,14 @@ def test_agent_history_blocks(ant):
     assert m.content[0].text == "Answer: shot:[image left out: this model reads text only]"
     with pytest.raises(anthropic.BadRequestError, match="image"):  # a user's own image: said, not dropped
         ant.messages.create(model="script", max_tokens=10, messages=[{"role": "user", "content": [img]}])
+
+
+def test_structured_output_on_a_thinking_model(think_oai):
+    """The grammar allows no reasoning: the template's thinking is switched off (unless
+    the request says otherwise) and the constrained output is all answer."""
+    pytest.importorskip("llguidance")
+    want = '{"city":"Oslo","population":1,"capital":true}'
+    r = think_oai.chat.completions.parse(model="script", response_format=Place, messages=[
+        {"role": "user", "content": "RAW:<think>\n\n</think>\n\n" + want}])
+    assert r.choices[0].message.parsed == Place(city="Oslo", population=1, capital=True)
+    assert "reasoning_content" not in r.choices[0].message.model_dump()

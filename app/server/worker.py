@@ -209,8 +209,8 @@ class Worker:
                 extra = self._checkpoint(lm, tok, target, ids[:branch], pc, kw, n0)
             gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, **kw)
         tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
-        think = ThinkStream(tok, opens_thinking(tok, ids, prefix)) \
-            if job.kind == "chat" and getattr(tok, "has_thinking", False) else None
+        think = ThinkStream(tok, opens_thinking(tok, ids, prefix)) if job.kind == "chat" and \
+            getattr(tok, "has_thinking", False) and req.response_format is None else None  # (constrained: all answer)
         eos = set(tok.eos_token_ids)
         n_lp = req.n_logprobs()
         r, first, cancelled, cut = None, None, False, False
@@ -322,6 +322,8 @@ class Worker:
                 raise _bad(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
                            "chat template); send the request without tools", "tools", "tools_unsupported")
             kw = dict(req.template_kwargs)
+            if req.response_format is not None:  # the grammar allows no thinking: the template's off switch
+                kw.setdefault("enable_thinking", False)
             if tools:
                 kw["tools"] = tools
             try:
