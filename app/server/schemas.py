@@ -19,12 +19,13 @@ MIN_TEMPERATURE = 1e-6
 
 log = logging.getLogger("mlx_dflash.server")
 _IGNORED: set = set()  # (object, field) pairs already named in the log
+MAX_IGNORED = 4096  # names remembered (clients choose them: bounded); past it nothing more is logged
 
 
 def ignored(where: str, names) -> None:
     """Name, once per process and at debug level, request fields we accept and do not use."""
     new = sorted(n for n in names if (where, n) not in _IGNORED)
-    if new:
+    if new and len(_IGNORED) < MAX_IGNORED:
         _IGNORED.update((where, n) for n in new)
         log.debug("ignored %s field(s): %s", where, ", ".join(new))
 
