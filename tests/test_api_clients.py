@@ -115,7 +115,8 @@ def test_unknown_and_unused_fields_are_accepted(oai, ant, caplog):
 
 def test_known_fields_that_would_change_the_answer_are_refused_by_name(srv, oai):
     msgs = [{"role": "user", "content": "hi"}]
-    for kw, param in (({"n": 2}, "n"), ({"modalities": ["text", "audio"]}, "modalities")):
+    for kw, param in (({"n": 2}, "n"), ({"modalities": ["text", "audio"]}, "modalities"),
+                      ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions")):
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model="script", messages=msgs, **kw)
         assert e.value.body["param"] == param and "\n" not in e.value.body["message"]

@@ -199,6 +199,7 @@ class ChatRequest(_Common):
     reasoning_effort: Optional[str] = None  # switches the template's enable_thinking (effort_thinks)
     modalities: Optional[List[str]] = None  # text only: audio output cannot be made here
     audio: Optional[dict] = None
+    functions: Optional[list] = None  # the legacy form of tools: refused, not silently dropped
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +219,8 @@ class ChatRequest(_Common):
             raise unsupported("modalities", "only text output is supported")
         if self.audio is not None:
             raise unsupported("audio", "audio output is not supported")
+        if self.functions:
+            raise unsupported("functions", "the legacy functions field is not supported; send them as tools")
         return self
 
     def gen(self):
