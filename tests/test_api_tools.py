@@ -121,8 +121,8 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "weather", "schema
 
 def test_structured_output_constrains_the_decode(client):
     pytest.importorskip("llguidance")
-    good = '{"city": "Paris", "temp": 21}'
-    r = ask(client, "RAW:" + good, response_format=JSON_SCHEMA)  # what the model wants is valid: untouched
+    good = '{"city":"Paris","temp":21}'
+    r = ask(client, "RAW:" + good, response_format=JSON_SCHEMA)  # what the model wants is valid (compact): untouched
     assert r.choices[0].message.content == good and r.choices[0].finish_reason == "stop"
     d = r.model_dump()["dflash"]
     assert d["mode"] == "off" and "response_format json_schema" in d["fallback"]  # said, not hidden
@@ -130,14 +130,14 @@ def test_structured_output_constrains_the_decode(client):
         client, "RAW:" + good, response_format=JSON_SCHEMA, stream=True) if c.choices)
     assert streamed == good
     # what the model wants breaks the schema: each bad token is masked out
-    bad = ask(client, 'RAW:{"city": 5, "temp": 1}', response_format=JSON_SCHEMA, max_tokens=12)
+    bad = ask(client, 'RAW:{"city":5,"temp":1}', response_format=JSON_SCHEMA, max_tokens=12)
     assert bad.choices[0].message.content.startswith('{"city":') and '5' not in bad.choices[0].message.content
-    extra = ask(client, 'RAW:{"city": "Oslo", "temp": 3, "wind": 2}', response_format=JSON_SCHEMA, max_tokens=30)
-    assert extra.choices[0].message.content.startswith('{"city": "Oslo", "temp": 3')
+    extra = ask(client, 'RAW:{"city":"Oslo","temp":3,"wind":2}', response_format=JSON_SCHEMA, max_tokens=30)
+    assert extra.choices[0].message.content.startswith('{"city":"Oslo","temp":3')
     assert "wind" not in extra.choices[0].message.content
-    obj = ask(client, 'RAW:{"a": [1, 2]}', response_format={"type": "json_object"})
+    obj = ask(client, 'RAW:{"a":[1,2]}', response_format={"type": "json_object"})
     assert json.loads(obj.choices[0].message.content) == {"a": [1, 2]}
-    arr = ask(client, "RAW:[1, 2]", response_format={"type": "json_object"}, max_tokens=8)
+    arr = ask(client, "RAW:[1,2]", response_format={"type": "json_object"}, max_tokens=8)
     assert arr.choices[0].message.content.startswith("{")  # an object, not the array the model wanted
 
 

@@ -11,11 +11,11 @@ from typing import List, Literal, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from . import relay
 from .errors import APIError, _bad
-from .schemas import MAX_STOP, _Strict
+from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -29,37 +29,52 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status)
 
 
-class Tool(_Strict):
+class Tool(Schema):
+    """A client tool. Others fields Claude Code sends (cache_control, defer_loading,
+    input_examples, strict, ...) are accepted and not applied: every tool is in the
+    prompt, the prompt cache matches every prefix, tool inputs are not constrained."""
+
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     input_schema: dict
-    type: Optional[Literal["custom"]] = None  # server tools (web search, code execution) run at Anthropic only
-    cache_control: Optional[dict] = None  # a caching hint: this server caches every prompt prefix anyway
-    # sent by Claude Code; accepted, not applied (README): deferred loading (every tool
-    # is in the prompt), examples (not rendered), strict (tool inputs are not constrained)
-    defer_loading: Optional[bool] = None
-    input_examples: Optional[list] = None
-    strict: Optional[bool] = None
-    eager_input_streaming: Optional[bool] = None
+    type: Optional[Literal["custom"]] = None
 
 
-class OutputConfig(_Strict):
+class _WithTools(Schema):
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tools(cls, data):
+        """Server tools (web search, code execution, ...: a `type` other than custom)
+        run at Anthropic: not offered to the model, named in the log."""
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if isinstance(tools, list):
+            keep = [t for t in tools if not isinstance(t, dict) or t.get("type") in (None, "custom")]
+            if len(keep) < len(tools):
+                ignored("tools", {str(t.get("type")) for t in tools if t not in keep})
+                data = {**data, "tools": keep}
+        return data
+
+
+class OutputConfig(Schema):
     effort: Optional[str] = None  # a hint to Anthropic models; nothing to apply here
     format: Optional[dict] = None  # {"type": "json_schema", "schema": {...}}: a constrained decode
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Schema):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class Thinking(_Strict):
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = None
+class Thinking(Schema):
+    type: str  # enabled / adaptive / disabled: the template's enable_thinking
+    budget_tokens: Optional[int] = None  # not applied: reasoning ends where the model ends it
+
+    def on(self) -> Optional[bool]:
+        return {"enabled": True, "adaptive": True, "disabled": False}.get(self.type)
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(_WithTools):
     model: Optional[str] = None
     messages: List[dict] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -75,13 +90,12 @@ class MessagesRequest(_Strict):
     thinking: Optional[Thinking] = None  # passed to the template as enable_thinking
     output_config: Optional[OutputConfig] = None
     output_format: Optional[dict] = None  # the older name of output_config.format
-    # Claude Code sends these; accepted, not applied: no context edits are made (the
-    # response says so in context_management.applied_edits), one service tier
+    # Claude Code sends it; no context edits are made (the response says so in
+    # context_management.applied_edits)
     context_management: Optional[dict] = None
-    service_tier: Optional[str] = None
 
 
-class CountRequest(_Strict):
+class CountRequest(_WithTools):
     model: Optional[str] = None
     messages: List[dict] = Field(min_length=1)
     system: Union[str, List[dict], None] = None
@@ -92,17 +106,23 @@ class CountRequest(_Strict):
 
 # -- Anthropic messages -> template messages ----------------------------------------------
 
-def _text(blocks, where: str) -> str:
+def _text(blocks, where: str, placeholders: bool = False) -> str:
+    """The text of a string or text blocks. With `placeholders` (a tool's result,
+    which the agent cannot choose), an image or document block becomes a line
+    saying it was left out; otherwise it is a 400."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
         raise _bad(f"{where} must be a string or a list of text blocks", where)
     out = []
     for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+        if kind == "text" and isinstance(b.get("text"), str):
+            out.append(b["text"])
+        elif placeholders and kind in ("image", "document"):
+            out.append(f"[{kind} left out: this model reads text only]")
+        else:
             raise _bad(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
-        out.append(b["text"])
     return "".join(out)
 
 
@@ -113,8 +133,11 @@ def _messages(req) -> List[dict]:
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
         role, content = m.get("role") if isinstance(m, dict) else None, m.get("content") if isinstance(m, dict) else None
+        if role in ("system", "developer"):  # mid-conversation (Claude Code): the worker places it
+            msgs.append({"role": "system", "content": _text(content, f"{where}.content")})
+            continue
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role must be user or assistant", where)
+            raise _bad(f"{where}.role must be user, assistant or system", where)
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})
             continue
@@ -138,12 +161,16 @@ def _messages(req) -> List[dict]:
                     text = []
                 if not isinstance(b.get("tool_use_id"), str):
                     raise _bad(f"{w}: tool_result needs tool_use_id", w)
-                out = _text(b.get("content", ""), f"{w}.content")
+                out = _text(b.get("content", ""), f"{w}.content", placeholders=True)
                 if b.get("is_error"):
                     out = "Error: " + out
                 msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": out})
             elif t in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier reasoning: templates drop it too
+            elif role == "assistant" and t in ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                                               "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                                               "container_upload"):
+                ignored("assistant block", [t])  # server tools' turns (run at Anthropic): nothing to render
             else:
                 raise _bad(f"{w}: block type '{t}' is not supported in a {role} message", w)
         if role == "assistant" and (text or calls):
@@ -167,7 +194,7 @@ def _gen(req) -> GenRequest:
         if tc.type == "tool" and not tc.name:
             raise _bad("tool_choice type 'tool' needs a name", "tool_choice")
     check_tool_choice(tools, choice)
-    kw = {"enable_thinking": req.thinking.type != "disabled"} if req.thinking else {}
+    kw = thinking_kwargs(req.thinking.on() if req.thinking else None)
     g = GenRequest(req.model, _messages(req), tools, choice, parallel, template_kwargs=kw)
     if isinstance(req, MessagesRequest):
         from .structured import parse_format
@@ -188,6 +215,11 @@ def _usage(end: dict) -> dict:
     s = end["stats"]
     return {"input_tokens": s.prompt_tokens - s.reused_tokens, "output_tokens": s.generation_tokens,
             "cache_read_input_tokens": s.reused_tokens, "cache_creation_input_tokens": 0}
+
+
+def _thinking_block(text: str) -> dict:
+    # the signature field is there because the SDK expects one; nothing here signs it
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_block(c: dict) -> dict:
@@ -220,7 +252,8 @@ def register(app, ctx) -> None:
             return error_response(e)
         except relay.ClientGone:
             return JSONResponse({}, status_code=499)
-        content = ([{"type": "text", "text": out.text}] if out.text else []) + [_tool_block(c) for c in out.calls]
+        content = ([_thinking_block(out.reasoning)] if out.reasoning else []) + \
+            ([{"type": "text", "text": out.text}] if out.text else []) + [_tool_block(c) for c in out.calls]
         end = out.end
         body = {"id": mid_, "type": "message", "role": "assistant", "model": mid, "content": content,
                 "stop_reason": _stop_reason(end), "stop_sequence": end.get("stop_sequence"),
@@ -248,18 +281,26 @@ def register(app, ctx) -> None:
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
         yield ev("message_start", message=start)
-        index, open_text = 0, False
+        index, open_block = 0, None  # the kind of the open block: "text" | "reasoning" | None
         try:
             async for kind, v in relay.events(ctx, job, request, poll=False):
+                if open_block is not None and kind != open_block:
+                    if open_block == "reasoning":
+                        yield ev("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
+                    yield ev("content_block_stop", index=index)
+                    index, open_block = index + 1, None
                 if kind == "text":
-                    if not open_text:
+                    if open_block is None:
                         yield ev("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                        open_text = True
+                        open_block = kind
                     yield ev("content_block_delta", index=index, delta={"type": "text_delta", "text": v})
                     continue
-                if open_text:
-                    yield ev("content_block_stop", index=index)
-                    index, open_text = index + 1, False
+                if kind == "reasoning":
+                    if open_block is None:
+                        yield ev("content_block_start", index=index, content_block=_thinking_block(""))
+                        open_block = kind
+                    yield ev("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": v})
+                    continue
                 if kind == "call":
                     b = _tool_block(v)
                     yield ev("content_block_start", index=index, content_block={**b, "input": {}})

@@ -28,7 +28,8 @@ def _report(stats, end: dict) -> dict:
     return {
         "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generation_tokens,
                   "total_tokens": s.prompt_tokens + s.generation_tokens,
-                  "prompt_tokens_details": {"cached_tokens": s.reused_tokens}},
+                  "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
+                  "completion_tokens_details": {"reasoning_tokens": end.get("reasoning_tokens", 0)}},
         "timings": {"cache_n": s.reused_tokens, "prompt_n": prompt_n, "prompt_ms": s.prompt_time * 1000,
                     "prompt_per_token_ms": s.prompt_time * 1000 / prompt_n if prompt_n else 0.0,
                     "prompt_per_second": s.prompt_tps,
@@ -88,7 +89,7 @@ def register(app, ctx) -> None:
         if req.stream:
             return StreamingResponse(sse(job, request, req, kind, rid, created, mid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, lps, calls = [], [], []
+        text, lps, calls, reasoning = [], [], [], []
         try:
             while True:
                 ev = await next_event(job, request)
@@ -96,6 +97,9 @@ def register(app, ctx) -> None:
                     return JSONResponse({}, status_code=499)
                 if ev[0] == "error":
                     return ev[1].response()
+                if ev[0] == "think":
+                    reasoning.append(ev[1])
+                    continue
                 if ev[0] == "token":
                     text.append(ev[1])
                     if ev[3] is not None:
@@ -111,6 +115,8 @@ def register(app, ctx) -> None:
         lp = _lp_block(kind, lps) if req.n_logprobs() is not None else None
         if kind == "chat":
             msg = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            if reasoning:
+                msg["reasoning_content"] = "".join(reasoning)
             if calls:
                 msg["tool_calls"] = calls
             choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": end["finish_reason"]}
@@ -126,12 +132,14 @@ def register(app, ctx) -> None:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lp = req.n_logprobs() is not None
 
-        def chunk(delta_text=None, finish=None, lp=None, role=False, extra=None, tool_call=None):
+        def chunk(delta_text=None, finish=None, lp=None, role=False, extra=None, tool_call=None, reasoning=None):
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else \
                     ({} if delta_text is None else {"content": delta_text})
                 if tool_call is not None:
                     delta = {"tool_calls": [tool_call]}
+                if reasoning is not None:
+                    delta = {"reasoning_content": reasoning}
                 ch = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 ch = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
@@ -153,6 +161,9 @@ def register(app, ctx) -> None:
                     e = ev[1]
                     yield f"data: {json.dumps(json.loads(e.response().body))}\n\n"
                     break
+                if ev[0] == "think":
+                    yield chunk(reasoning=ev[1])
+                    continue
                 if ev[0] == "token":
                     _, text, token, lp = ev
                     if token is None:  # EOS: not a token of the text, only flushes it

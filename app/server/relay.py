@@ -19,6 +19,7 @@ class ClientGone(Exception):
 @dataclass
 class Result:
     text: str = ""
+    reasoning: str = ""  # the model's thinking (reasoning.ThinkStream), apart from the answer
     calls: List[dict] = field(default_factory=list)  # {"name", "arguments": dict}, in order
     end: Optional[dict] = None  # the worker's "end" event (finish_reason, stats, timings)
 
@@ -42,7 +43,7 @@ async def start(ctx, request, kind: str, req, model: Optional[str]):
 
 
 async def events(ctx, job, request, poll: bool = True):
-    """The job's remaining events: ("text", s), ("call", c), ("end", info);
+    """The job's remaining events: ("text", s), ("reasoning", s), ("call", c), ("end", info);
     an in-band error raises APIError. Cancels the job when the consumer stops."""
     try:
         while True:
@@ -54,6 +55,8 @@ async def events(ctx, job, request, poll: bool = True):
             if ev[0] == "token":
                 if ev[1]:
                     yield "text", ev[1]
+            elif ev[0] == "think":
+                yield "reasoning", ev[1]
             elif ev[0] == "call":
                 yield "call", ev[1]
             elif ev[0] == "end":
@@ -64,15 +67,17 @@ async def events(ctx, job, request, poll: bool = True):
 
 
 async def collect(ctx, job, request) -> Result:
-    r, text = Result(), []
+    r, text, reasoning = Result(), [], []
     async for kind, v in events(ctx, job, request):
         if kind == "text":
             text.append(v)
+        elif kind == "reasoning":
+            reasoning.append(v)
         elif kind == "call":
             r.calls.append(v)
         else:
             r.end = v
-    r.text = "".join(text)
+    r.text, r.reasoning = "".join(text), "".join(reasoning)
     return r
 
 

@@ -9,24 +9,24 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Dict, List, Literal, Optional, Union
+from typing import List, Literal, Optional, Union
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from . import relay
 from .errors import APIError, _bad
-from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, to_messages,
-                              tool_choice)
-from .schemas import _Strict
+from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, reasoning_item,
+                              to_messages, tool_choice)
+from .schemas import Schema, effort_thinks, thinking_kwargs, unsupported
 from .tools import GenRequest
 
 MAX_STORED = 256  # responses kept for previous_response_id (least recently used go first)
 MAX_STORED_CHARS = 64 << 20  # and at most this much of their JSON, all together
 
 
-class TextFormat(_Strict):
+class TextFormat(Schema):
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[str] = None
     schema_: Optional[dict] = Field(None, alias="schema")
@@ -34,12 +34,12 @@ class TextFormat(_Strict):
     strict: Optional[bool] = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Schema):
     format: Optional[TextFormat] = None
-    verbosity: Optional[Literal["low", "medium", "high"]] = None  # a hint to OpenAI models; nothing to apply
+    verbosity: Optional[str] = None  # a hint to OpenAI models; nothing to apply
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Schema):
     model: Optional[str] = None
     input: Union[str, List[dict]]
     instructions: Optional[str] = None
@@ -52,22 +52,37 @@ class ResponsesRequest(_Strict):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     stream: bool = False
     store: bool = True
-    metadata: Optional[Dict[str, str]] = None
+    metadata: Optional[dict] = None
     text: Optional[TextConfig] = None
-    # accepted, documented as having no effect on a local model: reasoning effort
-    # (the model reasons as its template does), include (no encrypted reasoning
-    # exists), prompt_cache_key (the prompt cache matches every prompt by prefix)
-    reasoning: Optional[dict] = None
-    include: Optional[List[str]] = None
-    prompt_cache_key: Optional[str] = None
-    user: Optional[str] = None
-    truncation: Optional[Literal["disabled"]] = None
+    reasoning: Optional[dict] = None  # {"effort": ...}: the template's enable_thinking (effort_thinks)
+    # Other fields (include, prompt_cache_key, client_metadata, service_tier, truncation,
+    # ...) are accepted and not applied: no encrypted reasoning exists, the prompt cache
+    # matches every prompt by prefix, a prompt over the context is a 400, never cut.
+    # These would change the answer and cannot be honoured here:
+    background: Optional[bool] = None
+    conversation: Union[str, dict, None] = None
+    prompt: Optional[dict] = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.background:
+            raise unsupported("background", "background responses are not supported; send background: false")
+        if self.conversation is not None:
+            raise unsupported("conversation", "conversations are not stored here; use previous_response_id")
+        if self.prompt is not None:
+            raise unsupported("prompt", "stored prompt templates are not available here; send input")
+        return self
+
+    def thinks(self) -> Optional[bool]:
+        r = self.reasoning
+        return effort_thinks(r.get("effort")) if isinstance(r, dict) else None
 
 
 def _usage(end: dict) -> dict:
     s = end["stats"]
     return {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": s.reused_tokens},
-            "output_tokens": s.generation_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": s.generation_tokens,
+            "output_tokens_details": {"reasoning_tokens": end.get("reasoning_tokens", 0)},
             "total_tokens": s.prompt_tokens + s.generation_tokens}
 
 
@@ -123,7 +138,8 @@ def register(app, ctx) -> None:
         tools = Tools.parse(req.tools)
         choice = tool_choice(req.tool_choice, tools)
         g = GenRequest(req.model, msgs, tools.template or None, choice, req.parallel_tool_calls is not False,
-                       req.max_output_tokens, req.temperature, req.top_p, stream=req.stream, response_format=fmt)
+                       req.max_output_tokens, req.temperature, req.top_p, stream=req.stream, response_format=fmt,
+                       template_kwargs=thinking_kwargs(req.thinks()))
         return g, history, tools
 
     def lookup(rid: str):
@@ -160,6 +176,8 @@ def register(app, ctx) -> None:
         except relay.ClientGone:
             return JSONResponse({}, status_code=499)
         body = base(rid, req, mid, created, "completed", tools)
+        if out.reasoning:
+            body["output"].append(reasoning_item(out.reasoning))
         if out.text:
             body["output"].append(msg_item(out.text))
         body["output"] += [call_item(c, tools) for c in out.calls]
@@ -179,6 +197,7 @@ def register(app, ctx) -> None:
         yield ev("response.created", response=body)
         yield ev("response.in_progress", response=body)
         out, msg, text = relay.Result(), None, []  # msg: the open message item
+        thought, thinking = None, []  # the open reasoning item, its text so far
 
         def close_msg():
             nonlocal msg
@@ -195,9 +214,42 @@ def register(app, ctx) -> None:
             text.clear()
             return parts
 
+        def close_thought():
+            nonlocal thought
+            idx, full = len(body["output"]) - 1, "".join(thinking)
+            done = reasoning_item(full, iid=thought["id"])
+            body["output"][idx] = done
+            parts = [ev("response.reasoning_text.done", item_id=thought["id"], output_index=idx, content_index=0,
+                        text=full),
+                     ev("response.content_part.done", item_id=thought["id"], output_index=idx, content_index=0,
+                        part=done["content"][0]),
+                     ev("response.output_item.done", output_index=idx, item=done)]
+            thought = None
+            thinking.clear()
+            return parts
+
         try:
             async for kind, v in relay.events(ctx, job, request, poll=False):
-                if kind == "text":
+                if kind != "reasoning" and thought is not None:
+                    for e in close_thought():
+                        yield e
+                if kind == "reasoning":
+                    if msg is not None:
+                        for e in close_msg():
+                            yield e
+                    if thought is None:
+                        thought = reasoning_item("")
+                        thought["content"] = []
+                        body["output"].append(thought)
+                        idx = len(body["output"]) - 1
+                        yield ev("response.output_item.added", output_index=idx, item=thought)
+                        yield ev("response.content_part.added", item_id=thought["id"], output_index=idx,
+                                 content_index=0, part={"type": "reasoning_text", "text": ""})
+                    thinking.append(v)
+                    out.reasoning += v
+                    yield ev("response.reasoning_text.delta", item_id=thought["id"],
+                             output_index=len(body["output"]) - 1, content_index=0, delta=v)
+                elif kind == "text":
                     if msg is None:
                         msg = msg_item("", "in_progress")
                         msg["content"] = []
@@ -231,8 +283,10 @@ def register(app, ctx) -> None:
                         for e in close_msg():
                             yield e
                     finish(body, v, history, out, req, tools)
-                    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-                    yield ev(kind, response=body)
+                    # response.completed even when the answer was cut (the body's status says
+                    # "incomplete"): the OpenAI SDK's stream helper and Codex take no other
+                    # event as the end of a response (README)
+                    yield ev("response.completed", response=body)
         except relay.ClientGone:
             return
         except APIError as e:  # after the headers: in-band, as OpenAI does

@@ -3,9 +3,11 @@
 Tools: `function` tools as they are; `custom` (freeform) tools, such as Codex's
 apply_patch, are shown to the model as a function with one string parameter
 `input`, and its calls come back as `custom_tool_call` items carrying that
-string; built-in tools (web_search, file_search, code_interpreter, ...) run at
-OpenAI, not here: they are not offered to the model, and the response lists
-them under `dflash.tools_not_offered`."""
+string; the function and custom tools inside a `namespace` tool (Codex groups
+MCP tools so) are offered like the others, and their calls name the namespace.
+Built-in tools (web_search, file_search, code_interpreter, image_generation,
+...) and any other type run at OpenAI, not here: they are not offered to the
+model, and the response lists them under `dflash.tools_not_offered`."""
 
 from __future__ import annotations
 
@@ -17,14 +19,11 @@ from typing import List, Literal, Optional
 from pydantic import Field, ValidationError
 
 from .errors import _bad
-from .schemas import _Strict, _validation_message
+from .schemas import Schema, _validation_message, ignored
 from .tools import arguments_dict, call_id, check_tool_choice
 
-BUILTIN = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
-           "image_generation", "mcp", "local_shell")
 
-
-class FunctionTool(_Strict):
+class FunctionTool(Schema):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
@@ -32,14 +31,14 @@ class FunctionTool(_Strict):
     strict: Optional[bool] = None
 
 
-class CustomTool(_Strict):
+class CustomTool(Schema):
     type: Literal["custom"]
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     format: Optional[dict] = None  # text or a grammar: described to the model, not enforced
 
 
-class NamedTool(_Strict):
+class NamedTool(Schema):
     type: Literal["function", "custom"]
     name: str
 
@@ -50,37 +49,51 @@ class Tools:
 
     template: List[dict] = field(default_factory=list)  # for the chat template
     custom: set = field(default_factory=set)  # names of freeform tools
-    not_offered: List[str] = field(default_factory=list)  # built-in tools (run at OpenAI)
+    not_offered: List[str] = field(default_factory=list)  # built-in and unknown tool types (run at OpenAI)
     echo: List[dict] = field(default_factory=list)  # as the client sent them, for the response body
+    namespace: dict = field(default_factory=dict)  # tool name -> the namespace tool it came in
 
     @classmethod
     def parse(cls, raw: Optional[list]) -> "Tools":
         t = cls()
         for i, d in enumerate(raw or []):
-            kind = d.get("type") if isinstance(d, dict) else None
-            try:
-                if kind == "function":
-                    f = FunctionTool.model_validate(d)
-                    t.template.append({"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)})
-                elif kind == "custom":
-                    c = CustomTool.model_validate(d)
-                    desc = (c.description or "") + _format_note(c.format)
-                    t.template.append({"type": "function", "function": {
-                        "name": c.name, "description": desc.strip(),
-                        "parameters": {"type": "object", "properties": {"input": {
-                            "type": "string", "description": "the raw input, as text (not JSON)"}},
-                            "required": ["input"]}}})
-                    t.custom.add(c.name)
-                elif kind in BUILTIN or (isinstance(kind, str) and kind.startswith("web_search")):
-                    t.not_offered.append(kind)
-                else:
-                    raise _bad(f"tools[{i}]: tool type '{kind}' is not supported", f"tools[{i}].type")
-            except ValidationError as e:
-                err = _validation_message(e)
-                err.message, err.param = f"tools[{i}]: {err.message}", f"tools[{i}]"
-                raise err from None
+            if not isinstance(d, dict):
+                raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
+            t._add(d, f"tools[{i}]")
             t.echo.append(d)
+        if t.not_offered:
+            ignored("tools", t.not_offered)
         return t
+
+    def _add(self, d: dict, where: str, namespace: Optional[str] = None) -> None:
+        kind = d.get("type")
+        try:
+            if kind == "function":
+                f = FunctionTool.model_validate(d)
+                self.template.append({"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)})
+            elif kind == "custom":
+                c = CustomTool.model_validate(d)
+                desc = (c.description or "") + _format_note(c.format)
+                self.template.append({"type": "function", "function": {
+                    "name": c.name, "description": desc.strip(),
+                    "parameters": {"type": "object", "properties": {"input": {
+                        "type": "string", "description": "the raw input, as text (not JSON)"}},
+                        "required": ["input"]}}})
+                self.custom.add(c.name)
+            elif kind == "namespace" and namespace is None and isinstance(d.get("tools"), list):
+                for j, sub in enumerate(d["tools"]):
+                    if isinstance(sub, dict):
+                        self._add(sub, f"{where}.tools[{j}]", str(d.get("name") or ""))
+                return
+            else:
+                self.not_offered.append(str(kind))
+                return
+        except ValidationError as e:
+            err = _validation_message(e)
+            err.message, err.param = f"{where}: {err.message}", where
+            raise err from None
+        if namespace:
+            self.namespace[self.template[-1]["function"]["name"]] = namespace
 
 
 def _format_note(fmt) -> str:
@@ -94,7 +107,8 @@ def tool_choice(choice, tools: Tools):
     if isinstance(choice, NamedTool):
         choice = {"name": choice.name}
     elif isinstance(choice, dict):  # e.g. {"type": "web_search"}: a built-in, not offered here
-        raise _bad(f"tool_choice type '{choice.get('type')}' is not supported", "tool_choice")
+        ignored("tool_choice", [str(choice.get("type"))])
+        choice = "auto"
     check_tool_choice(tools.template or None, choice)
     return choice
 
@@ -152,8 +166,8 @@ def to_messages(items: List[dict]) -> List[dict]:
                          "content": out if isinstance(out, str) else _text_of(out, where)})
         elif t == "reasoning":  # an earlier turn's reasoning: templates drop it too
             continue
-        else:
-            raise _bad(f"{where}: input item type '{t}' is not supported", where)
+        else:  # built-in tool calls (web_search_call, ...), compaction, item references: nothing to render
+            ignored("input item", [str(t)])
     return msgs
 
 
@@ -162,6 +176,12 @@ def to_messages(items: List[dict]) -> List[dict]:
 def msg_item(text: str, status: str = "completed", iid: Optional[str] = None) -> dict:
     return {"type": "message", "id": iid or "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, status: str = "completed", iid: Optional[str] = None) -> dict:
+    """The model's thinking as a reasoning item (its text in `content`; no summary is written)."""
+    return {"type": "reasoning", "id": iid or "rs_" + uuid.uuid4().hex[:24], "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
 
 
 def call_item(c: dict, tools: Tools) -> dict:
@@ -173,8 +193,11 @@ def call_item(c: dict, tools: Tools) -> dict:
             (strings[0] if len(args) == 1 and strings else json.dumps(args, ensure_ascii=False))
         return {"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex[:24], "call_id": call_id(),
                 "name": c["name"], "input": raw, "status": "completed"}
-    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call_id(),
+    item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call_id(),
             "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"}
+    if c["name"] in tools.namespace:
+        item["namespace"] = tools.namespace[c["name"]]
+    return item
 
 
 def history_turn(text: str, output: List[dict]) -> dict:

@@ -1,7 +1,11 @@
-"""Request bodies of the OpenAI-compatible endpoints, validated strictly."""
+"""Request bodies of the OpenAI-compatible endpoints: values validated
+strictly, fields we do not use accepted and ignored (as the reference APIs do:
+a 400 on an unknown field breaks every new client release), fields whose
+meaning we cannot honour and that would change the answer refused by name."""
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -13,30 +17,51 @@ MAX_TOP_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-6
 
 
-# strict: "0.5" is not a number and true is not 1; extra="forbid": an unknown
-# field is an option we would otherwise silently ignore.
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+log = logging.getLogger("mlx_dflash.server")
+_IGNORED: set = set()  # (object, field) pairs already named in the log
+MAX_IGNORED = 4096  # names remembered (clients choose them: bounded); past it nothing more is logged
 
 
-class TextPart(_Strict):
+def ignored(where: str, names) -> None:
+    """Name, once per process and at debug level, request fields we accept and do not use."""
+    new = sorted(n for n in names if (where, n) not in _IGNORED)
+    if new and len(_IGNORED) < MAX_IGNORED:
+        _IGNORED.update((where, n) for n in new)
+        log.debug("ignored %s field(s): %s", where, ", ".join(new))
+
+
+class Schema(BaseModel):
+    """strict: "0.5" is not a number and true is not 1. Unknown fields are
+    accepted, named in the debug log once and dropped."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _drop_unknown(self):
+        extra = self.__pydantic_extra__
+        if extra:
+            ignored(type(self).__name__, extra)
+            extra.clear()
+        return self
+
+
+class TextPart(Schema):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Schema):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Schema):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
     name: Optional[str] = None
@@ -74,14 +99,14 @@ class Message(_Strict):
         return m
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Schema):
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     parameters: Optional[dict] = None
     strict: Optional[bool] = None
 
 
-class Tool(_Strict):
+class Tool(Schema):
     type: Literal["function"]
     function: FunctionDef
 
@@ -89,27 +114,25 @@ class Tool(_Strict):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Schema):
     name: str
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(Schema):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Schema):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[dict] = None
 
 
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Schema):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(Schema):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=100)
@@ -119,8 +142,8 @@ class _Common(_Strict):
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stop: Union[str, List[str], None] = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=1)
+    stream_options: Optional[StreamOptions] = None  # applies to a stream; ignored otherwise
+    n: int = Field(1, ge=1, le=1)  # one choice per request
     user: Optional[str] = None  # the caller's end-user id: metadata, nothing to apply
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
@@ -134,8 +157,6 @@ class _Common(_Strict):
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
         for k, v in (self.logit_bias or {}).items():
             if not k.isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got '{k}'")
@@ -147,6 +168,25 @@ class _Common(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+def unsupported(field: str, why: str) -> APIError:
+    """A known field whose meaning this server cannot honour (it would change the answer)."""
+    return APIError(400, f"{field}: {why}", field, "unsupported_parameter")
+
+
+def thinking_kwargs(on: Optional[bool]) -> dict:
+    """The chat template's switch for reasoning (mlx-lm maps it to the template's
+    own name); nothing when the request does not say."""
+    return {} if on is None else {"enable_thinking": on}
+
+
+def effort_thinks(effort) -> Optional[bool]:
+    """OpenAI's reasoning effort as the template's on/off switch: "none" and
+    "minimal" turn reasoning off, any other level on."""
+    if effort is None:
+        return None
+    return effort not in ("none", "minimal")
+
+
 class ChatRequest(_Common):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -156,6 +196,32 @@ class ChatRequest(_Common):
     tool_choice: Union[Literal["auto", "none", "required"], ToolChoiceFunction, None] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
+    reasoning_effort: Optional[str] = None  # switches the template's enable_thinking (effort_thinks)
+    modalities: Optional[List[str]] = None  # text only: audio output cannot be made here
+    audio: Optional[dict] = None
+    functions: Optional[list] = None  # the legacy form of tools: refused, not silently dropped
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_tools(cls, data):
+        """Tool types other than function (custom, built-ins) are not offered to the model."""
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if isinstance(tools, list):
+            keep = [t for t in tools if not isinstance(t, dict) or t.get("type") == "function"]
+            if len(keep) < len(tools):
+                ignored("tools", {str(t.get("type")) for t in tools if t not in keep})
+                data = {**data, "tools": keep or None}
+        return data
+
+    @model_validator(mode="after")
+    def _check_output(self):
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise unsupported("modalities", "only text output is supported")
+        if self.audio is not None:
+            raise unsupported("audio", "audio output is not supported")
+        if self.functions:
+            raise unsupported("functions", "the legacy functions field is not supported; send them as tools")
+        return self
 
     def gen(self):
         """The request as the worker runs it (app.server.tools.GenRequest)."""
@@ -175,6 +241,7 @@ class ChatRequest(_Common):
                           self.parallel_tool_calls is not False, self.limit(), self.temperature, self.top_p,
                           self.top_k, self.min_p, self.seed, self.stops(), self.stream, self.n_logprobs(),
                           self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias,
+                          template_kwargs=thinking_kwargs(effort_thinks(self.reasoning_effort)),
                           response_format=fmt)
 
     @model_validator(mode="after")
@@ -226,8 +293,6 @@ def _validation_message(e: ValidationError) -> APIError:
     err = max(errs, key=lambda x: len(x.get("loc", ())))  # the most specific (unions report each branch)
     # drop pydantic's union-branch labels ("str", "list[TextPart]") from the path
     loc = ".".join(str(x) for x in err.get("loc", ()) if not (isinstance(x, str) and ("[" in x or x in _TYPES)))
-    if err.get("type") == "extra_forbidden":
-        return _bad(f"unsupported field '{loc}'", loc, "unsupported_parameter")
     if err.get("type") == "missing":
         return _bad(f"missing required field '{loc}'", loc)
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")

@@ -15,9 +15,10 @@ from typing import Optional
 
 from .errors import _bad
 
-# whitespace between JSON tokens: compact, spaced or pretty-printed (one line break and
-# its indentation), never blank line after blank line, which a weak model can loop on
-WS = r"[ \t]{0,40}(\n[ \t]{0,40})?"
+# compact JSON: no whitespace between tokens, "," and ":" as separators. Every token
+# goes to the object itself (a pretty-printed object of 3 fields took 62 tokens and could
+# run out of max_tokens), and a weak model cannot loop on blank lines.
+COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _TOKENIZERS = {}  # id(tokenizer wrapper) -> (wrapper, llguidance tokenizer): building one walks the vocab
 _LOCK = threading.Lock()
 
@@ -57,7 +58,7 @@ def parse_format(kind: Optional[str], schema, param: str) -> Optional[Format]:
     elif not isinstance(schema, dict):
         raise _bad(f"{param}: json_schema needs a 'schema' object", param)
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides={"whitespace_pattern": WS})
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=COMPACT)
     except Exception as e:  # the compiler's one-line complaint about the schema
         raise _bad(f"{param}: the schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}",
                    param) from None

@@ -132,7 +132,7 @@ class ToolStream:
             if not self.inside:
                 i = self.buf.find(self.start)
                 if i < 0:
-                    keep = _partial(self.buf, self.start)
+                    keep = partial_marker(self.buf, self.start)
                     if len(self.buf) > keep:
                         out.append(("text", self.buf[: len(self.buf) - keep]))
                         self.buf = self.buf[len(self.buf) - keep:]
@@ -176,7 +176,7 @@ class ToolStream:
         return out
 
 
-def _partial(s: str, marker: str) -> int:
+def partial_marker(s: str, marker: str) -> int:
     """Length of the longest suffix of `s` that is a proper prefix of `marker`."""
     for n in range(min(len(s), len(marker) - 1), 0, -1):
         if marker.startswith(s[-n:]):

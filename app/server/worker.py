@@ -23,6 +23,8 @@ from mlx_dflash.target import Target
 from .catalog import Counters, Job, ManagerCatalog, _budget, _context_limit  # noqa: F401 (app, cli import them here)
 from .errors import APIError, _bad, _line
 from .processors import fallback_reason, logits_processors, logprob_entry
+from .reasoning import ThinkStream, opens_thinking
+from .render import render
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 
@@ -207,6 +209,8 @@ class Worker:
                 extra = self._checkpoint(lm, tok, target, ids[:branch], pc, cfg, n0)
             gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, config=cfg)
         tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
+        think = ThinkStream(tok, opens_thinking(tok, ids, prefix)) if job.kind == "chat" and \
+            getattr(tok, "has_thinking", False) and req.response_format is None else None  # (constrained: all answer)
         eos = set(tok.eos_token_ids)
         r, first, cancelled, cut = None, None, False, False
         raw, gen_ids = [], []
@@ -221,12 +225,19 @@ class Worker:
                 raw.append(r.text)
                 if not is_eos:
                     gen_ids.append(r.token)
-                text, calls = r.text, []
+                text, calls, reasoning = r.text, [], ""
+                if think is not None:  # reasoning first: a call inside it is part of the thought
+                    reasoning, text = think.feed(r.text)
+                    if r.finish_reason:
+                        done = think.finish()
+                        reasoning, text = reasoning + done[0], text + done[1]
                 if tools is not None:
-                    evs = tools.feed(r.text) + (tools.finish() if r.finish_reason else [])
+                    evs = tools.feed(text) + (tools.finish() if r.finish_reason else [])
                     text = "".join(e[1] for e in evs if e[0] == "text")
                     calls = [e[1] for e in evs if e[0] == "call"]
                 lp = logprob_entry(tok, r.token, r.logprobs, n_lp) if n_lp is not None and not is_eos else None
+                if reasoning:
+                    job.send("think", reasoning)
                 job.send("token", text, None if is_eos else r.token, lp)
                 for c in calls:
                     job.send("call", c)
@@ -263,6 +274,7 @@ class Worker:
             hits = sorted((i, x) for x in cfg.stop if (i := full.find(x, max(0, n - len(x)))) >= 0)
             stop_seq = hits[0][1] if hits else None
         job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
+                         "reasoning_tokens": think.tokens if think is not None else 0,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
 
     def _checkpoint(self, lm, tok, target, prefix, pc, cfg, n0):
@@ -298,17 +310,19 @@ class Worker:
                 raise _bad(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
             msgs = [dict(m) for m in req.messages]
             system = settings.system_prompt
-            if system and not any(m["role"] == "system" for m in msgs):
+            if system and not (msgs and msgs[0]["role"] == "system"):
                 msgs.insert(0, {"role": "system", "content": system})
             tools = template_tools(req)
             if tools and not getattr(tok, "has_tool_calling", False):
                 raise _bad(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
                            "chat template); send the request without tools", "tools", "tools_unsupported")
             kw = dict(req.template_kwargs)
+            if req.response_format is not None:  # the grammar allows no thinking: the template's off switch
+                kw.setdefault("enable_thinking", False)
             if tools:
                 kw["tools"] = tools
             try:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
+                text = render(tok, msgs, **kw)  # system messages anywhere: in place or merged
             except Exception as e:  # jinja raise_exception(): e.g. roles that must alternate
                 raise _bad(f"the chat template rejected these messages: {_line(e)}",
                            "messages") from None
