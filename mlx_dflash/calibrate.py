@@ -121,16 +121,18 @@ class Calibration:
         self.book = book or CostBook()
 
     def costs(self, model, drafter=None, max_width: int = 0, refresh: bool = False,
-              widths: Sequence[int] = (), enough: Sequence[int] = (), **measure) -> Costs:
+              widths: Sequence[int] = (), enough: Sequence[int] = (), at: Optional[int] = None,
+              **measure) -> Costs:
         """The cost curve with widths 1..max_width (and `widths`): held here, or
         cached on disk, else measured now (`measure`: budget and rounds for
         measure_costs) and cached. A curve held or cached with the widths in
-        `enough` will do (the guard chooses among the widths it has)."""
-        got = None if refresh else self.book.curve(model, drafter, max_width, enough or widths)
+        `enough` will do (the guard chooses among the widths it has). `at`: the
+        curve measured over that many cached tokens, kept apart from the default one."""
+        got = None if refresh else self.book.curve(model, drafter, max_width, enough or widths, at)
         if got is None:
             got = measure_costs(model, drafter, max(need(max_width, widths)), widths=sorted(need(max_width, widths)),
                                 **measure)
-            self.book.keep(model, drafter, got)
+            self.book.keep(model, drafter, got, context=at)
         return got
 
     def remember(self, model, drafter, costs: Costs) -> None:

@@ -177,7 +177,7 @@ class CostBook:
     state. Entries go with their model objects (weak references)."""
 
     def __init__(self):
-        self._entries: Dict[tuple, list] = {}  # (id(model), id(drafter)) -> [model ref, drafter ref, key, curves, observed]
+        self._entries: Dict[tuple, list] = {}  # (id(model), id(drafter)) -> [model ref, drafter ref, key, [(context tag, curve)], observed]
 
     def _entry(self, model, drafter) -> list:
         k = (id(model), id(drafter))
@@ -194,24 +194,31 @@ class CostBook:
             e[2] = cost_key(model, drafter)
         return e[2]
 
-    def curve(self, model, drafter, max_width: int = 0, widths: Sequence[int] = ()) -> Optional[Costs]:
+    def curve(self, model, drafter, max_width: int = 0, widths: Sequence[int] = (),
+              context: Optional[int] = None) -> Optional[Costs]:
         """A curve held here or cached on disk that covers the widths asked for (a
-        guard's curve must have its pipelined plain token: `widths` asks for it)."""
+        guard's curve must have its pipelined plain token: `widths` asks for it),
+        measured at `context` tokens (None: the one curve measured at the default)."""
         want = need(max_width, widths)
         e = self._entry(model, drafter)
-        for c in e[3]:
-            if want <= set(c.c) and (c.t_plain or not widths):
+        for tag, c in e[3]:
+            if tag == context and want <= set(c.c) and (c.t_plain or not widths):
                 return c
-        c = load_cached(self.key(model, drafter), max_width, widths)
+        c = load_cached(self._disk_key(model, drafter, context), max_width, widths)
         if c is not None:
-            e[3].append(c)
+            e[3].append((context, c))
         return c
 
-    def keep(self, model, drafter, costs: Costs, save: bool = True) -> None:
-        self._entry(model, drafter)[3].insert(0, costs)
+    def _disk_key(self, model, drafter, context: Optional[int]) -> dict:
+        key = self.key(model, drafter)
+        return key if context is None else dict(key, context=context)
+
+    def keep(self, model, drafter, costs: Costs, save: bool = True, context: Optional[int] = None) -> None:
+        """Hold `costs` (and cache it on disk); `context`: it is the curve at that length."""
+        self._entry(model, drafter)[3].insert(0, (context, costs))
         if save:
             try:
-                save_cached(self.key(model, drafter), costs)
+                save_cached(self._disk_key(model, drafter, context), costs)
             except OSError:
                 pass  # read-only cache dir: measure again next process
 

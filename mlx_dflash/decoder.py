@@ -99,7 +99,7 @@ class Decoder:
             print("mlx-dflash: this target's KV cache cannot be trimmed; using plain decoding", file=sys.stderr)
         st.mode, st.block_size = mode, w
         carry = cfg.seed is None  # a seeded call does not inherit the last call's state: same seed, same sample
-        ctx = PolicyContext(w, drafter.block_size if use is not None else w, use is not None, cfg.guard, cfg.default_width, cfg.lookup, costs=self._costs,
+        ctx = PolicyContext(w, drafter.block_size if use is not None else w, len(ids), use is not None, cfg.guard, cfg.default_width, cfg.lookup, costs=self._costs,
                             prior=lambda: self.calibration.prior(self.target.model, drafter)
                             if carry and self.calibration is not None else None,
                             plain_reason=st.fallback or "verify mode off")
@@ -169,7 +169,7 @@ class Decoder:
 
     def _loop(self, token: int):
         while True:
-            d = self._due or self.policy.next(LoopState(self.emit.left, self.sources))
+            d = self._due or self.policy.next(LoopState(self.emit.left, self.sources, context=len(self.pc.tokens)))
             self._due = None
             if isinstance(d, Plain):
                 token = yield from self.plain(token, d.n)
@@ -345,7 +345,7 @@ class Decoder:
             resp = self._emit(tok, False, cyc, ylp)
             self._account(cyc)
             if nxt is not None and not self.emit.done:  # ask again between two tokens
-                d = self.policy.next(LoopState(self.emit.left, self.sources, in_plain=True))
+                d = self.policy.next(LoopState(self.emit.left, self.sources, True, len(self.pc.tokens)))
                 if isinstance(d, Plain):
                     budget = d.n
                 else:

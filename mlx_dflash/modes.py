@@ -18,6 +18,10 @@ DEFAULT_BLOCK_SIZE = 5
 # not overlap); a few seconds on the embedded pair on a 2-core x86 CPU
 GUARD_CALIBRATION = dict(budget_s=0.3, min_rounds=3, plain_steps=16, context=128)
 GUARD_WIDTHS = (2, 3, 5, 8, 12, 16)  # measured up to the widest it may draft at (costs between: interpolated)
+# a request longer than LONG_FROM tokens is priced with a second curve, measured (once per
+# machine) at the first of these lengths that covers it: costs are linear in the length between
+LONG_CONTEXTS = (1024, 4096, 16384, 65536)
+LONG_FROM = 512
 
 
 @dataclass
@@ -27,6 +31,7 @@ class PolicyContext:
 
     width: int
     max_width: int  # the widest block the drafter takes (its trained block size)
+    context: int  # the request's length in tokens
     drafter: bool  # a DFlash drafter drafts in this call
     guard: Optional[bool]  # DecodeConfig.guard
     default_width: bool  # no block size given, or the default one
@@ -44,7 +49,13 @@ def _dflash(ctx: PolicyContext) -> Policy:
         cap = max(ctx.width, ctx.max_width) if ctx.default_width else ctx.width
         widths = sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
         costs = ctx.costs(widths=widths, enough=(1, ctx.width), **GUARD_CALIBRATION)
-        return Guard(max(x for x in costs.c if x <= cap), costs, ctx.prior(), lookup=ctx.lookup)
+        cap = max(x for x in costs.c if x <= cap)
+        long = None
+        if ctx.context > LONG_FROM:
+            at = next((n for n in LONG_CONTEXTS if n >= ctx.context), LONG_CONTEXTS[-1])
+            long = ctx.costs(widths=sorted(x for x in costs.c if x <= cap), at=at,
+                             **{**GUARD_CALIBRATION, "context": at})
+        return Guard(cap, costs, ctx.prior(), lookup=ctx.lookup, long=long, context=ctx.context)
     return Fixed(ctx.width)
 
 

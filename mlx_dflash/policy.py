@@ -60,6 +60,7 @@ class LoopState:
     left: int
     sources: Dict[str, Callable[[int], int]]
     in_plain: bool = False  # asked between two plain tokens (a plain run is under way)
+    context: int = 0  # tokens cached (0: not told)
 
     def offers(self, source: str, n: int) -> int:
         f = self.sources.get(source)
@@ -134,6 +135,13 @@ class LookupFirst(Policy):
         return Draft(self.w, DFLASH) if self.dflash else Plain()
 
 
+def _seconds(costs: Costs, ws: List[int]):
+    """(context, {w: seconds of a cycle at width w}, seconds per plain token) of a curve;
+    a wider verify or draft is never cheaper: timing noise must not make a width look free."""
+    c, d = monotone([interpolate(costs.c, x) for x in ws]), monotone([interpolate(costs.d, x) for x in ws])
+    return costs.context, {x: (cx + dx) * costs.t1 for x, cx, dx in zip(ws, c, d)}, costs.t_plain or costs.t1
+
+
 def monotone(ys: List[float]) -> List[float]:
     """The closest non-decreasing sequence (least squares: pool adjacent violators)."""
     blocks = []  # [sum, count]
@@ -197,17 +205,20 @@ class Guard(Policy):
     ALPHA_TAU = 0.15
     PSEUDO = 2  # pseudo-cycles of the probe's prior
 
-    def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False):
+    def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False,
+                 long: Optional[Costs] = None, context: int = 0):
         self.w = width  # the widest width it drafts at
         prior = prior or Observed()
         self.lookup = _Lookup(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
-        scale = costs.t1 / (costs.t_plain or costs.t1)
-        ws = sorted({x for x in costs.c if 2 <= x <= width} | {width})
-        # a wider verify or draft is never cheaper: timing noise must not make a width look free
-        c, d = monotone([interpolate(costs.c, x) for x in ws]), monotone([interpolate(costs.d, x) for x in ws])
-        self.kw = {x: (cx + dx) * scale for x, cx, dx in zip(ws, c, d)}
-        self.k = self.kw[width]
-        self.multi = len(ws) > 1  # choose the width (else: drafts at `width`, tau a running mean)
+        self.ws = sorted({x for x in costs.c if 2 <= x <= width} | {width})
+        # seconds per cycle at each width and per plain token, at each measured context
+        # length: linear in the length between (and past) them, as attention's reads are
+        self.curves = [_seconds(cv, self.ws) for cv in ([costs] + ([long] if long is not None else []))
+                       if cv is not None]
+        self.curves = sorted({cv[0]: cv for cv in self.curves}.values())
+        self.at = None  # the context length the costs below are for
+        self.set_context(context or costs.context)
+        self.multi = len(self.ws) > 1  # choose the width (else: drafts at `width`, tau a running mean)
         self.tau = _Ema(self.ALPHA_TAU, prior.tau.get(width))
         self.p: Optional[List[float]] = None  # per-position acceptance (multi)
         if self.multi and prior.p and len(prior.p) >= width - 1:
@@ -219,7 +230,8 @@ class Guard(Policy):
         self.wait = 0  # plain tokens due
         self.fallbacks = self.probes = 0
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
-        self.hopeless = self.ceiling() < self.CEILING_MIN  # then plain (and lookup) for good
+        # at the request's length: then plain (and lookup) for good
+        self.hopeless = self.ceiling() < self.CEILING_MIN
         self.uses_drafter, self.uses_lookup = not self.hopeless, self.lookup is not None
         if self.hopeless:
             self._to_plain(self.BACKOFF_MAX)
@@ -230,6 +242,21 @@ class Guard(Policy):
         if self.state == "probe":
             self._start_probe()
         self.reason = self._reason()
+
+    def set_context(self, n: int) -> None:
+        """The cycle costs k(w) in plain tokens with `n` tokens cached."""
+        if self.at is not None and abs(n - self.at) <= max(64, self.at // 8):
+            return  # (costs move slowly with the length)
+        self.at = n
+        if len(self.curves) == 1:
+            _, cyc, plain = self.curves[0]
+        else:
+            (l0, c0, p0), (l1, c1, p1) = self.curves[0], self.curves[-1]
+            f = (n - l0) / (l1 - l0)
+            cyc = {x: max(c0[x] + f * (c1[x] - c0[x]), 1e-9) for x in self.ws}
+            plain = max(p0 + f * (p1 - p0), 1e-9)
+        self.kw = {x: cyc[x] / plain for x in self.ws}
+        self.k = self.kw[self.w]
 
     def _was_paying(self) -> bool:
         if self.multi:
@@ -320,6 +347,8 @@ class Guard(Policy):
 
     # -- the interface ------------------------------------------------------------
     def next(self, state: LoopState):
+        if state.context:
+            self.set_context(state.context)
         if self.lookup is not None:  # the context repeats itself: verify its continuation if it pays
             n = state.offers(LOOKUP, min(self.w, state.left + 1) - 1)
             if n and self.lookup.take(n):

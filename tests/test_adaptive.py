@@ -433,3 +433,30 @@ def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_
     dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
     h = Guard(8, _multi(c, dear))
     assert h.hopeless and isinstance(h.next(STATE), Plain) and "cannot pay" in h.reason
+
+
+def test_guard_prices_cycles_at_the_length_of_the_context():
+    """Two curves, measured over 128 and 4096 cached tokens: the cycle cost at any
+    length is linear between (and past) them, and the guard follows it as the
+    context grows (a verify's attention reads grow with the context, a plain step's too)."""
+    short = Costs(0.010, {1: 1.0, 5: 1.2}, {1: 0.0, 5: 0.3}, context=128, t_plain=0.010)
+    long = Costs(0.020, {1: 1.0, 5: 2.4}, {1: 0.0, 5: 0.3}, context=4096, t_plain=0.020)  # drafts dearer at length
+    g = Guard(5, short, long=long, context=128)
+    assert g.k == pytest.approx(1.5)
+    g.set_context(4096)
+    assert g.k == pytest.approx(2.7)
+    g.set_context(2112)  # halfway: seconds interpolated, then the ratio
+    assert g.k == pytest.approx((0.5 * (0.015 + 0.054)) / 0.015)
+    g.set_context(2112 + 50)  # a small move: not recomputed
+    assert g.at == 2112
+    g = Guard(5, short, long=long, context=128)
+    for _ in range(6):
+        _cycle(g, 2)  # 2 tokens a cycle: pays at 1.5, not at 2.7
+    assert g.state == "draft"
+    g.next(LoopState(100, {DFLASH: lambda n: n}, context=4096))
+    _cycle(g, 2)
+    assert g.state == "plain" and "cycle = 2.70" in g.reason
+    far = Guard(5, short, long=long, context=64000)  # past both: extrapolated
+    assert far.k == pytest.approx((0.015 + 0.039 * (64000 - 128) / 3968) / (0.01 + 0.01 * (64000 - 128) / 3968))
+    steep = Costs(0.020, {1: 1.0, 5: 4.0}, {1: 0.0, 5: 1.0}, context=4096, t_plain=0.020)
+    assert not Guard(5, short, long=steep, context=128).hopeless and Guard(5, short, long=steep, context=64000).hopeless

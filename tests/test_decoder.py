@@ -135,3 +135,24 @@ def test_logits_processors_and_logprobs_run_in_the_session(pairs):
     assert rs[0].stats.mode == "off" and "logits processors" in rs[0].stats.fallback
     for r, lp in zip(rs, want_lp):
         assert mx.allclose(r.logprobs, lp, atol=1e-5).item()
+
+
+def test_a_long_prompt_is_priced_at_its_length(pairs, monkeypatch):
+    """No fallback by length: a prompt past LONG_FROM tokens in the default mode
+    measures (once) a second cost curve at the first length that covers it, and
+    the guard prices its cycles there; the output stays mlx-lm's."""
+    from mlx_dflash import calibrate
+    from mlx_dflash.modes import LONG_CONTEXTS, LONG_FROM
+
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
+    d = pairs("qwen3", version=2)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(45))
+    n = len(tok.encode(text))
+    assert LONG_FROM < n <= LONG_CONTEXTS[0]
+    r = generate(model, tok, text, drafter, max_tokens=16)
+    assert r.token_ids == reference_tokens(model, tok, text, 16)
+    assert r.stats.mode == "dflash" and r.stats.fallback is None
+    book = calibrate.DEFAULT.book
+    assert book.curve(model, drafter, 0, (1,), context=LONG_CONTEXTS[0]).context == LONG_CONTEXTS[0]
+    assert book.curve(model, drafter, 0, (1,)).context != LONG_CONTEXTS[0]
