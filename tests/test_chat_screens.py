@@ -4,7 +4,8 @@ clearing and the chat list (tests/chat_pilot.py: the pair and the steps)."""
 
 import json
 
-from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, until
+import pytest
+from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, status_text, until
 
 from app.chat import SettingsScreen, build_prompt
 from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen
@@ -102,18 +103,60 @@ def test_model_switcher_lists_targets_only(chat_backend, tmp_path):
 # -- 80x24: fits, help, asks before erasing, the chat list -----------------------------------
 
 
-def test_status_bar_fits_80x24(chat_backend, tmp_path):
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_status_is_one_line_that_fits_and_toasts_leave_it_alone(chat_backend, tmp_path, size):
     chat_backend.store.set_model("target", max_tokens=8)
 
     async def body(app, pilot):
         await say(pilot, "hello")
         await pilot.pause()
         bar = app.query_one("#status")
-        text = bar.render().plain if hasattr(bar.render(), "plain") else str(bar.render())
-        assert "ready" in text and "DFlash" in text and "tok/s" in text
-        # every word of the status line is on screen (wrapped, not cut), and the footer too
-        assert squeeze(text) in squeeze("".join(screen_lines(app)))
-        assert bar.region.bottom <= SIZE[1] - 1 and "Help" in screen_lines(app)[-1]
+        text = status_text(app)
+        assert "ready" in text and "DFlash on w" in text and "tok/s" in text and "tau" in text
+        assert "policy" not in text and "\n" not in text  # the reason is in the help screen
+        # one line, inside the screen, above the footer, and all of its text is on that line
+        assert bar.region.height == 1 and bar.region.width == size[0]
+        assert len(text) <= size[0] - 2
+        row = screen_lines(app)[bar.region.y]
+        assert text in row, (text, row)
+        assert bar.region.bottom <= size[1] - 1 and "Help" in screen_lines(app)[-1]
+        # a toast (saving settings shows one) is drawn clear of the status line and the input
+        app.notify("settings saved; they apply to the next message")
+        await pilot.pause(0.3)
+        toasts = list(app.screen.query("Toast"))  # drawn (run_test draws none unless asked)
+        assert toasts
+        for t in toasts:
+            assert not t.region.overlaps(bar.region), (t.region, bar.region)
+            assert not t.region.overlaps(app.query_one("#input").region)
+        assert text in screen_lines(app)[bar.region.y]
+        # a new chat starts with a status of its own: no speed or tau of the last one
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not app.chat.messages and "tok/s" not in status_text(app), "the reset")
+        assert "tau" not in status_text(app) and "ready" in status_text(app)
+
+    drive(chat_backend, tmp_path, body, size=size, notifications=True)
+
+
+def test_question_mark_opens_help_with_the_policy_when_the_box_is_empty(chat_backend, tmp_path):
+    chat_backend.store.set_model("target", max_tokens=6)
+
+    async def body(app, pilot):
+        await say(pilot, "hi")
+        box = app.query_one("#input")
+        assert app.focused is box and box.text == ""
+        await press_for(pilot, "question_mark", HelpScreen, "the help")
+        shown = "\n".join(screen_lines(app))
+        assert "Now" in shown and "policy" in shown and "compute dtype" in shown
+        # the policy's whole reason is there (wrapped in its row, not cut as a status line would)
+        policy = app.last_stats["policy"]
+        rows = {str(w.render()) for w in app.screen.query(".what")}
+        assert policy in rows and app.loaded.dtype.why in " ".join(rows)
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is app.screen_stack[0], "the help to close")
+        # with text in the box, `?` is typed
+        await pilot.press("w", "h", "y", "question_mark")
+        await pilot.pause()
+        assert box.text == "why?" and not isinstance(app.screen, HelpScreen)
 
     drive(chat_backend, tmp_path, body)
 
