@@ -124,6 +124,8 @@ def run(args):
     if args.drafter is not None and dflash is None:
         dflash = True  # naming a drafter asks for it
     lm = load_model(args.model, store, drafter=args.drafter, dflash=dflash, download=True, dtype=args.dtype)
+    if lm.dtype_notice():
+        sys.stderr.write(f"mlx-dflash: {lm.dtype_notice()}\n")
     s = effective_settings(lm.settings, args)
     if lm.drafter is not None and args.block_size is not None and s.block_size > lm.drafter.block_size:
         from .cli import UserError

@@ -49,12 +49,20 @@ class LoadedModel:
     entry: ModelEntry
     drafter_id: Optional[str] = None
     notices: list = field(default_factory=list)  # one-line notes for the user (fallbacks, forced dtypes)
-    dtype: Optional[DtypeChoice] = None  # the compute dtype and why
+    dtype: Optional[DtypeChoice] = None  # the compute dtype and why (dtype_notice: the line to show once)
     quant_bits: Optional[int] = None  # the drafter's weight bits as loaded (None: full precision)
     quant_why: str = ""  # why (drafter.quant_bits auto: per backend)
 
     def generation_kwargs(self) -> dict:
         return self.settings.generation_kwargs()
+
+    def dtype_notice(self) -> Optional[str]:
+        """One line when `dtype auto` was chosen by a measurement made at this load
+        (the first on this machine): generate prints it, the chat shows it."""
+        c = self.dtype
+        if c is None or not c.fresh or c.cast is None:
+            return None
+        return f"{c.line()}; `mlx-dflash settings set {self.id} dtype checkpoint` keeps {c.checkpoint}"
 
 
 def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: Optional[SettingsStore] = None,
@@ -145,9 +153,6 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
         s = replace(s, dtype=dtype)
     model, tok, drafter, choice = _load_files(load_with_choice, str(entry.path), dpath, auto_drafter=on,
                                               dtype=s.dtype)
-    if choice.fresh and choice.cast is not None:  # a choice made here for the first time: say so once
-        notices.append(f"{choice.line()}; `mlx-dflash settings set {entry.id} dtype checkpoint` keeps "
-                       f"{choice.checkpoint}")
     bits, bits_why = resolve_quant_bits(s.drafter_quant_bits)
     if drafter is not None:
         tdt = param_dtype(model)

@@ -147,6 +147,9 @@ class ChatApp(App):
         self.set_status("ready")
         for n in getattr(m.loaded, "notices", None) or []:
             self.notify(n, severity="warning", timeout=8)
+        said = getattr(m.loaded, "dtype_notice", None)
+        if said and said():  # `dtype auto` measured at this load: once, as a note
+            self.notify(said(), timeout=8)
 
     # -- chats --
     async def open_chat(self, chat: Chat) -> None:
