@@ -3,6 +3,7 @@ panel (validation, saving, applying), the model switcher, the status bar, help,
 clearing and the chat list (tests/chat_pilot.py: the pair and the steps)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, status_text, until
@@ -278,3 +279,48 @@ def test_chat_list_deletes_and_renames(chat_backend, tmp_path):
         await until(pilot, lambda: app.chat.id == a.id, "the remaining chat to open")
 
     drive(chat_backend, tmp_path, body, reopen_last=False)
+
+
+def test_an_answer_is_drawn_the_same_streamed_and_reopened():
+    """A streamed answer (appended in pieces as the engine posts them) ends drawn
+    exactly as the same text drawn at once when a saved chat is reopened: `#### 5`
+    is a heading both times, `12*5` stays arithmetic, line breaks stay."""
+    import asyncio
+    import random
+
+    from textual.app import App
+
+    from app.chat.widgets import AnswerBubble
+
+    text = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 12*5 = 60 more.\n"
+            "1. April: 48\n2. May: 24\n\n```\nx = 48 + 24\n```\n#### 72")
+
+    class Two(App):
+        CSS_PATH = str(Path(__file__).resolve().parent.parent / "app" / "chat" / "chat.tcss")
+
+        def compose(self):
+            yield AnswerBubble()
+            yield AnswerBubble(text, stats={"generation_tokens": 3})
+
+    async def go():
+        app = Two()
+        async with app.run_test(size=(80, 60)) as pilot:
+            streamed, reopened = app.query(AnswerBubble)
+            rnd, i = random.Random(0), 0
+            while i < len(text):
+                n = rnd.randint(1, 7)
+                await streamed.add(text[i:i + n], [])
+                i += n
+            await streamed.finish({"generation_tokens": 3})
+            await pilot.pause(0.3)
+            lines = screen_lines(app)
+
+            def drawn(w):
+                r = w.query_one(".md").region
+                return [ln[r.x:r.right].rstrip() for ln in lines[r.y:r.bottom]]
+
+            a, b = drawn(streamed), drawn(reopened)
+            assert a == b and any(ln.strip() == "72" for ln in a) and not any("####" in ln for ln in a)
+            assert any("12*5 = 60" in ln for ln in a)
+
+    asyncio.run(go())
