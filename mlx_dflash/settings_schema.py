@@ -14,7 +14,7 @@ QUANT_BITS = ("auto", None, 4, 8)  # auto: 4-bit on Metal, full precision on mlx
 GROUP_SIZES = (32, 64, 128)
 ACTIVATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: $MLX_DFLASH_DTYPE if set, else the fastest measured here (dtype_choice); checkpoint: as stored
-COMPUTE_DTYPES = ("auto", "checkpoint", "float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16", "checkpoint")
 
 
 class SettingsError(ValueError):

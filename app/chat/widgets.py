@@ -238,15 +238,21 @@ class AnswerBubble(Vertical):
     async def add(self, text: str, spans: list) -> None:
         self.spans = spans
         self.updates += 1
+        self.text += text
+        if not self._parts():  # being removed (the chat was cleared mid-answer)
+            return
         if self.colours:
-            self.text += text
             self.query_one(".spans", Static).update(spans_text(spans))
         elif text:
-            self.text += text
             await self.query_one(".md", Markdown).append(text)
+
+    def _parts(self) -> bool:
+        return bool(self.query(".md")) and bool(self.query(".summary"))
 
     async def finish(self, stats: dict) -> None:
         self.stats = stats
+        if not self._parts():
+            return
         self.query_one(".summary", Static).update(summary_line(stats, self.mask_timings))
         if not self.colours:  # the whole answer parsed once, as a reopened chat draws it (append parses in pieces)
             await self.query_one(".md", Markdown).update(self.text)
