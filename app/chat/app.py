@@ -73,7 +73,7 @@ class ChatApp(App):
     # -- layout --
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="messages")
-        yield ChatInput(id="input", compact=True, placeholder="Message (Enter sends, ctrl+j newline, F1 help)")
+        yield ChatInput(id="input", compact=True, placeholder="Message (Enter sends, ctrl+j newline, ? or F1 help)")
         yield Static(id="status")
         yield Footer(compact=True)
 
