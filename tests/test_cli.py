@@ -312,3 +312,19 @@ def test_the_editable_install_has_the_simple_layout():
     from mlx_dflash.loader import default_pair, models_dir
 
     assert models_dir() == ROOT / "mlx_dflash_models" and (default_pair()[0] / "config.json").exists()
+
+
+def test_bootstrap_explains_its_own_modes_and_installs_nothing_for_help(tmp_path):
+    """`scripts/bootstrap.sh --help` is the script's help (not mlx-dflash's), and
+    touches nothing: run from a copy with no .venv, none is made."""
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    for flag in ("--help", "-h"):
+        r = subprocess.run(["bash", str(tmp_path / "scripts" / "bootstrap.sh"), flag], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and r.stderr == ""
+        for mode in ("usage: scripts/bootstrap.sh", " run ", " test ", " install ", ".bootstrap-stamp"):
+            assert mode in r.stdout, mode
+    assert not (tmp_path / ".venv").exists()
