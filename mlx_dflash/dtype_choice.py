@@ -83,7 +83,11 @@ class DtypeChoice:
 
     @property
     def cast(self):
-        """The dtype to cast the weights to, or None where they stay as stored."""
+        """The dtype to cast the weights to (the drafter's too), or None where they
+        stay as stored. A dtype named in a setting applies to both models even where
+        the target already has it."""
+        if self.setting in NAMES:
+            return NAMES[self.name]
         return None if self.name == self.checkpoint else NAMES[self.name]
 
     def line(self) -> str:
