@@ -97,40 +97,62 @@ def verify_cost(model=None, context: int = 256, widths=WIDTHS, reps: int = 15, l
             "spread_t1": (max(t1) - min(t1)) / med(t1)}
 
 
-def dtype_step_cost(reps: int = 9) -> dict:
-    """1-token step of the embedded target in float32 and in bfloat16, timed
-    alternately (median): on a CPU backend bf16 matmuls run outside BLAS."""
-    import mlx.core as mx
+def _embedded_target():
+    """The embedded target, loaded in its checkpoint's dtype, and its folder (None if missing)."""
     import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_dflash.loader import _cast, default_pair
+    from mlx_dflash.loader import default_pair
 
     path = default_pair()[0]
     if not (path / "config.json").exists():
-        return {}
-    steps = {}
-    for name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16)):
-        m, _ = mlx_lm.load(str(path))
-        _cast(m, dt)
-        cache = make_prompt_cache(m)
-        mx.eval(m(mx.arange(64)[None], cache=cache))
+        return None, path
+    return mlx_lm.load(str(path))[0], path
 
-        def step(m=m, cache=cache):
-            t0 = time.perf_counter()
-            mx.eval(m(mx.array([[7]]), cache=cache))
-            trim_prompt_cache(cache, 1)
-            return time.perf_counter() - t0
 
-        step()
-        steps[name] = step
-    ts = {k: [] for k in steps}
-    for _ in range(reps):
-        for k, f in steps.items():
-            ts[k].append(f())
-    ms = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
+def dtype_step_cost(model=None) -> dict:
+    """1-token step of the embedded target in float32 and in bfloat16, timed
+    round-robin (median; dtype_choice.step_times, what `dtype auto` measures): on a
+    CPU backend bf16 matmuls run outside BLAS."""
+    import mlx.core as mx
+
+    from mlx_dflash.dtype_choice import cast, param_dtype, step_times
+
+    if model is None:
+        model = _embedded_target()[0]
+        if model is None:
+            return {}
+    was = param_dtype(model)
+    ms = step_times(model, (mx.float32, mx.bfloat16))
+    cast(model, was)
     return {"float32_ms": round(ms["float32"], 2), "bfloat16_ms": round(ms["bfloat16"], 2),
             "ratio": round(ms["bfloat16"] / ms["float32"], 2)}
+
+
+def compute_dtype_report(quick: bool) -> dict:
+    """What the default model computes in under the default `dtype` setting (auto),
+    and why: $MLX_DFLASH_DTYPE, Metal, or the choice measured on this machine
+    (cached; measured now unless `quick`)."""
+    from mlx_dflash import dtype_choice
+
+    try:
+        setting, src = dtype_choice.requested("auto")
+    except ValueError as e:  # a bad $MLX_DFLASH_DTYPE: say so, do not fail the whole check
+        return {"dtype": "invalid", "source": str(e), "why": str(e)}
+    if setting != "auto":
+        return {"dtype": setting, "source": src, "why": f"set by {src} for every model"}
+    model, path = (None, None) if quick else _embedded_target()
+    if model is not None:
+        c = dtype_choice.choose(model, "auto", "setting", path)
+        return {"dtype": c.name, "source": "auto", "why": c.why, "model": "embedded/target"}
+    from mlx_dflash.loader import default_pair
+
+    hit = dtype_choice.cached(default_pair()[0])
+    if hit:
+        return {"dtype": hit["name"], "source": "auto", "why": hit["why"], "model": "embedded/target"}
+    if dtype_choice.backend() != "cpu":
+        return {"dtype": "checkpoint", "source": "auto", "why": "auto: the checkpoint's; Metal runs it natively"}
+    return {"dtype": "auto", "source": "auto", "why": "the faster of the checkpoint's and float32, measured at "
+            "a model's first load on this machine (doctor without --quick measures the embedded target now)"}
 
 
 def _load():
@@ -203,21 +225,18 @@ def report(quick: bool = False, context: int = 256, size: str = "both", kernel_a
         "fused_kernels": kernel in ("metal", "cuda"),
         "conv_kernel": kernel,
     }
-    from mlx_dflash.loader import DTYPE_ENV, compute_dtype
+    from mlx_dflash.dtype_choice import DTYPE_ENV
 
-    try:
-        dt, src = compute_dtype()
-        out["compute_dtype"] = {"dtype": str(dt).rsplit(".", 1)[-1] if dt is not None else "checkpoint",
-                                "source": src}
-    except ValueError as e:  # a bad $MLX_DFLASH_DTYPE: say so, do not fail the whole check
-        out["compute_dtype"] = {"dtype": "invalid", "source": str(e)}
+    if not quick:
+        log("choosing the embedded target's compute dtype (measured once per machine)...")
+    out["compute_dtype"] = compute_dtype_report(quick)
     if backend == "cpu" and not quick:
         log("timing the embedded target's 1-token step in float32 and bfloat16...")
         out["dtype_step"] = dtype_step_cost()
         r = out["dtype_step"].get("ratio")
-        if r and r > 1.3 and out["compute_dtype"]["dtype"] in ("checkpoint", "bfloat16", "float16"):
+        if r and r > 1.3 and out["compute_dtype"]["dtype"] in ("checkpoint", "bfloat16", "float16", "auto"):
             out["dtype_hint"] = (f"bfloat16 steps cost {r:.1f}x float32 on this CPU: set {DTYPE_ENV}=float32 "
-                                 "or `mlx-dflash settings set MODEL dtype float32`")
+                                 "or `mlx-dflash settings set MODEL dtype float32` (or auto)")
     if not quick:
         out["verify_context"] = context
         out["probes"] = {}
@@ -264,13 +283,17 @@ def run(args):
                   f"{what} " + ", ".join(f"{t} thread(s) {v}" for t, v in per.items()) for what, per in scores.items())
                   if scores else "")
               + ")")
+    # warnings first: they qualify the figures below them
+    for w in r["warnings"]:
+        print(f"warning: {w}")
     if r.get("kernel_threads"):
         from mlx_dflash.fastblas import kernel_threads_text
 
         print(f"few-row kernel threads: {kernel_threads_text(r['kernel_threads'])}")
     print(f"DFlash 2 conv: {r['conv_kernel']}" + (" (fused kernel)" if r["fused_kernels"] else " (MLX ops, compiled)"))
     cd = r["compute_dtype"]
-    print(f"compute dtype: {cd['dtype']} ({cd['source']})" + (
+    what = f" for {cd['model']}" if cd.get("model") else ""
+    print(f"compute dtype: {cd['dtype']} ({cd['source']}){what}: {cd['why']}" + (
         f"; embedded target 1-token step: float32 {r['dtype_step']['float32_ms']:.1f} ms, bfloat16 "
         f"{r['dtype_step']['bfloat16_ms']:.1f} ms" if r.get("dtype_step") else ""))
     if r.get("dtype_hint"):
@@ -282,6 +305,4 @@ def run(args):
             vc, ms = run_["verify_cost"], run_["verify_ms"]
             tag = f"  kernel {mode}:" if len(p["runs"]) > 1 else " "
             print(f"{tag} " + "  ".join(f"c({w})={c:.2f}" for w, c in vc.items()) + f"   (1-token step {ms['1']:.1f} ms)")
-    for w in r["warnings"]:
-        print(f"warning: {w}")
     return 0

@@ -38,8 +38,9 @@ def add_parser(sub):
     p.add_argument("--verify-mode", default=None, metavar="MODE",
                    help=f"{' | '.join(modes)} (default from settings: dflash)")
     p.add_argument("--dtype", default=None, metavar="DTYPE",
-                   help="the target's compute dtype: auto | float32 | bfloat16 | float16 (default from settings: "
-                        "auto = $MLX_DFLASH_DTYPE, else the checkpoint's; float32 is faster on a CPU)")
+                   help="the target's compute dtype: auto | checkpoint | float32 | bfloat16 | float16 (default from "
+                        "settings: auto = $MLX_DFLASH_DTYPE if set, else the fastest measured on this machine: "
+                        "float32 for a bf16 model on mlx-cpu, the checkpoint's on Metal)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system prompt (chat template only; default from settings)")
@@ -112,6 +113,7 @@ def run(args):
     from mlx_dflash import stream_generate
     from mlx_dflash.manager import acceptance_warning, load_model, settings_store
 
+    from mlx_dflash.loader import model_dtype
     from mlx_dflash.settings import COMPUTE_DTYPES, SettingsError
 
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
@@ -122,6 +124,8 @@ def run(args):
     if args.drafter is not None and dflash is None:
         dflash = True  # naming a drafter asks for it
     lm = load_model(args.model, store, drafter=args.drafter, dflash=dflash, download=True, dtype=args.dtype)
+    if lm.dtype_notice():
+        sys.stderr.write(f"mlx-dflash: {lm.dtype_notice()}\n")
     s = effective_settings(lm.settings, args)
     if lm.drafter is not None and args.block_size is not None and s.block_size > lm.drafter.block_size:
         from .cli import UserError
@@ -151,10 +155,9 @@ def run(args):
             return 0
         s = r.stats
         if args.json:
-            from mlx_dflash.loader import model_dtype
-
             res = {"text": "".join(text), "token_ids": ids, "finish_reason": r.finish_reason, "model": lm.id,
                    "drafter": lm.drafter_id, "dtype": model_dtype(lm.model),
+                   "dtype_why": lm.dtype.why if lm.dtype is not None else None,
                    "stats": {"tau": s.tau, "cycles": s.cycles, "drafted": s.drafted, "accepted": s.accepted,
                              "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.generation_tps,
                              "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
@@ -166,7 +169,8 @@ def run(args):
             out.write("\n")
             sys.stderr.write(
                 f"[{s.generation_tokens} tokens, {s.generation_tps:.1f} tok/s, tau {s.tau:.2f}, "
-                f"accept {s.acceptance_rate:.0%}, mode {s.mode}{', fallback: ' + s.fallback if s.fallback else ''}]\n")
+                f"accept {s.acceptance_rate:.0%}, mode {s.mode}{', fallback: ' + s.fallback if s.fallback else ''}, "
+                f"{model_dtype(lm.model)}]\n")
     except _Pipe.Closed:
         return 0  # the reader took what it wanted
     return 0

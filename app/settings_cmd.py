@@ -57,12 +57,47 @@ def _globals_shown(g) -> dict:
     return {k: mask(v) if k in SECRET_KEYS else v for k, v in asdict(g).items()}
 
 
-def _print(value, as_json: bool) -> None:
+def _print(value, as_json: bool, notes=None) -> None:
+    notes = notes or {}
     if isinstance(value, dict) and not as_json:
         for k, v in value.items():
-            print(f"{k} = {json.dumps(v)}")
+            print(f"{k} = {json.dumps(v)}" + (f"  # {notes[k]}" if k in notes else ""))
     else:
-        print(json.dumps(value, indent=2 if isinstance(value, dict) else None))
+        print(json.dumps(value, indent=2 if isinstance(value, dict) else None)
+              + (f"  # {notes['']}" if "" in notes and not as_json else ""))
+
+
+def resolved_notes(store, model_id: str, view: dict) -> dict:
+    """What the `auto` values of a model's settings resolve to on this machine
+    (key -> one line): the drafter's precision, and the compute dtype once measured."""
+    from mlx_dflash import dtype_choice
+    from mlx_dflash.drafter_precision import quant_label, resolve_quant_bits
+    from mlx_dflash.hub import HubError
+    from mlx_dflash.manager import discover, find
+
+    notes = {}
+    if view.get("drafter.quant_bits") == "auto":
+        bits, why = resolve_quant_bits("auto")
+        notes["drafter.quant_bits"] = f"{quant_label(bits)} here ({why})"
+    if view.get("dtype") == "auto":
+        try:
+            setting, src = dtype_choice.requested("auto")
+        except ValueError as e:
+            notes["dtype"] = str(e)
+            return notes
+        if setting != "auto":
+            notes["dtype"] = f"{setting} (from {src})"
+        elif dtype_choice.backend() != "cpu":
+            notes["dtype"] = "the checkpoint's (Metal)"
+        else:
+            try:
+                e = find(model_id, discover(store), store)
+            except HubError:
+                e = None
+            hit = dtype_choice.cached(e.path) if e is not None else None
+            notes["dtype"] = (f"{hit['name']} here ({hit['why']})" if hit else
+                              "the faster of the checkpoint's and float32, measured at the first load here")
+    return notes
 
 
 def _get(store, a, as_json) -> int:
@@ -87,15 +122,17 @@ def _get(store, a, as_json) -> int:
     if len(a) == 1 and _is_global(store, a[0]):
         _print(_globals_shown(store.globals())[a[0]], as_json)
         return 0
-    view = _model_view(store, _model(store, a[0])[0])
+    model_id = _model(store, a[0])[0]
+    view = _model_view(store, model_id)
     if len(a) == 1:
-        _print(view, as_json)
+        _print(view, as_json, None if as_json else resolved_notes(store, model_id, view))
         return 0
     model_field(a[1])  # unknown key -> one-line error listing the valid ones
     from mlx_dflash.settings import MODEL_KEYS
 
     key = a[1] if a[1] in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == a[1])
-    _print(view[key], as_json)
+    note = None if as_json else resolved_notes(store, model_id, {key: view[key]}).get(key)
+    _print(view[key], as_json, {"": note} if note else None)
     return 0
 
 
@@ -129,6 +166,10 @@ def _set(store, a) -> int:
         return 0
     if len(a) == 2 and a[0] in MODEL_KEYS:
         raise SettingsError(f"'{a[0]}' is a model setting; name the model: mlx-dflash settings set MODEL {a[0]} {a[1]}")
+    if len(a) == 1 and _is_global(store, a[0]):
+        raise SettingsError(f"the value is missing: mlx-dflash settings set {a[0]} VALUE")
+    if len(a) == 2 and (a[1] in MODEL_KEYS or a[1] in MODEL_KEYS.values()):
+        raise SettingsError(f"the value is missing: mlx-dflash settings set {a[0]} {a[1]} VALUE")
     if len(a) == 2:
         raise SettingsError(f"{_unknown_key(a[0])}; usage: settings set GLOBAL_KEY VALUE or settings set MODEL KEY VALUE")
     if len(a) != 3:

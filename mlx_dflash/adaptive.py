@@ -85,7 +85,7 @@ class AdaptiveWidth(Policy):
         if not 1 <= max_width <= costs.max_width:
             raise ValueError(f"max_width {max_width} outside the measured cost curve 1..{costs.max_width}")
         self.costs = costs
-        self.max_width = max_width
+        self.max_width = self.widest = max_width
         self.online = online  # rescale costs with observed timings
         self.prior = prior
         self.p = [prior] * max_width  # p[k-1]: P(draft k accepted | drafts < k accepted)

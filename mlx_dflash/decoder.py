@@ -99,11 +99,13 @@ class Decoder:
             print("mlx-dflash: this target's KV cache cannot be trimmed; using plain decoding", file=sys.stderr)
         st.mode, st.block_size = mode, w
         carry = cfg.seed is None  # a seeded call does not inherit the last call's state: same seed, same sample
-        ctx = PolicyContext(w, drafter.block_size if use is not None else w, len(ids), use is not None, cfg.guard, cfg.default_width, cfg.lookup, costs=self._costs,
+        ctx = PolicyContext(w, drafter.block_size if use is not None else w, len(ids), use is not None, cfg.guard,
+                            cfg.default_width, cfg.lookup, costs=self._costs,
                             prior=lambda: self.calibration.prior(self.target.model, drafter)
                             if carry and self.calibration is not None else None,
                             plain_reason=st.fallback or "verify mode off")
         self.policy = POLICIES[mode](ctx)
+        st.block_size = self.policy.widest or w  # the guard may choose up to the drafter's block size
         # a policy that never drafts from the drafter (the guard where DFlash cannot pay)
         # needs no features, unless a later call may draft from this cache
         if use is not None and not self.policy.uses_drafter and not self.keep:

@@ -1,5 +1,6 @@
 """The drafter's precision: activation dtype (with the float16 overflow guard)
-and weight quantization, applied to one loaded drafter instance."""
+and weight quantization, applied to one loaded drafter instance, and what
+`drafter.quant_bits auto` means on this backend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,27 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .discovery import _cpu
+from .dtype_choice import cast
 from .settings import SettingsError
+
+# drafter.quant_bits auto: 4-bit where quantized matmuls are the fast ones (Metal:
+# memory-bound, 28% of the bytes, no tau loss: bench/quant.md); full precision on
+# mlx-cpu, whose quantized matmul is compute-bound and slower than float32 BLAS
+AUTO_QUANT_BITS = {"metal": 4, "cpu": None}
+
+
+def resolve_quant_bits(setting) -> tuple:
+    """(bits the drafter's weights are quantized to, None for full precision; why)."""
+    if setting != "auto":
+        return setting, "from the setting"
+    where = "cpu" if _cpu() else "metal"
+    bits = AUTO_QUANT_BITS[where]
+    return bits, ("auto on Metal: memory-bound, a quarter of the bytes" if bits else
+                  "auto on mlx-cpu: its quantized matmul is slower than full precision there")
+
+
+def quant_label(bits) -> str:
+    return f"{bits}-bit" if bits else "full precision"
 
 
 def param_bytes(module) -> int:
@@ -41,9 +62,7 @@ def set_activation_dtype(drafter, dtype) -> None:
     """Run the drafter in `dtype`: its float parameters, and its inputs (the target's
     embeddings and features arrive in the target's dtype). No safety check: see
     safe_activation_dtype."""
-    from .loader import _cast
-
-    _cast(drafter, dtype)
+    cast(drafter, dtype)
     base = type(drafter)
     while getattr(base, "_casts_inputs", False):
         base = base.__mro__[1]

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import mlx_dflash_models
 
+from . import dtype_choice
 from .drafter import Drafter, load_drafter, validate
+from .dtype_choice import NAMES, cast, param_dtype
 from .hub import HubError, resolve_path
 from .target import Target
 
 
 def models_dir() -> Path:
-    """The embedded models: `models/` in a checkout, `mlx_dflash_models` when installed."""
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").exists() and (root / "models").is_dir():  # a checkout
-        return root / "models"
-    import mlx_dflash_models
-
+    """The embedded models: the data-only package `mlx_dflash_models` (a folder of
+    the checkout, or installed beside mlx_dflash)."""
     return Path(mlx_dflash_models.__path__[0])
 
 
@@ -41,9 +39,15 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
     drafter is looked up (registry.find_drafter) unless `auto_drafter` is False;
     an explicit drafter always wins. The target keeps the dtype mlx-lm loads
     (bf16 stays bf16: output is token for token mlx-lm's) unless `dtype` or
-    $MLX_DFLASH_DTYPE asks for another (float32 is several times faster on the
-    CPU backend; see `compute_dtype`). A model the engine cannot drive exactly is
-    refused (TargetError, one line) before its weights are read."""
+    $MLX_DFLASH_DTYPE asks for another, or for auto (the fastest here; see
+    dtype_choice). A model the engine cannot drive exactly is refused
+    (TargetError, one line) before its weights are read."""
+    return load_with_choice(model, drafter, dtype=dtype, auto_drafter=auto_drafter)[:3]
+
+
+def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None,
+                     auto_drafter: bool = True) -> tuple:
+    """`load`, plus the compute dtype chosen and why (dtype_choice.DtypeChoice)."""
     import mlx_lm
 
     if model is None:
@@ -62,14 +66,15 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
         raise HubError(f"{path / 'config.json'} is not valid JSON (line {e.lineno})") from None
     if "dflash_config" in cfg:
         raise HubError(f"{path} is a DFlash drafter, not a target model; pass it as the drafter")
-    dtype, _ = compute_dtype(dtype)
+    setting, src = dtype_choice.requested(None if dtype is None else dtype_name_of(dtype))
     try:
         m, tok = mlx_lm.load(str(path), lazy=True)  # weights are read at the eval below
     except ValueError as e:  # unsupported model type and similar, from mlx-lm
         raise HubError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0]}") from None
     Target(m)  # refuses an unsupported model (TargetError) before its weights load
-    if dtype is not None:
-        _cast(m, dtype)
+    choice = dtype_choice.choose(m, setting, src, path)  # auto: may read the weights to time a step
+    if choice.cast is not None:
+        cast(m, choice.cast)
     mx.eval(m.parameters())
     d = None
     if drafter is None and auto_drafter and str(path) != str(default_pair()[0]):
@@ -77,55 +82,30 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=No
     elif drafter is not None:
         d = load_drafter(drafter)
         validate(d, Target(m))
-    if d is not None and dtype is not None:  # else the drafter runs in its checkpoint's dtype
-        _cast(d, dtype)  # the compute dtype the user asked for applies to both models
-    return m, tok, d
+    if d is not None and choice.cast is not None:  # else the drafter runs in its checkpoint's dtype
+        cast(d, choice.cast)  # the compute dtype chosen applies to both models
+    return m, tok, d, choice
 
 
-DTYPE_ENV = "MLX_DFLASH_DTYPE"
-_DTYPES = {"float32": mx.float32, "fp32": mx.float32, "float16": mx.float16, "fp16": mx.float16,
-           "bfloat16": mx.bfloat16, "bf16": mx.bfloat16}
+def dtype_name_of(dtype) -> str:
+    """A dtype given as a name or an mx.Dtype -> its name."""
+    return dtype if isinstance(dtype, str) else dtype_choice.dtype_name(dtype)
 
 
 def compute_dtype(dtype=None) -> tuple:
-    """(the dtype the target's float weights are cast to, or None for the
-    checkpoint's own; where that choice came from: "argument", "$MLX_DFLASH_DTYPE"
-    or "checkpoint"). For doctor and stats."""
-    src = "argument"
-    if dtype is None:
-        dtype, src = os.environ.get(DTYPE_ENV, ""), f"${DTYPE_ENV}"
-    if isinstance(dtype, str):
-        if dtype.strip().lower() in ("", "checkpoint", "auto", "none"):
-            return None, "checkpoint"
-        if dtype.lower() not in _DTYPES:
-            raise ValueError(f"unknown dtype '{dtype}' ({src}); use one of float32, float16, bfloat16, checkpoint")
-        dtype = _DTYPES[dtype.lower()]
-    return dtype, src
+    """(the dtype asked for: an mx.Dtype, or None for the checkpoint's own or auto;
+    where that came from). Reads no model: discovery's memory estimate."""
+    setting, src = dtype_choice.requested(None if dtype is None else dtype_name_of(dtype))
+    return NAMES.get(setting), src
 
 
 def model_dtype(m) -> str:
     """The dtype a loaded model computes in (its first floating parameter), e.g. 'bfloat16'."""
-    return str(_param_dtype(m)).rsplit(".", 1)[-1]
+    return dtype_choice.dtype_name(param_dtype(m))
 
 
-def _param_dtype(m):
-    from mlx.utils import tree_flatten
-
-    for _, v in tree_flatten(m.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            return v.dtype
-    return mx.float32
-
-
-def _cast(m, dtype) -> None:
-    """Cast floating, non-quantized parameters (quantized weights stay as they are)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    upd = [(k, v.astype(dtype)) for k, v in tree_flatten(m.parameters())
-           if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype]
-    if upd:
-        m.update(tree_unflatten(upd))
-        mx.eval(m.parameters())
+_param_dtype = param_dtype  # the names scripts/ and older callers use
+_cast = cast
 
 
 def _auto_drafter(model_ref: str, path: Path, cfg: dict, m) -> Optional[Drafter]:

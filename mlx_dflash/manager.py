@@ -30,7 +30,9 @@ import mlx.core as mx
 # what the API above names, and what callers import from here, whichever file it lives in
 from .discovery import (DRAFTER_KINDS, KINDS, ModelEntry, _compatible, _dir_size, _entry, _notice,  # noqa: F401
                         discover, hf_cache_dir, list_targets, pair_problem, read_config, weights_problem)
-from .drafter_precision import param_bytes, quantize_drafter, safe_activation_dtype, set_activation_dtype  # noqa: F401
+from .drafter_precision import (param_bytes, quantize_drafter, resolve_quant_bits,  # noqa: F401
+                                safe_activation_dtype, set_activation_dtype)
+from .dtype_choice import DtypeChoice, param_dtype
 from .hub import HubError
 from .model_names import _drafter_cfg, check_files, find, model_path, resolve  # noqa: F401
 from .settings import ModelSettings, SettingsError, SettingsStore
@@ -47,9 +49,20 @@ class LoadedModel:
     entry: ModelEntry
     drafter_id: Optional[str] = None
     notices: list = field(default_factory=list)  # one-line notes for the user (fallbacks, forced dtypes)
+    dtype: Optional[DtypeChoice] = None  # the compute dtype and why (dtype_notice: the line to show once)
+    quant_bits: Optional[int] = None  # the drafter's weight bits as loaded (None: full precision)
+    quant_why: str = ""  # why (drafter.quant_bits auto: per backend)
 
     def generation_kwargs(self) -> dict:
         return self.settings.generation_kwargs()
+
+    def dtype_notice(self) -> Optional[str]:
+        """One line when `dtype auto` was chosen by a measurement made at this load
+        (the first on this machine): generate prints it, the chat shows it."""
+        c = self.dtype
+        if c is None or not c.fresh or c.cast is None:
+            return None
+        return f"{c.line()}; `mlx-dflash settings set {self.id} dtype checkpoint` keeps {c.checkpoint}"
 
 
 def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: Optional[SettingsStore] = None,
@@ -103,8 +116,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
     `drafter` (a name) overrides the settings' choice; `dflash` forces DFlash on or
     off; `download` fetches a Hugging Face repo id not on this machine; `dtype`
     overrides the `dtype` setting (the target's compute dtype)."""
-    from .loader import _param_dtype
-    from .loader import load as load_files
+    from .loader import load_with_choice
 
     store = store or SettingsStore()
     entries = discover(store)
@@ -139,17 +151,18 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
     # on with none found here: the loader may still find a published one (registry)
     if dtype is not None:
         s = replace(s, dtype=dtype)
-    model, tok, drafter = _load_files(load_files, str(entry.path), dpath, auto_drafter=on,
-                                      dtype=None if s.dtype == "auto" else s.dtype)
+    model, tok, drafter, choice = _load_files(load_with_choice, str(entry.path), dpath, auto_drafter=on,
+                                              dtype=s.dtype)
+    bits, bits_why = resolve_quant_bits(s.drafter_quant_bits)
     if drafter is not None:
-        tdt = _param_dtype(model)
+        tdt = param_dtype(model)
         act, why = safe_activation_dtype(s.drafter_activation_dtype, tdt)
         if why:
             notices.append(why)
         if act != tdt:
             set_activation_dtype(drafter, act)
-        if s.drafter_quant_bits:
-            quantize_drafter(drafter, s.drafter_quant_bits, s.drafter_quant_group_size,
+        if bits:
+            quantize_drafter(drafter, bits, s.drafter_quant_group_size,
                              scale_dtype=mx.float16 if act == mx.float16 else mx.bfloat16)
         if s.block_size > drafter.block_size:
             notices.append(f"block_size {s.block_size} is above the drafter's trained block size "
@@ -157,7 +170,8 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
             s = replace(s, block_size=drafter.block_size)
     for n in notices:
         _notice(n)
-    return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices)
+    return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices, choice,
+                       bits if drafter is not None else None, bits_why)
 
 
 # -- after loading -----------------------------------------------------------------------

@@ -84,7 +84,10 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
     if _is_repo_id(model_id) and download:
         from .hub import resolve_path
 
-        path = resolve_path(model_id, "model")  # the hub's cache; one-line error when offline
+        try:
+            path = resolve_path(model_id, "model")  # the hub's cache, or a download
+        except HubError as err:  # the same message as without download, and what the fetch said
+            raise SettingsError(f"{unknown_model(model_id, entries)} (fetching it now failed: {err})") from None
         e = _entry(model_id, path, "hf-cache", store)
         if e is None:
             raise HubError(f"'{model_id}' holds no model mlx-dflash can use (needs config.json and "
@@ -92,7 +95,13 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
         if e.kind == "target":
             e.compatible_drafters = _compatible(e, entries)
         return e
-    raise _unknown("model", model_id, entries)
+    raise SettingsError(unknown_model(model_id, entries))
+
+
+def unknown_model(name: str, entries: list, what: str = "model") -> str:
+    """The one message for a model (or drafter) name that matches nothing here:
+    generate, chat, serve and settings all say this (resolve raises it)."""
+    return str(_unknown(what, name, entries))
 
 
 def _unknown(what: str, name: str, entries: list) -> SettingsError:

@@ -75,6 +75,7 @@ class Policy:
     reads_confidence = False  # `trim` needs the drafts' confidences read back (one extra sync)
     uses_drafter = True  # may ask for DFlash drafts (else a one-shot call captures no features)
     uses_lookup = False  # may ask for prompt-lookup drafts (the session keeps an n-gram index)
+    widest = 0  # the widest verify it may ask for (0: none)
 
     def next(self, state: LoopState):
         raise NotImplementedError
@@ -111,7 +112,7 @@ class Fixed(Policy):
     """Verify width w on every cycle, DFlash drafts: what the user set, exactly."""
 
     def __init__(self, width: int):
-        self.w = width
+        self.w = self.widest = width
         self.reason = f"fixed width {width}"
 
     def next(self, state: LoopState):
@@ -124,7 +125,7 @@ class LookupFirst(Policy):
     without one, lookup wherever the context matches, plain decoding between."""
 
     def __init__(self, width: int, with_drafter: bool):
-        self.w, self.dflash = width, with_drafter
+        self.w, self.dflash, self.widest = width, with_drafter, width
         self.uses_drafter, self.uses_lookup = with_drafter, True
         self.reason = f"lookup width {width}" + (" (else DFlash)" if with_drafter else "")
 
@@ -207,7 +208,7 @@ class Guard(Policy):
 
     def __init__(self, width: int, costs: Costs, prior: Optional[Observed] = None, lookup: bool = False,
                  long: Optional[Costs] = None, context: int = 0):
-        self.w = width  # the widest width it drafts at
+        self.w = self.widest = width  # the widest width it drafts at
         prior = prior or Observed()
         self.lookup = _Lookup(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
         self.ws = sorted({x for x in costs.c if 2 <= x <= width} | {width})

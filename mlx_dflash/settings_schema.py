@@ -12,10 +12,11 @@ from typing import Optional
 
 from .modes import VERIFY_MODES
 
-QUANT_BITS = (None, 4, 8)
+QUANT_BITS = ("auto", None, 4, 8)  # auto: 4-bit on Metal, full precision on mlx-cpu (drafter_precision)
 GROUP_SIZES = (32, 64, 128)
 ACTIVATION_DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: $MLX_DFLASH_DTYPE, else the checkpoint's
+# auto: $MLX_DFLASH_DTYPE if set, else the fastest measured here (dtype_choice); checkpoint: as stored
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16", "checkpoint")
 
 
 class SettingsError(ValueError):
@@ -39,7 +40,7 @@ class ModelSettings:
     drafter: Optional[str] = None  # path or model id; None: the best compatible one found
     block_size: int = 5
     verify_mode: str = "dflash"
-    drafter_quant_bits: Optional[int] = None  # None | 4 | 8
+    drafter_quant_bits: Optional[object] = "auto"  # "auto" | None (full precision) | 4 | 8
     drafter_quant_group_size: int = 64
     drafter_activation_dtype: str = "auto"  # auto = the target's dtype
     temperature: float = 0.0
@@ -49,7 +50,7 @@ class ModelSettings:
     max_tokens: int = 512
     system_prompt: str = ""
     max_context: int = 4096
-    dtype: str = "auto"  # the target's compute dtype (float32 is several times faster on a CPU)
+    dtype: str = "auto"  # the target's compute dtype: auto = the fastest here (float32 on mlx-cpu for bf16)
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments for `stream_generate`."""
@@ -124,6 +125,8 @@ def parse_value(name: str, text: str):
     t = text.strip()
     if optional and t.lower() in ("none", "null", ""):
         return None
+    if name == "drafter_quant_bits" and t.lower() == "auto":
+        return "auto"
     try:
         if typ is bool:
             v = {"true": True, "on": True, "yes": True, "1": True,
@@ -152,6 +155,8 @@ def _check_type(name: str, v):
         if optional:
             return None
         raise SettingsError(f"{key} cannot be empty")
+    if name == "drafter_quant_bits" and isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
     if typ is float and isinstance(v, (int, float)) and not isinstance(v, bool):
         try:
             f = float(v)  # an int too large for a float overflows
@@ -179,7 +184,7 @@ def check_model(s: ModelSettings) -> None:
     if s.block_size < 1:
         raise SettingsError(f"block_size must be >= 1, got {s.block_size}")
     if s.drafter_quant_bits not in QUANT_BITS:
-        raise SettingsError(f"drafter.quant_bits must be none, 4 or 8, got {s.drafter_quant_bits}")
+        raise SettingsError(f"drafter.quant_bits must be none, 4 or 8 (or auto), got {s.drafter_quant_bits}")
     if s.drafter_quant_group_size not in GROUP_SIZES:
         raise SettingsError(f"drafter.quant_group_size must be 32, 64 or 128, got {s.drafter_quant_group_size}")
     if s.drafter_activation_dtype not in ACTIVATION_DTYPES:

@@ -78,7 +78,7 @@ def replay(prompt_ids, answer_ids, width):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="models/target")
+    ap.add_argument("--model", default="mlx_dflash_models/target")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--widths", default="5,8,16")

@@ -2,7 +2,7 @@
 """Write the model card (README.md) of an exported drafter from its training run and
 the tau benchmark.
 
-    python scripts/drafter_card.py models/dflash2 --run runs/drafters/dflash2 \
+    python scripts/drafter_card.py mlx_dflash_models/dflash2 --run runs/drafters/dflash2 \
         [--bench bench/tau_ablation.json] [--commands scripts/train_drafters.sh]
 """
 
@@ -50,11 +50,11 @@ def main(argv=None):
     data_rows = "\n".join(f"| {k} | {v['examples']} | {v['rows']} ({v['held_out_rows']} held out) | {v['tokens']:,} | "
                           f"{v['anchor_tokens']:,} |" for k, v in stats.items())
     L = [f"# mlx-dflash embedded {name} drafter", "",
-         (f"The default drafter of the embedded pair: a {name} drafter for `models/target`, trained with "
+         (f"The default drafter of the embedded pair: a {name} drafter for `mlx_dflash_models/target`, trained with "
           "`mlx-dflash train-drafter`." if c.version == 2 else
           f"The {name} drafter of the embedded pair, kept for the DFlash 1 vs DFlash 2 ablation "
           "(`bench/tau_ablation.md`); it was trained with exactly the same layers, block size, data, steps and "
-          f"seed as `models/{other}`."), "",
+          f"seed as `mlx_dflash_models/{other}`."), "",
          "## Model", "",
          "| field | value |", "|---|---|",
          f"| architecture | `{c.to_dict()['architectures'][0]}` |",

@@ -17,7 +17,7 @@ import mlx_lm  # noqa: E402
 from app.bench_prompts import load_prompts  # noqa: E402
 from mlx_dflash import load, stream_generate  # noqa: E402
 
-model, tok, d2 = load("models/target", "models/dflash2")
+model, tok, d2 = load("mlx_dflash_models/target", "mlx_dflash_models/dflash2")
 spec, N, MT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 REPS = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2
 ps = [p["prompt"] for p in load_prompts(spec, tok, N)]

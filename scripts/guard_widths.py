@@ -26,7 +26,7 @@ ap.add_argument("--widths", default="3,5,8")
 ap.add_argument("--reps", type=int, default=1)
 args = ap.parse_args()
 
-model, tok, d2 = load("models/target", "models/dflash2", dtype=args.dtype)
+model, tok, d2 = load("mlx_dflash_models/target", "mlx_dflash_models/dflash2", dtype=args.dtype)
 ps = [p["prompt"] for p in load_prompts(args.prompts, tok, args.n)]
 
 

@@ -9,12 +9,12 @@ Sub-commands (run from the repository root, with PYTHONPATH=. so that
   python scripts/train_target.py train  --preset target --steps N [--resume]
   python scripts/train_target.py train  --preset target --resume --new-phase --ul-data RESPONSES.jsonl
                                           # + unlikelihood on the model's own greedy loops
-  python scripts/train_target.py export --preset target      # -> models/target/
+  python scripts/train_target.py export --preset target      # -> mlx_dflash_models/target/
   python scripts/train_target.py evaluate --preset target    # generations, repetition rate
   python scripts/train_target.py card   --preset target      # README.md model card + loss curve
 
 `--preset draft` does the same for the small classic autoregressive draft
-model (runs/draft-ar -> models/draft-ar).
+model (runs/draft-ar -> mlx_dflash_models/draft-ar).
 
 Data (real text only):
   * the .py files of the running interpreter's standard library
@@ -329,7 +329,7 @@ def main():
     ap.add_argument("--bench-steps", type=int, default=8)
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. models/target)")
+    ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. mlx_dflash_models/target)")
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
     ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
     ap.add_argument("--phase", action="append", default=None,

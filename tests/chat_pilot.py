@@ -25,12 +25,12 @@ def make_app(backend, tmp_path, **kw):
     return ChatApp("target", backend=backend, history=HistoryStore(tmp_path / "chats"), **kw)
 
 
-def drive(backend, tmp_path, body, **kw):
-    """Run `await body(app, pilot)` in a chat app at SIZE once its model is loaded;
-    returns what body returns."""
+def drive(backend, tmp_path, body, size=SIZE, notifications=False, **kw):
+    """Run `await body(app, pilot)` in a chat app at `size` once its model is loaded
+    (toasts drawn with `notifications`); returns what body returns."""
     async def go():
         app = make_app(backend, tmp_path, **kw)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size, notifications=notifications) as pilot:
             await ready(pilot)
             return await body(app, pilot)
 
@@ -84,6 +84,11 @@ async def press_to_close(pilot, key, screen):
 
 def screen_lines(app) -> list:
     return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+def status_text(app) -> str:
+    r = app.query_one("#status").render()
+    return r.plain if hasattr(r, "plain") else str(r)
 
 
 def squeeze(text: str) -> str:

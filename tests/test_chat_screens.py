@@ -3,8 +3,10 @@ panel (validation, saving, applying), the model switcher, the status bar, help,
 clearing and the chat list (tests/chat_pilot.py: the pair and the steps)."""
 
 import json
+from pathlib import Path
 
-from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, until
+import pytest
+from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, status_text, until
 
 from app.chat import SettingsScreen, build_prompt
 from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen
@@ -102,18 +104,60 @@ def test_model_switcher_lists_targets_only(chat_backend, tmp_path):
 # -- 80x24: fits, help, asks before erasing, the chat list -----------------------------------
 
 
-def test_status_bar_fits_80x24(chat_backend, tmp_path):
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+def test_status_is_one_line_that_fits_and_toasts_leave_it_alone(chat_backend, tmp_path, size):
     chat_backend.store.set_model("target", max_tokens=8)
 
     async def body(app, pilot):
         await say(pilot, "hello")
         await pilot.pause()
         bar = app.query_one("#status")
-        text = bar.render().plain if hasattr(bar.render(), "plain") else str(bar.render())
-        assert "ready" in text and "DFlash" in text and "tok/s" in text
-        # every word of the status line is on screen (wrapped, not cut), and the footer too
-        assert squeeze(text) in squeeze("".join(screen_lines(app)))
-        assert bar.region.bottom <= SIZE[1] - 1 and "Help" in screen_lines(app)[-1]
+        text = status_text(app)
+        assert "ready" in text and "DFlash on w" in text and "tok/s" in text and "tau" in text
+        assert "policy" not in text and "\n" not in text  # the reason is in the help screen
+        # one line, inside the screen, above the footer, and all of its text is on that line
+        assert bar.region.height == 1 and bar.region.width == size[0]
+        assert len(text) <= size[0] - 2
+        row = screen_lines(app)[bar.region.y]
+        assert text in row, (text, row)
+        assert bar.region.bottom <= size[1] - 1 and "Help" in screen_lines(app)[-1]
+        # a toast (saving settings shows one) is drawn clear of the status line and the input
+        app.notify("settings saved; they apply to the next message")
+        await pilot.pause(0.3)
+        toasts = list(app.screen.query("Toast"))  # drawn (run_test draws none unless asked)
+        assert toasts
+        for t in toasts:
+            assert not t.region.overlaps(bar.region), (t.region, bar.region)
+            assert not t.region.overlaps(app.query_one("#input").region)
+        assert text in screen_lines(app)[bar.region.y]
+        # a new chat starts with a status of its own: no speed or tau of the last one
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not app.chat.messages and "tok/s" not in status_text(app), "the reset")
+        assert "tau" not in status_text(app) and "ready" in status_text(app)
+
+    drive(chat_backend, tmp_path, body, size=size, notifications=True)
+
+
+def test_question_mark_opens_help_with_the_policy_when_the_box_is_empty(chat_backend, tmp_path):
+    chat_backend.store.set_model("target", max_tokens=6)
+
+    async def body(app, pilot):
+        await say(pilot, "hi")
+        box = app.query_one("#input")
+        assert app.focused is box and box.text == ""
+        await press_for(pilot, "question_mark", HelpScreen, "the help")
+        shown = "\n".join(screen_lines(app))
+        assert "Now" in shown and "policy" in shown and "compute dtype" in shown
+        # the policy's whole reason is there (wrapped in its row, not cut as a status line would)
+        policy = app.last_stats["policy"]
+        rows = {str(w.render()) for w in app.screen.query(".what")}
+        assert policy in rows and app.loaded.dtype.why in " ".join(rows)
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is app.screen_stack[0], "the help to close")
+        # with text in the box, `?` is typed
+        await pilot.press("w", "h", "y", "question_mark")
+        await pilot.pause()
+        assert box.text == "why?" and not isinstance(app.screen, HelpScreen)
 
     drive(chat_backend, tmp_path, body)
 
@@ -235,3 +279,48 @@ def test_chat_list_deletes_and_renames(chat_backend, tmp_path):
         await until(pilot, lambda: app.chat.id == a.id, "the remaining chat to open")
 
     drive(chat_backend, tmp_path, body, reopen_last=False)
+
+
+def test_an_answer_is_drawn_the_same_streamed_and_reopened():
+    """A streamed answer (appended in pieces as the engine posts them) ends drawn
+    exactly as the same text drawn at once when a saved chat is reopened: `#### 5`
+    is a heading both times, `12*5` stays arithmetic, line breaks stay."""
+    import asyncio
+    import random
+
+    from textual.app import App
+
+    from app.chat.widgets import AnswerBubble
+
+    text = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 12*5 = 60 more.\n"
+            "1. April: 48\n2. May: 24\n\n```\nx = 48 + 24\n```\n#### 72")
+
+    class Two(App):
+        CSS_PATH = str(Path(__file__).resolve().parent.parent / "app" / "chat" / "chat.tcss")
+
+        def compose(self):
+            yield AnswerBubble()
+            yield AnswerBubble(text, stats={"generation_tokens": 3})
+
+    async def go():
+        app = Two()
+        async with app.run_test(size=(80, 60)) as pilot:
+            streamed, reopened = app.query(AnswerBubble)
+            rnd, i = random.Random(0), 0
+            while i < len(text):
+                n = rnd.randint(1, 7)
+                await streamed.add(text[i:i + n], [])
+                i += n
+            await streamed.finish({"generation_tokens": 3})
+            await pilot.pause(0.3)
+            lines = screen_lines(app)
+
+            def drawn(w):
+                r = w.query_one(".md").region
+                return [ln[r.x:r.right].rstrip() for ln in lines[r.y:r.bottom]]
+
+            a, b = drawn(streamed), drawn(reopened)
+            assert a == b and any(ln.strip() == "72" for ln in a) and not any("####" in ln for ln in a)
+            assert any("12*5 = 60" in ln for ln in a)
+
+    asyncio.run(go())

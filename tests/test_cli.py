@@ -268,3 +268,63 @@ def test_inspect_refuses_truncated_weights_and_takes_listed_names(pairs, tmp_pat
     r = cli("inspect", "embedded/dflash2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["version"] == 2
+
+
+def test_settings_set_without_a_value_says_the_value_is_missing(listed, capsys):
+    from mlx_dflash.settings import SettingsStore
+
+    for argv, want in ((("settings", "set", "target", "block_size"), "settings set target block_size VALUE"),
+                       (("settings", "set", "port"), "settings set port VALUE")):
+        assert main(*argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the value is missing" in err and want in err, err
+    assert SettingsStore().explicit("target") == {}
+
+
+def test_an_unknown_model_gets_one_message_everywhere(listed, capsys, monkeypatch):
+    """generate (which may download) and serve / settings (which do not) name the
+    mistake with the same words: model_names.unknown_model."""
+    from mlx_dflash.manager import discover, resolve, settings_store
+    from mlx_dflash.model_names import unknown_model
+    from mlx_dflash.settings import SettingsError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    store = settings_store()
+    want = unknown_model("nope/none", discover(store))
+    with pytest.raises(SettingsError) as e:  # what `serve --model` and the chat call
+        resolve("nope/none", store)
+    assert str(e.value) == want and want.startswith("unknown model 'nope/none'")
+    assert main("generate", "--model", "nope/none", "--prompt", "hi") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and want in err, err
+
+
+def test_the_editable_install_has_the_simple_layout():
+    """Each package in the folder of its own name and package-dir {"" = "."}: setuptools
+    then installs an editable checkout as one .pth line, without the import finder
+    that prints its "Editable installation ... same name as your package" block."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == {"": "."}
+    for pkg in cfg["packages"]:
+        assert ROOT.joinpath(*pkg.split(".")).is_dir(), pkg
+    from mlx_dflash.loader import default_pair, models_dir
+
+    assert models_dir() == ROOT / "mlx_dflash_models" and (default_pair()[0] / "config.json").exists()
+
+
+def test_bootstrap_explains_its_own_modes_and_installs_nothing_for_help(tmp_path):
+    """`scripts/bootstrap.sh --help` is the script's help (not mlx-dflash's), and
+    touches nothing: run from a copy with no .venv, none is made."""
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", tmp_path / "scripts" / "bootstrap.sh")
+    for flag in ("--help", "-h"):
+        r = subprocess.run(["bash", str(tmp_path / "scripts" / "bootstrap.sh"), flag], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and r.stderr == ""
+        for mode in ("usage: scripts/bootstrap.sh", " run ", " test ", " install ", ".bootstrap-stamp"):
+            assert mode in r.stdout, mode
+    assert not (tmp_path / ".venv").exists()

@@ -105,3 +105,24 @@ def test_recalibrate_measures_again(tmp_path, monkeypatch, capsys):
         fastblas.set_threads(prev[0])
         fastblas.set_route(prev[1])
         fastblas.STATE.update(prev[2])
+
+
+def test_warnings_come_before_the_figures_and_the_dtype_line_says_why(monkeypatch, capsys):
+    fake = {"mlx": "x", "platform": "p", "backend": "cpu", "device": "cpu", "cpus": 2, "blas": "b",
+            "sgemm_gflops": 1.0, "blas_note": None, "blas_threads": None, "conv_kernel": "mlx-ops",
+            "fused_kernels": False, "verify_context": 256,
+            "compute_dtype": {"dtype": "float32", "source": "auto", "model": "embedded/target",
+                              "why": "auto: measured, a bfloat16 step costs 2.0x a float32 one on this CPU"},
+            "probes": {"small": {"label": "tiny", "params": 1e6,
+                                 "runs": {"on": {"verify_cost": {"1": 1.0, "2": 1.1}, "verify_ms": {"1": 5.0}}}}},
+            "warnings": ["machine busy: load average up to 6.5 on 2 cores while measuring; the figures below "
+                         "are unreliable (run again when the machine is idle)"]}
+    monkeypatch.setattr(doctor, "report", lambda *a, **k: fake)
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    warn = next(i for i, l in enumerate(lines) if l.startswith("warning: machine busy"))
+    figures = next(i for i, l in enumerate(lines) if l.startswith("verify cost c(w)"))
+    dt = next(i for i, l in enumerate(lines) if l.startswith("compute dtype:"))
+    assert warn < dt < figures
+    assert lines[dt] == ("compute dtype: float32 (auto) for embedded/target: auto: measured, a bfloat16 step "
+                         "costs 2.0x a float32 one on this CPU")

@@ -27,7 +27,7 @@ from ..chat_history import Message as ChatMessage
 from .engine import RELOAD_KEYS, Finished, Loaded, ManagerBackend, Tokens, Turn, generate_job, one_line
 from .screens import ConfirmScreen, HelpScreen, ListScreen
 from .settings_panel import SettingsScreen
-from .widgets import AnswerBubble, ChatInput, UserBubble, status_markup
+from .widgets import AnswerBubble, ChatInput, UserBubble, details_rows, resolved_auto, status_markup
 
 
 class ChatApp(App):
@@ -73,7 +73,7 @@ class ChatApp(App):
     # -- layout --
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="messages")
-        yield ChatInput(id="input", compact=True, placeholder="Message (Enter sends, ctrl+j newline, F1 help)")
+        yield ChatInput(id="input", compact=True, placeholder="Message (Enter sends, ctrl+j newline, ? or F1 help)")
         yield Static(id="status")
         yield Footer(compact=True)
 
@@ -102,8 +102,12 @@ class ChatApp(App):
             bar = self.query_one("#status", Static)
         except NoMatches:  # the app is shutting down mid-answer: no screen to update
             return
+        width = max(0, (bar.size.width or self.size.width) - 2)  # its padding: one column each side
         bar.update(status_markup(self.loaded, self.settings, self.last_stats, self.status, self.colours,
-                                 self.mask_timings))
+                                 self.mask_timings, width))
+
+    def on_resize(self, event) -> None:
+        self.call_after_refresh(self.render_status)
 
     def set_status(self, text: str) -> None:
         self.status = text
@@ -111,7 +115,7 @@ class ChatApp(App):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(details_rows(self.loaded, self.settings, self.last_stats)))
 
     # -- loading --
     def load(self, model_id) -> None:
@@ -143,6 +147,9 @@ class ChatApp(App):
         self.set_status("ready")
         for n in getattr(m.loaded, "notices", None) or []:
             self.notify(n, severity="warning", timeout=8)
+        said = getattr(m.loaded, "dtype_notice", None)
+        if said and said():  # `dtype auto` measured at this load: once, as a note
+            self.notify(said(), timeout=8)
 
     # -- chats --
     async def open_chat(self, chat: Chat) -> None:
@@ -166,6 +173,8 @@ class ChatApp(App):
     async def action_new_chat(self) -> None:
         self._stop_turn()
         await self.open_chat(Chat())
+        self.last_stats = {}  # the previous chat's speed and policy say nothing of this one
+        self.set_status("ready" if self.loaded is not None else self.status)
 
     def action_clear(self) -> None:
         if not self.chat.messages:
@@ -279,7 +288,7 @@ class ChatApp(App):
             self.notify("settings saved; they apply to the next message")
 
         self.push_screen(SettingsScreen(model_id, self.settings, lambda **ch: self.backend.save_settings(model_id, **ch),
-                                        d.block_size if d is not None else None), done)
+                                        d.block_size if d is not None else None, resolved_auto(self.loaded)), done)
 
     # -- chatting --
     @on(ChatInput.Submitted)
@@ -340,14 +349,14 @@ class ChatApp(App):
             if box.scroll_y >= box.max_scroll_y - 3:  # follow the answer unless the user scrolled up
                 box.scroll_end(animate=False)
 
-    def on_finished(self, m: Finished) -> None:
+    async def on_finished(self, m: Finished) -> None:
         turn = m.turn
         stats = dict(m.stats, finish=m.reason)
         turn.stats = stats
         self.record(turn, stats)
         if turn.widget is not None and turn.widget.is_attached:
             if turn.text:
-                turn.widget.finish(stats)
+                await turn.widget.finish(stats)
             else:  # nothing was written (stopped before the first token, or an error)
                 turn.widget.remove()
         if turn is self.turn:

@@ -151,11 +151,14 @@ KEYS = [
     ("ctrl+b", "saved chats: open, d delete, r rename"),
     ("ctrl+n", "new chat"),
     ("ctrl+l", "erase this chat (asks first)"),
-    ("F1 / ?", "this help"),
-    ("ctrl+q", "quit (the chat is saved)"),
+    ("F1 / ?", "this help, with the model's details and the policy's reason (? when the message box is empty)"),
+    ("ctrl+q", "quit (the chat is saved); ctrl+c does not quit, it points here"),
 ]
 
 TERMS = [
+    ("DFlash on w5", "speculative decoding on, verify width 5; '(plain now)': the policy runs plain decoding "
+                     "for now, as drafting would not pay (its reason is under Now)"),
+    ("f32, bf16", "the compute dtype (auto picks the faster here; settings: dtype)"),
     ("tau", "tokens each verify step of the target emits (accepted drafts + 1 of its own); higher is faster"),
     ("accepted", "share of the drafter's proposed tokens the target agreed with; the answer is the same either way"),
     ("verify width", "w: tokens the target checks per step (the anchor + w-1 drafts); set in ctrl+s"),
@@ -169,13 +172,20 @@ class HelpScreen(ModalScreen):
 
     BINDINGS = [Binding("escape,q,f1,question_mark", "dismiss(None)", "Close")]
 
-    def __init__(self):
+    def __init__(self, details=None):
         super().__init__(classes="help")
+        self.details = list(details or [])  # (label, text): the loaded model, the policy's reason
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label("Help · mlx-dflash chat", classes="title")
             with VerticalScroll(classes="form", id="help-body"):
+                if self.details:
+                    yield Label("Now", classes="section")
+                    for k, what in self.details:
+                        with Horizontal(classes="row"):
+                            yield Label(k, classes="key")
+                            yield Static(what, classes="what", markup=False)
                 yield Label("Keys", classes="section")
                 for k, what in KEYS:
                     with Horizontal(classes="row"):

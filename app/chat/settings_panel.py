@@ -29,7 +29,7 @@ SETTINGS_FIELDS = [
     ("max_tokens", "Max tokens", "int"),
     ("system_prompt", "System prompt", "text"),
 ]
-QUANT_OPTIONS = [("full precision", "none"), ("8-bit", "8"), ("4-bit", "4")]
+QUANT_OPTIONS = [("auto", "auto"), ("full precision", "none"), ("8-bit", "8"), ("4-bit", "4")]
 
 
 class SettingsScreen(ModalScreen):
@@ -38,9 +38,15 @@ class SettingsScreen(ModalScreen):
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
 
-    def __init__(self, model_id: str, settings, save, max_block: Optional[int] = None):
+    def __init__(self, model_id: str, settings, save, max_block: Optional[int] = None,
+                 resolved: Optional[dict] = None):
         super().__init__(classes="settings")
         self.model_id, self.settings, self._save, self.max_block = model_id, settings, save, max_block
+        self.resolved = resolved or {}  # field -> what its "auto" is on this machine ("float32")
+
+    def _auto_label(self, name: str) -> str:
+        r = self.resolved.get(name)
+        return f"auto ({r} here)" if r else "auto"
 
     def compose(self) -> ComposeResult:
         from mlx_dflash.settings import COMPUTE_DTYPES, verify_modes
@@ -57,10 +63,12 @@ class SettingsScreen(ModalScreen):
                             yield Checkbox("enabled", value=bool(v), id=f"f-{name}")
                         elif kind in ("mode", "dtype"):
                             choices = verify_modes() if kind == "mode" else COMPUTE_DTYPES
-                            yield Select([(m, m) for m in choices], value=v, allow_blank=False,
+                            yield Select([(self._auto_label(name) if m == "auto" and kind == "dtype" else m, m)
+                                          for m in choices], value=v, allow_blank=False,
                                          compact=True, id=f"f-{name}")
                         elif kind == "quant":
-                            yield Select(QUANT_OPTIONS, value="none" if v is None else str(v), allow_blank=False,
+                            opts = [(self._auto_label(name) if val == "auto" else lbl, val) for lbl, val in QUANT_OPTIONS]
+                            yield Select(opts, value="none" if v is None else str(v), allow_blank=False,
                                          compact=True, id=f"f-{name}")
                         elif kind == "text":
                             yield TextArea(v, compact=True, id=f"f-{name}")
@@ -93,7 +101,7 @@ class SettingsScreen(ModalScreen):
             elif kind in ("mode", "dtype"):
                 v = w.value
             elif kind == "quant":
-                v = None if w.value == "none" else int(w.value)
+                v = None if w.value == "none" else ("auto" if w.value == "auto" else int(w.value))
             elif kind == "text":
                 v = w.text
             else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from rich.markup import escape
@@ -11,6 +10,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
+
+from mlx_dflash.drafter_precision import quant_label
 
 DRAFT_STYLE = "#7ee787"  # accepted draft tokens
 TARGET_STYLE = "#79c0ff"  # the target's own tokens (first token, bonus tokens, plain decoding)
@@ -50,40 +51,107 @@ def drafter_label(loaded, settings) -> str:
     name = getattr(loaded, "drafter_id", None) or settings.drafter or ""
     if Path(str(name)).is_dir():  # a folder path: its name is enough
         name = Path(str(name)).name
-    bits = f", {settings.drafter_quant_bits}-bit" if settings.drafter_quant_bits else ""
+    qb = getattr(loaded, "quant_bits", None)
+    bits = f", {qb}-bit" if qb else ""
     return f"{name or 'drafter'} (v{d.version}, b{d.block_size}{bits})"
 
 
-def status_markup(loaded, settings, stats: dict, status: str, colours: bool, mask_timings: bool) -> str:
-    """The status bar: model + drafter, DFlash state (and the speculation policy's
-    reason when the engine gives one), speed, tau, acceptance, what is happening.
-    It wraps onto a second line in a narrow terminal rather than being cut."""
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:max(0, n - 1)] + "…"
+
+
+def status_parts(loaded, settings, stats: dict, status: str, colours: bool, mask_timings: bool) -> list:
+    """The status bar's fields in order: (priority, markup, plain text). Lower
+    priorities are dropped first when the line does not fit."""
     parts = []
+    s = stats or {}
     if loaded is not None:
-        parts.append(f"[b]{escape(loaded.id)}[/b] + {escape(drafter_label(loaded, settings))}")
-        s = stats
+        parts.append((5, f"[b]{escape(loaded.id)}[/b]", loaded.id))
         if loaded.drafter is None or not settings.dflash_enabled or settings.verify_mode == "off":
-            parts.append("DFlash [b]off[/b]")
+            parts.append((0, "DFlash [b]off[/b]", "DFlash off"))
         elif s.get("fallback"):
-            parts.append(f"DFlash [b yellow]fallback[/]: {escape(s['fallback'])}")
+            parts.append((0, "DFlash [b yellow]fallback[/]", "DFlash fallback"))
         else:
-            mode = "" if settings.verify_mode == "dflash" else f"{settings.verify_mode}, "
-            parts.append(f"DFlash [b green]on[/] ({mode}w {settings.block_size})")
-        if s.get("policy"):  # why the speculation policy chose what it did (GenerationStats.policy)
-            why = str(s["policy"])
-            if mask_timings:  # its figures are measured: vary run to run
-                why = re.sub(r"\d+(\.\d+)?", "–", why)
-            parts.append(f"policy: {escape(why if len(why) <= 48 else why[:47] + '…')}")
+            w = s.get("block_size") or settings.block_size
+            plain = str(s.get("policy", "")).startswith("plain")  # the guard runs plain decoding for now
+            tail = " (plain now)" if plain else ""
+            parts.append((0, f"DFlash [b green]on[/] w{w}{tail}", f"DFlash on w{w}{tail}"))
         if s:
-            tps = "–" if mask_timings else f"{s.get('generation_tps', 0.0):.1f}"
-            parts.append(f"{tps} tok/s")
             if s.get("mode") == "dflash":
-                parts.append(f"tau {s.get('tau', 0.0):.2f} · accept {s.get('acceptance_rate', 0.0):.0%}")
+                t = f"tau {s.get('tau', 0.0):.2f}"
+                parts.append((1, t, t))
+            tps = "–" if mask_timings else f"{s.get('generation_tps', 0.0):.1f}"
+            parts.append((1, f"{tps} tok/s", f"{tps} tok/s"))
+            if s.get("prompt_tokens"):
+                c = f"cached {s.get('reused_tokens', 0)}/{s['prompt_tokens']}"
+                parts.append((3, c, c))
+        dt = getattr(loaded, "dtype", None)
+        if dt is not None:
+            parts.append((4, dt.short(), dt.short()))
     if status:
-        parts.append(f"[b red]{escape(status)}[/]" if status.startswith("error:") else escape(status))
+        parts.append((0, f"[b red]{escape(status)}[/]" if status.startswith("error:") else escape(status), status))
     if colours:
-        parts.append(f"[{DRAFT_STYLE}]■ draft[/] [{TARGET_STYLE}]■ target[/]")
-    return " · ".join(parts)
+        parts.append((2, f"[{DRAFT_STYLE}]■ draft[/] [{TARGET_STYLE}]■ target[/]", "■ draft ■ target"))
+    return parts
+
+
+SEP = " · "
+
+
+def status_markup(loaded, settings, stats: dict, status: str, colours: bool, mask_timings: bool,
+                  width: int = 0) -> str:
+    """The status bar, one line of short fields: DFlash state and verify width,
+    tau, speed, cached prompt tokens, compute dtype, what is happening. Fields are
+    dropped, least useful first, until it fits `width` columns (0: no limit); the
+    policy's reason and the rest are in the help screen (details_rows)."""
+    parts = status_parts(loaded, settings, stats, status, colours, mask_timings)
+    if width > 0:
+        while len(parts) > 1 and len(SEP.join(p[2] for p in parts)) > width:
+            drop = max(range(len(parts)), key=lambda i: (parts[i][0], i))
+            if parts[drop][0] == 0:
+                break
+            parts.pop(drop)
+        over = len(SEP.join(p[2] for p in parts)) - width
+        if over > 0:  # a long error or loading message: cut the text, the toast shows it whole
+            pr, _, plain = parts[-1]
+            short = _cut(plain, max(4, len(plain) - over))
+            parts[-1] = (pr, f"[b red]{escape(short)}[/]" if plain.startswith("error:") else escape(short), short)
+    return SEP.join(p[1] for p in parts)
+
+
+def details_rows(loaded, settings, stats: dict) -> list:
+    """(label, text) rows for the help screen's "Now" section: what the status bar
+    abbreviates, and the speculation policy's full reason."""
+    if loaded is None:
+        return [("model", "none loaded yet")]
+    rows = [("model", loaded.id), ("drafter", drafter_label(loaded, settings))]
+    dt = getattr(loaded, "dtype", None)
+    if dt is not None:
+        rows.append(("compute dtype", f"{dt.name} ({dt.why})"))
+    if loaded.drafter is not None:
+        why = getattr(loaded, "quant_why", "")
+        rows.append(("drafter weights", quant_label(getattr(loaded, "quant_bits", None)) + (f" ({why})" if why else "")))
+    s = stats or {}
+    if s.get("policy"):
+        rows.append(("policy", str(s["policy"])))
+    if s.get("fallback"):
+        rows.append(("fallback", str(s["fallback"])))
+    if s:
+        rows.append(("last answer", summary_line(s)))
+    return rows
+
+
+def resolved_auto(loaded) -> dict:
+    """Settings field -> what its `auto` resolved to for the loaded model."""
+    if loaded is None:
+        return {}
+    out = {}
+    dt = getattr(loaded, "dtype", None)
+    if dt is not None:
+        out["dtype"] = dt.name
+    if getattr(loaded, "drafter", None) is not None:
+        out["drafter_quant_bits"] = quant_label(getattr(loaded, "quant_bits", None))
+    return out
 
 
 class ChatInput(TextArea):
@@ -100,6 +168,11 @@ class ChatInput(TextArea):
             event.prevent_default()
             if self.text.strip():
                 self.post_message(self.Submitted(self.text))  # the app clears the input once it sends
+            return
+        if event.key == "question_mark" and not self.text:  # an empty box: `?` asks for help
+            event.stop()
+            event.prevent_default()
+            await self.run_action("app.help")
             return
         if event.key in ("ctrl+j", "shift+enter"):
             event.stop()
@@ -165,16 +238,24 @@ class AnswerBubble(Vertical):
     async def add(self, text: str, spans: list) -> None:
         self.spans = spans
         self.updates += 1
+        self.text += text
+        if not self._parts():  # being removed (the chat was cleared mid-answer)
+            return
         if self.colours:
-            self.text += text
             self.query_one(".spans", Static).update(spans_text(spans))
         elif text:
-            self.text += text
             await self.query_one(".md", Markdown).append(text)
 
-    def finish(self, stats: dict) -> None:
+    def _parts(self) -> bool:
+        return bool(self.query(".md")) and bool(self.query(".summary"))
+
+    async def finish(self, stats: dict) -> None:
         self.stats = stats
+        if not self._parts():
+            return
         self.query_one(".summary", Static).update(summary_line(stats, self.mask_timings))
+        if not self.colours:  # the whole answer parsed once, as a reopened chat draws it (append parses in pieces)
+            await self.query_one(".md", Markdown).update(self.text)
 
     async def set_colours(self, on: bool) -> None:
         self.colours = on

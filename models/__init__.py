@@ -1,1 +1,0 @@
-"""The embedded model pair, installed as the data-only package `mlx_dflash_models`."""
