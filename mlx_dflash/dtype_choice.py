@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fastblas
-from .calibrate import cache_dir
+from .costs import cache_dir
 
 DTYPE_ENV = "MLX_DFLASH_DTYPE"
 SETTINGS = ("auto", "checkpoint", "float32", "bfloat16", "float16")
