@@ -121,7 +121,7 @@ def setup(args, log=lambda s: None):
     from app.cli import UserError
     from mlx_dflash import load
     from mlx_dflash.drafter import load_drafter, validate
-    from mlx_dflash.loader import default_pair, models_dir
+    from mlx_dflash.discovery import default_pair, models_dir
     from mlx_dflash.target import Target
 
     kinds = [k.strip() for k in args.methods.split(",") if k.strip()]

@@ -101,7 +101,7 @@ def _embedded_target():
     """The embedded target, loaded in its checkpoint's dtype, and its folder (None if missing)."""
     import mlx_lm
 
-    from mlx_dflash.loader import default_pair
+    from mlx_dflash.discovery import default_pair
 
     path = default_pair()[0]
     if not (path / "config.json").exists():
@@ -144,7 +144,7 @@ def compute_dtype_report(quick: bool) -> dict:
     if model is not None:
         c = dtype_choice.choose(model, "auto", "setting", path)
         return {"dtype": c.name, "source": "auto", "why": c.why, "model": "embedded/target"}
-    from mlx_dflash.loader import default_pair
+    from mlx_dflash.discovery import default_pair
 
     hit = dtype_choice.cached(default_pair()[0])
     if hit:

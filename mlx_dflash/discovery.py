@@ -19,7 +19,9 @@ from types import SimpleNamespace
 from typing import Optional
 
 import mlx.core as mx
+import mlx_dflash_models
 
+from . import dtype_choice
 from .drafter import DrafterConfig, DrafterError, validate
 from .settings import ModelSettings, SettingsError, SettingsStore
 
@@ -143,12 +145,10 @@ def _cpu() -> bool:
 def _weight_bytes(path: Path, dtype=None) -> tuple:
     """(bytes as loaded here, bytes per activation). Float weights take the compute
     dtype when one is asked for (`dtype`, else $MLX_DFLASH_DTYPE: see
-    loader.compute_dtype), else stay as stored."""
+    dtype_choice.compute_dtype), else stay as stored."""
     try:
-        from .loader import compute_dtype
-
-        want = compute_dtype(dtype)[0]
-    except (ImportError, ValueError):  # an unknown $MLX_DFLASH_DTYPE: the loader says so when loading
+        want = dtype_choice.compute_dtype(dtype)[0]
+    except ValueError:  # an unknown $MLX_DFLASH_DTYPE: the loader says so when loading
         want = None
     size = want.size if want is not None else None
     total, act = 0, 0
@@ -235,13 +235,20 @@ def hf_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def _embedded(store):
-    from .loader import models_dir
+def models_dir() -> Path:
+    """The embedded models: the data-only package `mlx_dflash_models` (a folder of
+    the checkout, or installed beside mlx_dflash)."""
+    return Path(mlx_dflash_models.__path__[0])
 
-    try:
-        root = models_dir()
-    except ImportError:  # installed without the data package
-        return
+
+def default_pair() -> tuple:
+    """(target, drafter) folders of the embedded default pair."""
+    d = models_dir()
+    return d / "target", d / "dflash2"
+
+
+def _embedded(store):
+    root = models_dir()
     for p in sorted(root.iterdir()) if root.is_dir() else ():
         if p.is_dir():
             e = _entry(f"embedded/{p.name}", p, "embedded", store)

@@ -244,3 +244,15 @@ def choose(model, setting: str = "auto", source: str = "setting", path=None) -> 
     if path is not None:
         _save(path, {"name": name, "why": why, "measured": measured, "when": time.time()})
     return mk(name, why, fresh=True, measured=measured)
+
+
+def name_of(dtype) -> str:
+    """A dtype given as a name or an mx.Dtype -> its name."""
+    return dtype if isinstance(dtype, str) else dtype_name(dtype)
+
+
+def compute_dtype(dtype=None) -> tuple:
+    """(the dtype asked for: an mx.Dtype, or None for the checkpoint's own or auto;
+    where that came from). Reads no model: discovery's memory estimate."""
+    setting, src = requested(None if dtype is None else name_of(dtype))
+    return NAMES.get(setting), src

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import mlx_dflash_models
 
-from . import dtype_choice
-from .drafter import Drafter, load_drafter, validate
-from .dtype_choice import NAMES, cast, param_dtype
+from . import discovery, dtype_choice
+from .drafter import Drafter, DrafterError, load_drafter, validate
+from .dtype_choice import cast, param_dtype
 from .hub import HubError, resolve_path
+from .registry import find_drafter, missing_message
 from .target import Target
-
-
-def models_dir() -> Path:
-    """The embedded models: the data-only package `mlx_dflash_models` (a folder of
-    the checkout, or installed beside mlx_dflash)."""
-    return Path(mlx_dflash_models.__path__[0])
-
-
-def default_pair() -> tuple:
-    """(target, drafter) folders of the embedded default pair."""
-    d = models_dir()
-    return d / "target", d / "dflash2"
 
 
 def _cpu() -> bool:
@@ -51,7 +40,7 @@ def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None,
     import mlx_lm
 
     if model is None:
-        t, d = default_pair()
+        t, d = discovery.default_pair()
         if not (t / "config.json").exists():
             raise HubError(f"the embedded default model is missing from {t}; reinstall mlx-dflash or pass --model")
         model = str(t)
@@ -66,7 +55,7 @@ def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None,
         raise HubError(f"{path / 'config.json'} is not valid JSON (line {e.lineno})") from None
     if "dflash_config" in cfg:
         raise HubError(f"{path} is a DFlash drafter, not a target model; pass it as the drafter")
-    setting, src = dtype_choice.requested(None if dtype is None else dtype_name_of(dtype))
+    setting, src = dtype_choice.requested(None if dtype is None else dtype_choice.name_of(dtype))
     try:
         m, tok = mlx_lm.load(str(path), lazy=True)  # weights are read at the eval below
     except ValueError as e:  # unsupported model type and similar, from mlx-lm
@@ -77,7 +66,7 @@ def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None,
         cast(m, choice.cast)
     mx.eval(m.parameters())
     d = None
-    if drafter is None and auto_drafter and str(path) != str(default_pair()[0]):
+    if drafter is None and auto_drafter and str(path) != str(discovery.default_pair()[0]):
         d = _auto_drafter(model, path, cfg, m)
     elif drafter is not None:
         d = load_drafter(drafter)
@@ -87,35 +76,14 @@ def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None,
     return m, tok, d, choice
 
 
-def dtype_name_of(dtype) -> str:
-    """A dtype given as a name or an mx.Dtype -> its name."""
-    return dtype if isinstance(dtype, str) else dtype_choice.dtype_name(dtype)
-
-
-def compute_dtype(dtype=None) -> tuple:
-    """(the dtype asked for: an mx.Dtype, or None for the checkpoint's own or auto;
-    where that came from). Reads no model: discovery's memory estimate."""
-    setting, src = dtype_choice.requested(None if dtype is None else dtype_name_of(dtype))
-    return NAMES.get(setting), src
-
-
 def model_dtype(m) -> str:
     """The dtype a loaded model computes in (its first floating parameter), e.g. 'bfloat16'."""
     return dtype_choice.dtype_name(param_dtype(m))
 
 
-_param_dtype = param_dtype  # the names scripts/ and older callers use
-_cast = cast
-
-
 def _auto_drafter(model_ref: str, path: Path, cfg: dict, m) -> Optional[Drafter]:
     """The target's own drafter, found locally or through the registry; a notice
     (one line, stderr) and plain decoding when it is missing or does not fit."""
-    import sys
-
-    from .drafter import DrafterError
-    from .registry import find_drafter, missing_message
-
     found = find_drafter(model_ref, path, cfg)
     if found is None:
         return None

@@ -27,6 +27,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import loader
 # what the API above names, and what callers import from here, whichever file it lives in
 from .discovery import (DRAFTER_KINDS, KINDS, ModelEntry, _compatible, _dir_size, _entry, _notice,  # noqa: F401
                         discover, hf_cache_dir, list_targets, pair_problem, read_config, weights_problem)
@@ -35,6 +36,7 @@ from .drafter_precision import (param_bytes, quantize_drafter, resolve_quant_bit
 from .dtype_choice import DtypeChoice, param_dtype
 from .hub import HubError
 from .model_names import _drafter_cfg, check_files, find, model_path, resolve  # noqa: F401
+from .registry import known_drafters
 from .settings import ModelSettings, SettingsError, SettingsStore
 from .settings_checks import FileChecks, check_settings, settings_store  # noqa: F401
 
@@ -70,8 +72,6 @@ def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: O
     """`mlx_dflash.load`: loader.load with names. `model` and `drafter` may be
     folders, Hugging Face repo ids or any id `models list` prints; other keyword
     arguments (dtype, ...) are loader.load's. Returns (model, tokenizer, drafter or None)."""
-    from . import loader
-
     if model is not None:
         model = model_path(model, store)
     if drafter is not None:
@@ -116,8 +116,6 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
     `drafter` (a name) overrides the settings' choice; `dflash` forces DFlash on or
     off; `download` fetches a Hugging Face repo id not on this machine; `dtype`
     overrides the `dtype` setting (the target's compute dtype)."""
-    from .loader import load_with_choice
-
     store = store or SettingsStore()
     entries = discover(store)
     entry = resolve(model_id, store, entries, download=download)
@@ -204,8 +202,6 @@ def pull_with_drafter(repo_id: str, progress: bool = True) -> tuple:
     """`models pull TARGET`: the target, then its registry drafter (registry.py), each
     with progress. Returns (target path, drafter repo or None, drafter path or None,
     a one-line problem with the drafter or None)."""
-    from .registry import known_drafters
-
     path = pull(repo_id, progress)
     cfg_file = path / "config.json"
     if cfg_file.is_file() and "dflash_config" in cfg_file.read_text(errors="ignore"):

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .discovery import ModelEntry, _compatible, _entry, discover, weights_problem
-from .hub import HubError
-from .settings import SettingsError, SettingsStore
+from .discovery import ModelEntry, _compatible, _entry, default_pair, discover, weights_problem
+from .hub import HubError, resolve_path
+from .settings import SettingsError, SettingsStore, did_you_mean
 
 
 def _is_repo_id(name: str) -> bool:
@@ -77,13 +77,9 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
     if e is not None:
         return e
     if model_id == "embedded/target":
-        from .loader import default_pair
-
         raise HubError(f"the embedded default model is missing from {default_pair()[0]}; "
                        "reinstall mlx-dflash or pass a model id (mlx-dflash models list)")
     if _is_repo_id(model_id) and download:
-        from .hub import resolve_path
-
         try:
             path = resolve_path(model_id, "model")  # the hub's cache, or a download
         except HubError as err:  # the same message as without download, and what the fetch said
@@ -114,8 +110,6 @@ def _unknown(what: str, name: str, entries: list) -> SettingsError:
 
 
 def _near(name: str, entries: list) -> str:
-    from .settings import did_you_mean
-
     return did_you_mean(name, [e.id for e in entries], cutoff=0.8)
 
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from . import discovery
+from .settings import SettingsStore
+
 # base name (lowercase, no org, no quantization suffix) -> published drafters, preferred first
 KNOWN = {
     "qwen3-4b": ["z-lab/Qwen3-4B-DFlash-b16"],
@@ -97,12 +100,6 @@ def _card_base_models(folder: Path) -> list:
     return out
 
 
-def hf_cache_dir() -> Path:
-    from .discovery import hf_cache_dir as cache  # the environment, read at call time
-
-    return cache()
-
-
 def _candidates(roots: Iterable[Path]) -> Iterable[tuple]:
     """(folder, repo id or None, config) of every DFlash drafter under the roots:
     plain model folders one level down, and Hugging Face cache snapshots."""
@@ -142,23 +139,15 @@ def _fits(cfg: dict, target_cfg: dict) -> bool:
 
 
 def default_roots() -> list:
-    from .loader import models_dir
-
-    roots = []
-    try:
-        roots.append(models_dir())
-    except ImportError:
-        pass
+    roots = [discovery.models_dir()]
     extra = os.environ.get("MLX_DFLASH_MODELS_DIR")
     if extra:
         roots.append(Path(extra))
     try:  # the user's model folders (`settings set model_dirs ...`)
-        from .settings import SettingsStore
-
         roots += [Path(d) for d in SettingsStore().globals().model_dirs]
     except Exception:  # an unreadable settings file must not stop a load; `settings` reports it
         pass
-    roots.append(hf_cache_dir())
+    roots.append(discovery.hf_cache_dir())  # the environment, read at call time
     return roots
 
 

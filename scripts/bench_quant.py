@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dflash import load, stream_generate  # noqa: E402
 from mlx_dflash.drafter import load_drafter, validate  # noqa: E402
-from mlx_dflash.loader import _cast, _param_dtype, default_pair  # noqa: E402
+from mlx_dflash.discovery import default_pair  # noqa: E402
+from mlx_dflash.dtype_choice import cast as _cast, param_dtype as _param_dtype  # noqa: E402
 from mlx_dflash.manager import param_bytes, quantize_drafter  # noqa: E402
 from mlx_dflash.target import Target  # noqa: E402
 

@@ -123,7 +123,7 @@ def main(argv=None):
     drafters = {}
     for name, path in (("dflash1", a.dflash1), ("dflash2", a.dflash2)):
         d = load_drafter(path)
-        mlx_dflash.loader._cast(d, mlx_dflash.loader._param_dtype(model))  # same precision as the target
+        mlx_dflash.dtype_choice.cast(d, mlx_dflash.dtype_choice.param_dtype(model))  # same precision as the target
         drafters[name] = d
     widths = sorted({w for w in a.widths if all(w <= d.block_size for d in drafters.values())}
                     | {min(d.block_size for d in drafters.values())})

@@ -54,7 +54,7 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
     copy_model(v2 / "target", emb / "target")
     copy_model(v2 / "drafter", emb / "dflash2")
     copy_model(v2 / "target", emb / "draft-ar", mlx_dflash={"role": "draft"})
-    monkeypatch.setattr("mlx_dflash.loader.models_dir", lambda: emb)
+    monkeypatch.setattr("mlx_dflash.discovery.models_dir", lambda: emb)
     mdirs = tmp_path / "models"
     copy_model(v1 / "target", mdirs / "flat-target")
     copy_model(v1 / "drafter", mdirs / "org" / "v1-drafter")

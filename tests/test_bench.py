@@ -126,9 +126,9 @@ def test_bad_prompt_file(pairs, tmp_path, capsys):
 
 
 def test_missing_embedded_pair_is_one_line(tmp_path, capsys, monkeypatch):
-    import mlx_dflash.loader
+    import mlx_dflash.discovery
 
-    monkeypatch.setattr(mlx_dflash.loader, "default_pair", lambda: (tmp_path / "target", tmp_path / "dflash2"))
+    monkeypatch.setattr(mlx_dflash.discovery, "default_pair", lambda: (tmp_path / "target", tmp_path / "dflash2"))
     rc = main(["bench", "--quick", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "embedded target is missing" in err and len(err.splitlines()) == 1
@@ -264,7 +264,7 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
 def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
     """A name `models list` prints, as `generate --model` takes it: its saved or
     best compatible drafter (the embedded pair's DFlash 2)."""
-    from mlx_dflash.loader import default_pair
+    from mlx_dflash.discovery import default_pair
 
     if not (default_pair()[1] / "config.json").exists():
         pytest.skip("no embedded pair in this install")

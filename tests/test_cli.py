@@ -309,7 +309,7 @@ def test_the_editable_install_has_the_simple_layout():
     assert cfg["package-dir"] == {"": "."}
     for pkg in cfg["packages"]:
         assert ROOT.joinpath(*pkg.split(".")).is_dir(), pkg
-    from mlx_dflash.loader import default_pair, models_dir
+    from mlx_dflash.discovery import default_pair, models_dir
 
     assert models_dir() == ROOT / "mlx_dflash_models" and (default_pair()[0] / "config.json").exists()
 

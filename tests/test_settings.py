@@ -18,7 +18,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     empty = tmp_path / "embedded"
     empty.mkdir()
-    monkeypatch.setattr("mlx_dflash.loader.models_dir", lambda: empty)
+    monkeypatch.setattr("mlx_dflash.discovery.models_dir", lambda: empty)
     return SettingsStore()
 
 
