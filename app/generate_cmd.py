@@ -110,7 +110,7 @@ class _Pipe:
 
 
 def run(args):
-    from mlx_dflash import stream_generate
+    from mlx_dflash import DecodeConfig, stream_generate
     from mlx_dflash.manager import acceptance_warning, load_model, settings_store
 
     from mlx_dflash.loader import model_dtype
@@ -135,12 +135,12 @@ def run(args):
                         f"use 1..{b}")
     tok = lm.tokenizer
     prompt = build_prompt(tok, prompt_text, args.raw, args.system if args.system is not None else s.system_prompt)
-    kw = dict(s.generation_kwargs(), seed=args.seed, stop=args.stop)
+    cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop)
     out = _Pipe()
     text, ids, r, warned = [], [], None, False
     eos = set(tok.eos_token_ids)
     try:
-        for r in stream_generate(lm.model, tok, prompt, lm.drafter, **kw):
+        for r in stream_generate(lm.model, tok, prompt, lm.drafter, config=cfg):
             if not (r.finish_reason == "stop" and r.token in eos):
                 ids.append(r.token)
             text.append(r.text)

@@ -149,7 +149,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
     # on with none found here: the loader may still find a published one (registry)
     if dtype is not None:
         s = replace(s, dtype=dtype)
-    model, tok, drafter, choice = _load_files(load_with_choice, str(entry.path), dpath, auto_drafter=on,
+    model, tok, drafter, choice = _load_files(loader.load_with_choice, str(entry.path), dpath, auto_drafter=on,
                                               dtype=s.dtype)
     bits, bits_why = resolve_quant_bits(s.drafter_quant_bits)
     if drafter is not None:

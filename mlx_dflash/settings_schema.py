@@ -49,6 +49,8 @@ class ModelSettings:
     min_p: float = 0.0
     max_tokens: int = 512
     system_prompt: str = ""
+    # the context a model is planned for (its memory estimate, `models list`); DFlash
+    # has no length fallback: the guard prices a cycle at the context's length
     max_context: int = 4096
     dtype: str = "auto"  # the target's compute dtype: auto = the fastest here (float32 on mlx-cpu for bf16)
 
@@ -57,7 +59,7 @@ class ModelSettings:
         mode = self.verify_mode if self.dflash_enabled else "off"
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, block_size=self.block_size,
-                    verify_mode=mode, max_context=self.max_context)
+                    verify_mode=mode)
 
 
 @dataclass

@@ -11,6 +11,8 @@ from typing import Optional
 
 from textual.message import Message
 
+from mlx_dflash import DecodeConfig, stream_generate
+
 from ..chat_history import Chat
 
 
@@ -122,15 +124,13 @@ def turn_stats(st, turn: Turn) -> dict:
 def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) -> None:
     """Runs on the engine thread: stream the answer, posting token batches every
     `flush_s` seconds, then Finished. Esc sets turn.cancel, checked after each token."""
-    from mlx_dflash import stream_generate
-
     lm, s = turn.loaded, turn.settings
     reason, pieces, r, err = "stopped", [], None, None
     t0 = last = time.perf_counter()
     try:
         prompt = build_prompt(lm.tokenizer, s.system_prompt, history)
         gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=prompt_cache,
-                              **s.generation_kwargs())
+                              config=DecodeConfig.from_settings(s, lm.drafter))
         try:
             while not turn.cancel.is_set():
                 r = next(gen, None)
