@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mlx_dflash import registry
+from mlx_dflash import discovery, registry
 from mlx_dflash.loader import load
 from mlx_dflash.registry import Found, base_name, find_drafter, known_drafters
 
@@ -105,7 +105,7 @@ def test_load_finds_the_drafter_by_itself(pairs, tmp_path, monkeypatch):
 def test_missing_drafter_offline_is_one_line(pairs, tmp_path, monkeypatch, capsys):
     _, t = _tiny_target(pairs, tmp_path, "Qwen3-4B")
     monkeypatch.setenv("MLX_DFLASH_MODELS_DIR", str(tmp_path / "none"))
-    monkeypatch.setattr(registry, "hf_cache_dir", lambda: tmp_path / "empty-cache")
+    monkeypatch.setattr(discovery, "hf_cache_dir", lambda: tmp_path / "empty-cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     m, tok, dr = load(str(t))
     assert dr is None and m is not None
@@ -151,7 +151,7 @@ def test_settings_model_dirs_are_scanned(tmp_path, monkeypatch):
     mine = tmp_path / "my-models"
     d = _put(mine / "qwen8-drafter", _drafter_cfg(2, target_model="Qwen/Qwen3-8B"))
     target = _put(tmp_path / "Qwen3-8B-8bit", TARGET_CFG)
-    monkeypatch.setattr(registry, "hf_cache_dir", lambda: tmp_path / "empty-cache")
+    monkeypatch.setattr(discovery, "hf_cache_dir", lambda: tmp_path / "empty-cache")
     assert find_drafter("Qwen3-8B-8bit", target, TARGET_CFG).path is None  # only the registry's repo
     SettingsStore().set_global(model_dirs=[str(mine)])
     assert find_drafter("Qwen3-8B-8bit", target, TARGET_CFG).path == d
