@@ -22,11 +22,12 @@ atomic_write(__import__("pathlib").Path(sys.argv[1]), "x" * 100)
 
 def _killed_write(path: Path) -> Path:
     """Run a writer, SIGKILL it between its write and its rename; its temp file."""
+    before = set(path.parent.iterdir()) if path.parent.is_dir() else set()
     p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "written"
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-    (tmp,) = [q for q in path.parent.iterdir() if q.name.endswith(".tmp")]
+    (tmp,) = [q for q in set(path.parent.iterdir()) - before if q.name.endswith(".tmp")]
     return tmp
 
 
