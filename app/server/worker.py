@@ -187,8 +187,9 @@ class Worker:
                 try:
                     check(self.lm.id, self.catalog.settings(self.lm.id))
                 except ValueError as e:
-                    err = APIError(400, f"the settings of '{self.lm.id}' are refused: {_line(e)}; still "
-                                        "using the settings it was loaded with", "model", "settings_invalid")
+                    err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {_line(e)}; fix them "
+                                        "(mlx-dflash settings); the model stays loaded as it was", "model",
+                                   "settings_invalid")
                     self.refused = (model_id, want, err)
                     sys.stderr.write(f"mlx-dflash: {err.message}\n")
                     raise err from None
