@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -212,3 +213,31 @@ def test_a_stream_cut_by_the_shutdown_is_logged(world):
     t.join(30)
     lines = [ln for ln in s.log.read_text().splitlines() if "POST /v1/completions" in ln]
     assert len(lines) == 1 and " 499 (cut by the shutdown: Ctrl-C twice)" in lines[0], lines
+
+
+def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
+    """What the early refusal rests on, for the embedded model's tokenizer: a text
+    has at least len / max_token_chars tokens, and counted in pieces it has what
+    it has as a whole (within COUNT_SLACK)."""
+    import random
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from app.server.worker import CHUNK_CHARS, COUNT_SLACK, _pieces, max_token_chars
+    from mlx_dflash.loader import default_pair
+
+    tok = load_tokenizer(Path(default_pair()[0]))
+    rnd = random.Random(0)
+    words = ["".join(rnd.choice("abcdefghij") for _ in range(rnd.randint(1, 12))) for _ in range(500)]
+    texts = {"words": " ".join(rnd.choice(words) for _ in range(40000)),
+             "lines": "\n".join(" ".join(rnd.choice(words) for _ in range(9)) for _ in range(4000)),
+             "one letter": "x" * 100000, "spaces": " " * 100000, "digits": "1234567890" * 10000,
+             "CJK and emoji": "".join(rnd.choice("日本語の文章です。😀🎉") for _ in range(60000)),
+             "specials": "<|im_start|>user\nhi<|im_end|>\n" * 3000}
+    most = max_token_chars(tok)
+    for name, text in texts.items():
+        whole = len(tok.encode(text, add_special_tokens=False))
+        assert len(text) / most <= whole, name
+        parts = sum(len(tok.encode(p, add_special_tokens=False)) for p in _pieces(text, CHUNK_CHARS))
+        assert whole / COUNT_SLACK <= parts <= whole * COUNT_SLACK, (name, whole, parts)
+        assert "".join(_pieces(text, CHUNK_CHARS)) == text
