@@ -61,10 +61,10 @@ class Connection(H11Protocol):
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
     def _make_room(self) -> None:
-        idle = sorted((c for c in self.connections if isinstance(c, Connection) and c._idle()
-                       and not c.transport.is_closing()), key=lambda c: c.opened)
-        excess = len(self.connections) - MAX_CONNECTIONS
-        for c in idle[:excess]:
+        # closed ones stay in `connections` until their connection_lost runs: not counted
+        open_ = [c for c in self.connections if not c.transport.is_closing()]
+        idle = sorted((c for c in open_ if isinstance(c, Connection) and c._idle()), key=lambda c: c.opened)
+        for c in idle[: len(open_) - MAX_CONNECTIONS]:
             c.transport.close()
 
 

@@ -18,6 +18,7 @@ does not wait for it (`cut_open`: status 499 and the reason).
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import ipaddress
 import socket
@@ -31,6 +32,7 @@ from starlette.requests import Request
 from .errors import APIError
 
 MAX_BODY = 64 << 20  # bytes; far above any context this runs
+LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
 STATS_KEY = "mlx_dflash.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
 
 
@@ -173,6 +175,9 @@ class Guard:
             await self.app(scope, self._counted(scope, receive, send_, seen), send_)
         finally:
             self.log.end(scope, seen["status"], state.get(STATS_KEY), t0)
+            length = _header(scope, b"content-length")
+            if length is not None and length.strip().isdigit() and int(length) >= LARGE_BODY:
+                release_memory()
 
     def _check(self, scope, origin) -> Optional[APIError]:
         host = _header(scope, b"host") or ""
@@ -215,6 +220,27 @@ class Guard:
             return msg
 
         return receive_
+
+
+def release_memory() -> None:
+    """Hand memory the process freed back to the system. glibc keeps freed heap
+    memory for reuse, so after one huge request the server would hold its size
+    for good; macOS's allocator returns large blocks by itself."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_libc = _glibc()
 
 
 def _too_large(limit: int) -> APIError:

@@ -101,6 +101,7 @@ class Worker:
 
     def _loop(self):
         while True:
+            job = None  # the last job (and its prompt, maybe megabytes) is not kept while waiting
             job = self.jobs.get()
             if job is None:
                 # Park, never return: when this thread exits, MLX's thread-local
@@ -141,6 +142,7 @@ class Worker:
         one are served meanwhile; a prompt that cannot fit is refused as soon as
         that is certain (_encode). The job then goes back to the worker's queue."""
         while True:
+            job = lm = settings = None  # the last prompt is not kept while waiting
             job, lm, settings = self.long_prompts.get()
             if job.cancel.is_set():
                 continue
