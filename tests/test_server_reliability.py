@@ -71,6 +71,11 @@ def test_any_name_means_what_it_means_to_every_command(srv, world):
     r = subprocess.run([sys.executable, "-m", "app.cli", "settings", "get", "QWEN", "max_tokens"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "6" in r.stdout, r.stderr
+    for name in ("QWEN", "someorg/qwen"):  # and generate, in a process of its own
+        r = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--model", name, "--prompt", "hi",
+                            "--max-tokens", "2", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
     for name in ("gpt-4o", "claude-haiku-4-5-20251001", "gpt-5-codex", "default", "gpt-4o"):  # clients' own names
         r = _post(srv, "/chat/completions", {"model": name, "messages": [{"role": "user", "content": "hi"}],
                                             "max_tokens": 2})
