@@ -163,8 +163,10 @@ def _serve(app, host, port, args) -> int:
                 super().handle_exit(sig, frame)
                 getattr(self, "_captured_signals", []).clear()  # run() gives the exit status, not a re-raise
                 return
-            worker.halt()  # a second signal: stop at once, without running Python's exit (the worker
-            app.state.request_log.cut_open("cut by the shutdown: Ctrl-C twice")  # may be inside MLX)
+            # a second signal: stop at once, without running Python's exit (the worker may be
+            # inside MLX, which must not be torn down); the requests still open get their log line
+            worker.halt()
+            app.state.request_log.cut_open("cut by the shutdown: Ctrl-C twice")
             sys.stderr.write("mlx-dflash: stopped\n")
             sys.stderr.flush()
             os._exit(130 if sig == signal.SIGINT else 143)

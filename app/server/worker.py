@@ -19,9 +19,9 @@ from .catalog import Counters, Job, ManagerCatalog, _budget, _context_limit  # n
 from .errors import APIError, _bad, _line
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
-# ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
 OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
 CHUNK_CHARS = 32 << 10  # a long prompt is counted in pieces of this size, stopping once it cannot fit
+# ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
 LOAD_SETTINGS = ("dflash_enabled", "drafter", "drafter_quant_bits", "drafter_quant_group_size",
                  "drafter_activation_dtype", "dtype")
 
@@ -35,7 +35,7 @@ class Worker:
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
         self.lm_load = None  # the settings it was loaded with that only a load applies (_load_key)
-        self.refused = None  # (model id, _load_key, APIError): settings that failed their check
+        self.refused = None  # the last refusal of changed settings (logged once)
         self.store = None  # its PromptStore (mlx_dflash.prompt_store)
         self.cache_summary = None  # (model id, store summary) for /metrics
         self.metrics: Dict[str, Counters] = {}
@@ -182,18 +182,17 @@ class Worker:
             want = self._load_key(self.lm.id)
             if want is None or want == self.lm_load:
                 return self.lm
-            if self.refused is not None and self.refused[:2] == (model_id, want):
-                raise self.refused[2]  # the same bad settings as before: the same answer
             check = getattr(self.catalog, "check", None)
-            if check is not None:
+            if check is not None:  # checked again per request: a missing drafter may be downloaded meanwhile
                 try:
                     check(self.lm.id, self.catalog.settings(self.lm.id))
                 except ValueError as e:
                     err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {_line(e)}; fix them "
                                         "(mlx-dflash settings); the model stays loaded as it was", "model",
                                    "settings_invalid")
-                    self.refused = (model_id, want, err)
-                    sys.stderr.write(f"mlx-dflash: {err.message}\n")
+                    if self.refused != err.message:
+                        self.refused = err.message
+                        sys.stderr.write(f"mlx-dflash: {err.message}\n")
                     raise err from None
             sys.stderr.write(f"mlx-dflash: the settings of '{self.lm.id}' changed; loading it again\n")
         if self.lm is not None:  # one model in memory at a time: drop the old one first
