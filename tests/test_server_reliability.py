@@ -88,6 +88,8 @@ def test_any_name_means_what_it_means_to_every_command(srv, world):
     api_error(_post(srv, "/completions", {"model": "qwen-drafter", "prompt": "x"}), 404)  # a drafter: a mistake
     r = _post(srv, "/completions", {"model": str(root.parent / "elsewhere"), "prompt": "x", "max_tokens": 2})
     assert r.json()["model"] == "qwen"  # a folder that is no listed model is never read: an unknown name
+    r = _post(srv, "/completions", {"model": "app", "prompt": "x", "max_tokens": 2})  # a folder in its cwd
+    assert r.status_code == 200 and r.json()["model"] == "qwen", r.text
 
 
 def test_settings_edits_in_place_reach_the_server_and_lose_nothing(srv, world):

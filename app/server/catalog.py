@@ -41,7 +41,7 @@ class ManagerCatalog:
         listed model's folder or the served one: a client must not make the server
         read folders of its choosing. A drafter or other non-target: ValueError."""
         entries = discover(self.store)
-        if name.startswith((".", "/", "~", "\\")) or Path(name).is_absolute():  # meant as a path
+        if name.startswith((".", "/", "~", "\\")) or Path(name).expanduser().exists():  # a path (as find sees it)
             want = Path(name).expanduser().resolve()
             if served is not None and Path(served).expanduser().resolve() == want:
                 return served
