@@ -195,8 +195,9 @@ def test_idle_and_slow_connections_are_closed(srv):
             time.sleep(1.5)
 
 
-def test_a_stream_cut_by_the_shutdown_is_logged(world):
-    s = Server(world[1], "--grace", "120")
+def _stream_then_stop(home, grace: str, signals: int):
+    """A server, a long stream on it, `signals` Ctrl-C once it runs; (exit status, its request log lines)."""
+    s = Server(home, "--grace", grace)
     got = {}
 
     def stream():
@@ -213,13 +214,24 @@ def test_a_stream_cut_by_the_shutdown_is_logged(world):
     deadline = time.monotonic() + 60
     while not got.get("started") and time.monotonic() < deadline:
         time.sleep(0.02)
-    s.proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    s.proc.send_signal(signal.SIGINT)
-    assert s.proc.wait(10) == 130
+    for _ in range(signals):
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+    try:
+        rc = s.proc.wait(30)
+    finally:
+        s.stop()
     t.join(30)
-    lines = [ln for ln in s.log.read_text().splitlines() if "POST /v1/completions" in ln]
+    return rc, [ln for ln in s.log.read_text().splitlines() if "POST /v1/completions" in ln]
+
+
+def test_a_stream_cut_by_the_shutdown_is_logged(world):
+    rc, lines = _stream_then_stop(world[1], "120", 2)  # the second Ctrl-C exits at once
+    assert rc == 130
     assert len(lines) == 1 and " 499 (cut by the shutdown: Ctrl-C twice)" in lines[0], lines
+    rc, lines = _stream_then_stop(world[1], "0.5", 1)  # stopped when the grace ends
+    assert rc in (0, 130)
+    assert len(lines) == 1 and " 200 (the server is shutting down; the generation was stopped)" in lines[0], lines
 
 
 def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():

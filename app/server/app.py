@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from .errors import APIError, _bad, _line
 from .schemas import _validation_message
-from .security import MAX_BODY, STATS_KEY, Guard, Policy, RequestLog, make_auth
+from .security import CUT_KEY, MAX_BODY, STATS_KEY, Guard, Policy, RequestLog, make_auth
 from .worker import Job, ManagerCatalog, Worker
 
 ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
@@ -202,6 +202,8 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                 continue
             if ev[0] == "end":  # for the request's log line
                 request.scope.setdefault("state", {})[STATS_KEY] = ev[1]["stats"]
+            elif ev[0] == "error" and getattr(ev[1], "code", None) == "server_shutting_down":
+                request.scope.setdefault("state", {})[CUT_KEY] = ev[1].message  # why, in its log line
             return ev
 
     ctx = ServerContext(worker, auth, parse, model_id, next_event)

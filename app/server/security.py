@@ -34,6 +34,7 @@ from .errors import APIError
 MAX_BODY = 64 << 20  # bytes; far above any context this runs
 LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
 STATS_KEY = "mlx_dflash.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
+CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the request (shutdown), for the log line
 
 
 @dataclass
@@ -174,7 +175,7 @@ class Guard:
                 return await _preflight(send_, scope, origin, self.policy)
             await self.app(scope, self._counted(scope, receive, send_, seen), send_)
         finally:
-            self.log.end(scope, seen["status"], state.get(STATS_KEY), t0)
+            self.log.end(scope, seen["status"], state.get(STATS_KEY), t0, state.get(CUT_KEY, ""))
             length = _header(scope, b"content-length")
             if length is not None and length.strip().isdigit() and int(length) >= LARGE_BODY:
                 release_memory()
