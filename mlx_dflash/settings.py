@@ -54,7 +54,7 @@ STALE_TEMP = 60.0  # seconds: an older temp file of ours is left over from a kil
 
 
 class CorruptSettings(SettingsError):
-    """The settings file exists but is not what this module writes, and could not be moved aside."""
+    """The settings file exists but is not what this module writes, and could not be copied or moved aside."""
 
 
 def home() -> Path:
