@@ -195,6 +195,13 @@ def test_idle_and_slow_connections_are_closed(srv):
             time.sleep(1.5)
 
 
+def test_endless_request_head_is_refused(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as k:  # headers that never end
+        k.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Big: aaaaaaaaaaaaaaaa\r\n" * 1500)
+        assert k.recv(100).startswith(b"HTTP/1.1 400")
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
 def _stream_then_stop(home, grace: str, signals: int):
     """A server, a long stream on it, `signals` Ctrl-C once it runs; (exit status, its request log lines)."""
     s = Server(home, "--grace", grace)

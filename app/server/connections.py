@@ -15,7 +15,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_TIMEOUT_S = 10.0  # seconds from connecting (or from the first byte of a next request) to a full request head
 KEEP_ALIVE_S = 5  # seconds an idle connection stays open between requests (uvicorn's timeout_keep_alive)
 MAX_CONNECTIONS = 512  # open connections; past it the oldest ones not inside a request are closed
-MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this are refused (h11: 400)
+MAX_HEAD_BYTES = 16 << 10  # a request head still incomplete past this is refused (400; h11's own default)
 
 
 class Connection(H11Protocol):
