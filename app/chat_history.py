@@ -1,5 +1,6 @@
 """Chat history: one JSON file per chat under the user data dir
-(`$MLX_DFLASH_HOME/data/chats` when that is set), written atomically. A file
+(`$MLX_DFLASH_HOME/data/chats` when that is set), written atomically (the
+temp files a killed writer leaves are removed when a store opens). A file
 that cannot be read is skipped with a notice and never deleted or overwritten."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from mlx_dflash.settings import atomic_write  # one crash-safe writer for settings and history
+from mlx_dflash.settings import atomic_write, remove_stale_temps  # one crash-safe writer for settings and history
 
 VERSION = 1
 
@@ -59,6 +60,7 @@ class Chat:
 class HistoryStore:
     def __init__(self, root: Optional[Path] = None):
         self.root = Path(root) if root is not None else chats_dir()
+        remove_stale_temps(self.root)  # left by a writer that was killed mid-save
 
     def path(self, chat_id: str) -> Path:
         return self.root / f"{chat_id}.json"

@@ -8,10 +8,17 @@ Only keys a user set are stored, so defaults can improve later. The file lives
 in the platformdirs user config dir (`MLX_DFLASH_HOME` overrides). Every write
 is read-modify-write under a file lock (the chat UI and the server may both
 write) and lands atomically (temp file, fsync, rename). Unknown keys are kept
-and warned about. A file that cannot be read as settings (not UTF-8 JSON, too
-deep, a number too long, the wrong shape) is moved aside to a named backup
-(never overwritten) and the defaults apply, with one line naming both files:
-whatever is in the file, the CLI keeps working.
+and warned about.
+
+Users edit the file in place too, and an editor's save is not atomic: a reader
+may see it half-written. So a file that does not parse is read again once it
+has settled (size and mtime unchanged for SETTLE seconds) before it is called
+unreadable, and it is never moved away (the rest of the user's write would go
+into the backup): it is copied to a named backup (never overwritten), and the
+last good settings this store read stay in use (the defaults when it read none),
+with one line naming both files; the next write replaces it. Reads are cached by
+the file's (mtime, size, inode), so a long-running server re-reads the file only
+when it changed. Whatever is in the file, the CLI keeps working.
 
 The keys, their types and the value checks are in settings_schema.py (its names
 are importable from here too). This module knows nothing of model files: checks that need them (does the
@@ -21,8 +28,11 @@ the dependency runs one way, manager -> settings."""
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,10 +47,14 @@ from .settings_schema import (ACTIVATION_DTYPES, COMPUTE_DTYPES, GLOBAL_KEYS, GR
 
 VERSION = 1
 FILE_NAME = "settings.json"
+SETTLE = 0.5  # seconds a file that does not parse must stay unchanged before it is called unreadable
+SETTLE_MAX = 5.0  # a file still changing after this long is judged as it is
+FRESH = 1.0  # a file changed this recently is read again next time (mtime granularity, same-size edits)
+STALE_TEMP = 60.0  # seconds: an older temp file of ours is left over from a killed writer
 
 
 class CorruptSettings(SettingsError):
-    """The settings file exists but is not what this module writes, and could not be moved aside."""
+    """The settings file exists but is not what this module writes, and could not be copied or moved aside."""
 
 
 def home() -> Path:
@@ -60,7 +74,8 @@ def _warn(msg: str) -> None:
 def atomic_write(path: Path, text: str) -> None:
     """Write `text` to `path` so that a crash at any point leaves either the old
     file or the new one, never a torn mix: temp file in the same folder, fsync,
-    rename over."""
+    rename over. A writer killed before the rename leaves `.NAME.XXXX.tmp`
+    (TEMP_NAME); remove_stale_temps() removes those later."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -85,6 +100,36 @@ def atomic_write(path: Path, text: str) -> None:
         pass
 
 
+TEMP_NAME = re.compile(r"^\..+\.[A-Za-z0-9_]{6,12}\.tmp$")  # tempfile.mkstemp's names as atomic_write asks
+
+
+def remove_stale_temps(folder: Path, pattern: re.Pattern = TEMP_NAME, age: float = STALE_TEMP) -> int:
+    """Remove the temp files a killed writer of ours left in `folder`: names that
+    match `pattern`, plain files, untouched for `age` seconds (a live writer
+    renames its file within milliseconds). Returns how many were removed."""
+    n, now = 0, time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if not pattern.match(name):
+            continue
+        p = os.path.join(folder, name)
+        try:
+            st = os.lstat(p)
+            if os.path.isfile(p) and not os.path.islink(p) and now - st.st_mtime > age:
+                os.unlink(p)
+                n += 1
+        except OSError:  # gone already, or not ours to remove
+            pass
+    return n
+
+
+def _stat_key(st) -> tuple:
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 class SettingsStore:
     """The settings file. Reads are lock-free (writes are atomic renames);
     every write re-reads the file under the lock, so concurrent writers of
@@ -99,6 +144,10 @@ class SettingsStore:
         self.checker = checker
         self._warned = set()
         self._locked = False  # this store holds the file lock (inside _update)
+        self._cache = None  # (stat key, raw or None, why) of the last read, while the file is unchanged
+        self._good = None  # the last raw settings that parsed: in use while the file is unreadable
+        self._backed_up = set()  # digests of unreadable contents already copied to a backup
+        remove_stale_temps(self.path.parent)
 
     # -- file ------------------------------------------------------------------------
     def _problem(self, data: bytes):
@@ -132,23 +181,37 @@ class SettingsStore:
             backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
         return backup
 
-    def _move_aside(self, why: str) -> None:
-        """Move the unreadable file to a named backup (under the lock, unless held)."""
+    def _back_up(self, why: str, data: bytes, keep: bool) -> None:
+        """Copy the unreadable file (its bytes as read: `data`) to a named backup, once
+        per content, and say so in one line. The file itself stays: an editor may
+        still be writing it, and the next good write replaces it."""
+        key = hashlib.sha256(data).digest()
+        if key in self._backed_up:
+            return
+        self._backed_up.add(key)
+        backup = self._backup_path()
+        try:
+            with open(backup, "xb") as f:
+                f.write(data)
+        except OSError as e:
+            raise CorruptSettings(f"settings file {self.path} is unreadable ({why}) and cannot be copied "
+                                  f"aside ({e.strerror}); move or delete it by hand") from None
+        using = "still using the settings read before" if keep else "using the defaults"
+        _warn(f"settings file {self.path} is unreadable ({why}); copied it to {backup}; {using} "
+              "until it is fixed")
+
+    def _move_folder(self) -> None:
+        """A folder where the file should be: no editor writes that; move it aside."""
         def move():
             if not self.path.is_dir():
-                try:
-                    data = self.path.read_bytes()
-                except FileNotFoundError:
-                    return  # another process moved it already
-                if self._problem(data)[1] is None:
-                    return  # another process fixed it already
+                return  # another process moved it already
             backup = self._backup_path()
             try:
                 os.replace(self.path, backup)
             except OSError as e:
-                raise CorruptSettings(f"settings file {self.path} is unreadable ({why}) and cannot be moved "
+                raise CorruptSettings(f"settings file {self.path} is a folder and cannot be moved "
                                       f"aside ({e.strerror}); move or delete it by hand") from None
-            _warn(f"settings file {self.path} was unreadable ({why}); moved it to {backup} and restored "
+            _warn(f"settings file {self.path} was a folder, not a file; moved it to {backup} and restored "
                   "the defaults")
 
         if self._locked:
@@ -156,6 +219,29 @@ class SettingsStore:
         else:
             with self._lock():
                 move()
+
+    def _settled(self, data: bytes, st):
+        """(data, stat, raw, why) once the file parses or has stopped changing for SETTLE s."""
+        raw, why = self._problem(data)
+        deadline = time.monotonic() + SETTLE_MAX
+        stable_since = time.monotonic()
+        while why is not None and time.monotonic() < deadline:
+            time.sleep(SETTLE / 5)
+            try:
+                st2 = os.stat(self.path)
+            except OSError:  # replaced or removed meanwhile: read it as it is now
+                return None
+            if _stat_key(st2) == _stat_key(st):
+                if time.monotonic() - stable_since >= SETTLE:
+                    break
+                continue
+            try:
+                data = self.path.read_bytes()
+            except OSError:
+                return None
+            st, stable_since = st2, time.monotonic()
+            raw, why = self._problem(data)
+        return data, st, raw, why
 
     def _lock(self):
         from filelock import FileLock, Timeout
@@ -178,20 +264,50 @@ class SettingsStore:
 
         return Held()
 
-    def _read_raw(self) -> dict:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return {"version": VERSION, "global": {}, "models": {}}
-        except IsADirectoryError:
-            self._move_aside("a folder, not a file")
-            return self._read_raw()
-        except OSError as e:
-            raise SettingsError(f"cannot read settings file {self.path}: {e.strerror}") from None
-        raw, why = self._problem(data)
+    def _read_raw(self, fresh: bool = False) -> dict:
+        """The file's settings as a dict the caller may change. Cached while the
+        file's stat is unchanged (unless `fresh`); an unreadable file gives the last
+        good settings this store read, else the defaults (see the module doc)."""
+        for _ in range(10):  # a file replaced while it settled is read again
+            try:
+                st = os.stat(self.path)
+            except FileNotFoundError:
+                self._cache = None
+                return self._checked({"version": VERSION, "global": {}, "models": {}})
+            except OSError as e:
+                raise SettingsError(f"cannot read settings file {self.path}: {e.strerror}") from None
+            if os.path.isdir(self.path):
+                self._move_folder()
+                continue
+            key = _stat_key(st)
+            c = self._cache
+            if not fresh and c is not None and c[0] == key:
+                raw, why = c[1], c[2]
+                break
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise SettingsError(f"cannot read settings file {self.path}: {e.strerror}") from None
+            got = self._settled(data, st)
+            if got is None:
+                continue
+            data, st, raw, why = got
+            key = _stat_key(st)
+            self._cache = (key, raw, why) if time.time() - st.st_mtime > FRESH else None
+            if why is not None:
+                self._back_up(why, data, self._good is not None)
+            break
+        else:
+            raise SettingsError(f"settings file {self.path} keeps changing; try again")
         if why is not None:
-            self._move_aside(why)
-            return self._read_raw()
+            return copy.deepcopy(self._good) if self._good is not None else \
+                {"version": VERSION, "global": {}, "models": {}}
+        self._good = raw
+        return self._checked(copy.deepcopy(raw))
+
+    def _checked(self, raw: dict) -> dict:
         v = raw.get("version", VERSION)
         if v != VERSION:
             self._warn_once(f"version:{v}", f"settings file {self.path} has version {v}; this mlx-dflash "
@@ -209,9 +325,10 @@ class SettingsStore:
             _warn(msg)
 
     def _update(self, fn) -> dict:
-        """Read-modify-write under the lock (an unreadable file is moved aside first)."""
+        """Read-modify-write under the lock. An unreadable file is copied to a backup
+        first and replaced; the change applies to the last good settings read."""
         with self._lock():
-            raw = self._read_raw()
+            raw = self._read_raw(fresh=True)
             if raw.get("version", VERSION) > VERSION:
                 raise SettingsError(f"settings file {self.path} has version {raw['version']}, newer than "
                                     f"this mlx-dflash writes ({VERSION}); upgrade mlx-dflash")

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def locked(serve_models):
-    s = Server(serve_models[1], "--queue-size", "1", "--cors", "http://app.example", model=None, key="sekret")
+    s = Server(serve_models[1], "--queue-size", "1", "--cors", "http://app.example", "--strict-models", model=None,
+               key="sekret")
     yield s
     s.stop()
 
@@ -46,6 +47,17 @@ def test_model_loads_on_first_use(locked):
     # a request that names no model gets the settings' default model
     r = httpx.post(locked.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                    headers={"Authorization": "Bearer sekret"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "qwen"
+
+
+def test_strict_models_refuse_unknown_names(locked):
+    h = {"Authorization": "Bearer sekret"}
+    for name in ("nope", "gpt-4o", "claude-haiku-4-5"):
+        e = api_error(httpx.post(locked.url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
+                                 headers=h, timeout=60), 404)
+        assert e["code"] == "model_not_found" and name in e["message"]
+    r = httpx.post(locked.url + "/v1/completions", json={"model": "QWEN", "prompt": "x", "max_tokens": 2},
+                   headers=h, timeout=60)  # a listed model in another spelling is no unknown name
     assert r.status_code == 200 and r.json()["model"] == "qwen"
 
 

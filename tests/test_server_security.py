@@ -400,7 +400,8 @@ def test_model_folder_with_wrong_config_types_is_no_500(setup, tmp_path, monkeyp
     (root / "qwen").symlink_to(setup[0] / "qwen")
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
     (tmp_path / "settings.json").write_text(json.dumps({"version": 1, "global": {"model_dirs": [str(root)]}}))
-    app = create_app(ManagerCatalog(SettingsStore()))
+    # strict: "odd" is no model here, so a 404 (not the default model answering)
+    app = create_app(ManagerCatalog(SettingsStore()), strict_models=True)
     c = TestClient(app, base_url="http://localhost")
     for r in (c.get("/v1/models"), c.post("/v1/completions", json={"model": "odd", "prompt": "x"})):
         assert r.status_code != 500 and r.status_code in (200, 404, 503), r.text

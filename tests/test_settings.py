@@ -4,12 +4,14 @@ content, validation messages, the `mlx-dflash settings` command."""
 import json
 import multiprocessing as mp
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from mlx_dflash.settings import (GlobalSettings, ModelSettings, SettingsError, SettingsStore, atomic_write,
-                                 parse_value, verify_modes)
+                                 parse_value, remove_stale_temps, verify_modes)
 
 
 @pytest.fixture
@@ -127,19 +129,89 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("name", BAD_FILES)
-def test_unreadable_file_is_moved_aside_and_defaults_apply(store, capsys, name):
+def test_unreadable_file_is_copied_aside_and_defaults_apply(store, capsys, name):
     data, why = BAD_FILES[name]
     store.path.parent.mkdir(parents=True)
     store.path.write_bytes(data)
     assert store.model("m") == ModelSettings() and store.globals() == GlobalSettings()
     backups = list(store.path.parent.glob("settings.json.corrupt-*"))
     assert len(backups) == 1 and backups[0].read_bytes() == data  # nothing lost
-    assert not store.path.exists()
+    assert store.path.read_bytes() == data  # left in place: an editor may still be writing it
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and why in err and str(store.path) in err and str(backups[0]) in err
     store.set_model("m", top_k=5)  # and the store works on
     assert SettingsStore(store.path).model("m").top_k == 5
     assert capsys.readouterr().err == ""
+
+
+def _edit_in_place(path: Path, text: str, pause: float):
+    """An editor's save: truncate, write half, pause, write the rest (same inode)."""
+    with open(path, "r+", encoding="utf-8") as f:
+        f.truncate(0)
+        f.write(text[: len(text) // 2])
+        f.flush()
+        time.sleep(pause)
+        f.write(text[len(text) // 2:])
+
+
+def test_a_read_during_an_editors_save_loses_nothing(store, capsys):
+    store.set_model("m", top_k=3)
+    assert store.model("m").top_k == 3
+    text = json.dumps({"version": 1, "models": {"m": {"top_k": 7}}}, indent=2)
+    t = threading.Thread(target=_edit_in_place, args=(store.path, text, 0.3))
+    t.start()
+    time.sleep(0.1)
+    assert store.model("m").top_k == 7  # read mid-save: waited for the file to settle
+    t.join()
+    assert store.path.read_text() == text
+    assert list(store.path.parent.glob("settings.json.corrupt-*")) == [] and capsys.readouterr().err == ""
+
+
+def test_a_running_process_keeps_its_last_good_settings(store, capsys, monkeypatch):
+    monkeypatch.setattr("mlx_dflash.settings.SETTLE", 0.05)
+    store.set_model("m", top_k=4)
+    assert store.model("m").top_k == 4
+    store.path.write_text('{"version": 1, "models": {"m": {"top_k": 9')  # saved broken
+    for _ in range(3):
+        assert store.model("m").top_k == 4  # the last good settings, not the defaults
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "still using the settings read before" in err  # named once
+    assert store.path.read_text().endswith("9")  # left for the user to fix
+    store.path.write_text('{"version": 1, "models": {"m": {"top_k": 9}}}')  # fixed: seen at once
+    assert store.model("m").top_k == 9
+    assert len(list(store.path.parent.glob("settings.json.corrupt-*"))) == 1
+
+
+def test_reads_are_cached_until_the_file_changes(store, monkeypatch):
+    store.set_model("m", top_k=4)
+    old = time.time() - 10  # a file not changed for a while is not parsed again
+    os.utime(store.path, (old, old))
+    assert store.model("m").top_k == 4
+    calls = []
+    real = SettingsStore._problem
+    monkeypatch.setattr(SettingsStore, "_problem", lambda self, data: calls.append(1) or real(self, data))
+    for _ in range(5):
+        assert store.model("m").top_k == 4
+    assert calls == []
+    store.path.write_text('{"version": 1, "models": {"m": {"top_k": 5}}}')  # same size, new mtime
+    assert store.model("m").top_k == 5 and calls == [1]
+
+
+def test_stale_temp_files_of_ours_are_removed_at_start(tmp_path):
+    old = time.time() - 120
+    ours = [tmp_path / ".settings.json.abc12345.tmp", tmp_path / ".20260101-x.json.k2j4h5l6.tmp"]
+    fresh = tmp_path / ".settings.json.zzzz9999.tmp"  # a writer may be using it now
+    others = [tmp_path / "notes.tmp", tmp_path / "settings.json.corrupt-1", tmp_path / ".hidden.tmp"]
+    for p in (*ours, fresh, *others):
+        p.write_text("x")
+    for p in (*ours, *others):
+        os.utime(p, (old, old))
+    assert remove_stale_temps(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (fresh, *others))
+    (tmp_path / ".b.json.qqqqqqqq.tmp").write_text("x")
+    os.utime(tmp_path / ".b.json.qqqqqqqq.tmp", (old, old))
+    SettingsStore(tmp_path / "settings.json")  # a store cleans its folder when it starts
+    assert not (tmp_path / ".b.json.qqqqqqqq.tmp").exists()
 
 
 def test_a_folder_in_place_of_the_file_is_moved_aside(store, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 import traceback
@@ -17,13 +18,17 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from .errors import APIError, _bad, _line
 from .schemas import _validation_message
-from .security import MAX_BODY, STATS_KEY, Guard, Policy, make_auth
+from .security import CUT_KEY, MAX_BODY, STATS_KEY, Guard, Policy, RequestLog, make_auth
 from .worker import Job, ManagerCatalog, Worker
+
+ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
+NAMES_TTL = 10.0  # seconds a resolved model name is remembered (a newly downloaded model shows up after it)
 
 
 def _render_error(path: str, e: APIError):
@@ -48,17 +53,21 @@ class ServerContext:
 
 def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
                model: Optional[str] = None, store=None, allowed_hosts: tuple = (), max_body: int = MAX_BODY,
-               log: bool = False) -> FastAPI:
+               log: bool = False, strict_models: bool = False) -> FastAPI:
     """The FastAPI app. `catalog` (default: the model manager's) provides
-    targets(), default(), settings(id) and load(id) -> LoadedModel. `model`,
-    when given, is loaded at startup and is the default for requests that
-    name none. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
+    targets(), default(), find(name, served), settings(id) and load(id) ->
+    LoadedModel. `model`, when given, is loaded at startup and is the default for
+    requests that name none. A request naming a model this server does not have
+    (a client's own default, `gpt-4o`, `claude-...`) is answered by the default
+    model, and the response's `model` says which; `strict_models` answers 404
+    instead. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
     (security.Policy); `log` writes one line per request to stderr."""
     from contextlib import asynccontextmanager
 
     catalog = catalog or ManagerCatalog(store)
     worker = Worker(catalog, queue_size)
-    known: Dict[str, dict] = {}
+    names: Dict[str, tuple] = {}  # requested name -> (served id or None if unknown, when resolved)
+    request_log = RequestLog(sys.stderr if log else None)
 
     def refresh() -> Dict[str, dict]:
         try:
@@ -66,9 +75,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         except Exception as e:  # a corrupt settings file or model folder: the server's problem, not the client's
             why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
             raise APIError(503, f"cannot list models: {why}", code="model_catalog_unavailable") from None
-        known.clear()
-        known.update(found)
-        return known
+        return found
 
     @asynccontextmanager
     async def lifespan(app):
@@ -82,7 +89,8 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     app = FastAPI(title="mlx-dflash", version=mlx_dflash.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=log,
+    app.state.request_log = request_log
+    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=request_log,
                        render=_render_error)
 
     @app.exception_handler(APIError)
@@ -118,8 +126,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
             raise _bad("the request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise _bad("the request body must be a JSON object")
-        try:  # JSON may escape lone surrogates, which no tokenizer accepts
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        try:  # JSON may escape lone surrogates, which no tokenizer accepts (the copy only when it may)
+            if ESCAPED_SURROGATE.search(raw):
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise _bad("the request contains invalid Unicode (an unpaired surrogate)") from None
         except (ValueError, RecursionError):
@@ -131,23 +140,51 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         except (ValueError, RecursionError) as e:
             raise _bad(_line(e) or "invalid request") from None
 
-    async def model_id(name: Optional[str]) -> str:
-        from starlette.concurrency import run_in_threadpool
+    async def default_id() -> str:
+        if model is not None:
+            return model
+        try:
+            return await run_in_threadpool(catalog.default)
+        except ValueError as e:
+            raise APIError(404, f"no default model: {_line(e)}", "model", "model_not_found") from None
+        except Exception as e:  # a corrupt model folder (see refresh)
+            raise APIError(503, f"no default model: {type(e).__name__}: {_line(e)}", "model",
+                           "model_catalog_unavailable") from None
 
-        if name is None:
-            if model is not None:
-                return model
-            try:
-                return await run_in_threadpool(catalog.default)
-            except ValueError as e:
-                raise APIError(404, f"no default model: {_line(e)}", "model", "model_not_found") from None
-            except Exception as e:  # a corrupt model folder (see refresh)
-                raise APIError(503, f"no default model: {type(e).__name__}: {_line(e)}", "model",
-                               "model_catalog_unavailable") from None
-        if name in known or name == model or name in await run_in_threadpool(refresh):
-            return name
-        raise APIError(404, f"model '{name}' does not exist; GET /v1/models lists the models", "model",
-                       "model_not_found")
+    def lookup(name: str) -> Optional[str]:
+        """The served id for `name` (catalog.find: the resolution every command uses),
+        remembered for NAMES_TTL seconds; None: no model here has that name."""
+        hit = names.get(name)
+        if hit is not None and time.monotonic() - hit[1] < NAMES_TTL:
+            return hit[0]
+        try:
+            if hasattr(catalog, "find"):
+                found = catalog.find(name, model)
+            else:  # a catalog without name resolution (tests): its targets' exact ids
+                found = name if any(m["id"] == name for m in catalog.targets()) else None
+        except ValueError as e:  # a drafter, an ambiguous name: the client's mistake, in one line
+            raise APIError(404, _line(e), "model", "model_not_found") from None
+        except Exception as e:  # a corrupt model folder (see refresh)
+            raise APIError(503, f"cannot list models: {type(e).__name__}: {_line(e)}", "model",
+                           "model_catalog_unavailable") from None
+        if len(names) > 1024:  # clients may send any name: keep the memo small
+            names.clear()
+        names[name] = (found, time.monotonic())
+        return found
+
+    async def model_id(name: Optional[str]) -> str:
+        if name is None or name == model:
+            return await default_id() if name is None else name
+        found = await run_in_threadpool(lookup, name)
+        if found is not None:
+            return found
+        if strict_models:
+            raise APIError(404, f"model '{name}' does not exist; GET /v1/models lists the models", "model",
+                           "model_not_found")
+        served = await default_id()
+        request_log.once(f"model:{name}", f"model '{name[:100]}' is not served here; answering with '{served}' "
+                                          "(serve --strict-models refuses such requests)")
+        return served
 
     async def next_event(job: Job, request: Request, poll: bool = True):
         """The worker's next event; a client that left (checked a few times a
@@ -165,6 +202,8 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                 continue
             if ev[0] == "end":  # for the request's log line
                 request.scope.setdefault("state", {})[STATS_KEY] = ev[1]["stats"]
+            elif ev[0] == "error" and getattr(ev[1], "code", None) == "server_shutting_down":
+                request.scope.setdefault("state", {})[CUT_KEY] = ev[1].message  # why, in its log line
             return ev
 
     ctx = ServerContext(worker, auth, parse, model_id, next_event)
@@ -181,8 +220,6 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        from starlette.concurrency import run_in_threadpool
-
         ms = dict(await run_in_threadpool(refresh))
         if model is not None and model not in ms:  # `serve --model FOLDER` outside the model folders
             ms = {model: {"id": model, "owned_by": "local"}, **ms}

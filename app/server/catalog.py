@@ -7,7 +7,10 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional
+
+from mlx_dflash.manager import check_settings, discover, find
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -31,8 +34,35 @@ class ManagerCatalog:
 
         return resolve(None, self.store).id
 
+    def find(self, name: str, served: Optional[str] = None) -> Optional[str]:
+        """The id of the target `name` refers to, by the resolution every command
+        uses (manager.find: exact id, any case, ORG/NAME for NAME, a model's folder);
+        None for a name no model here has. A folder path is taken only when it is a
+        listed model's folder or the served one: a client must not make the server
+        read folders of its choosing. A drafter or other non-target: ValueError."""
+        entries = discover(self.store)
+        if name.startswith((".", "/", "~", "\\")) or Path(name).expanduser().exists():  # a path (as find sees it)
+            want = Path(name).expanduser().resolve()
+            if served is not None and Path(served).expanduser().resolve() == want:
+                return served
+            hits = [e for e in entries if Path(e.path).resolve() == want]
+            e = hits[0] if hits else None
+        else:
+            e = find(name, entries, self.store)
+        if e is None:
+            return None
+        if e.kind != "target":
+            raise ValueError(f"'{e.id}' is a {e.kind_label}, not a model to chat with; "
+                             "GET /v1/models lists the models")
+        return e.id
+
     def settings(self, model_id: str):
         return self.store.model(model_id)
+
+    def check(self, model_id: str, settings) -> None:
+        """The checks `settings set` and load_model make against the model files (the
+        drafter exists and fits), without loading anything: SettingsError if not."""
+        check_settings(model_id, settings, self.store, explicit_block=False)
 
     def load(self, model_id: str):
         from mlx_dflash.manager import load_model
@@ -66,6 +96,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.perf_counter)
     checked: float = 0.0  # when the handler last asked whether the client is still there
+    prepared: Any = None  # (prompt ids, forced prefix) once tokenized off the worker thread
 
     def send(self, *ev) -> None:
         try:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
+from mlx_dflash.costs import cache_dir
+from mlx_dflash.settings import remove_stale_temps
+
 from .errors import _line
 from .app import create_app
+from .connections import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES, with_head_timeout
 from .worker import ManagerCatalog
 
 KEY_ENV = "MLX_DFLASH_API_KEY"
+CALIBRATION_TEMP = re.compile(r"^.+\.\d+\.tmp$")  # calibrate._write's NAME.PID.tmp
 
 
 def add_parser(sub):
@@ -35,6 +41,14 @@ def add_parser(sub):
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the worker (default 8)")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="on Ctrl-C, how long running generations may go on before they are stopped (default 10)")
+    p.add_argument("--strict-models", action="store_true",
+                   help="answer 404 to a request naming a model this server does not have (default: such "
+                        "requests, e.g. a client's own default name, are answered by the default model)")
+    p.add_argument("--header-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="SECONDS",
+                   help=f"close a connection whose request headers are not complete this long after it opened "
+                        f"(default {HEAD_TIMEOUT_S:g})")
+    p.add_argument("--keep-alive", type=float, default=KEEP_ALIVE_S, metavar="SECONDS",
+                   help=f"close a connection idle this long between requests (default {KEEP_ALIVE_S:g})")
     p.add_argument("--quiet", action="store_true", help="no log line per request")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -78,6 +92,9 @@ def run(args) -> int:
         raise ValueError(f"--queue-size must be >= 1, got {args.queue_size}")
     if not 0 <= args.grace <= 3600:  # also refuses nan
         raise ValueError(f"--grace must be in 0..3600 seconds, got {args.grace}")
+    for flag, v in (("--header-timeout", args.header_timeout), ("--keep-alive", args.keep_alive)):
+        if not 0 < v <= 3600:
+            raise ValueError(f"{flag} must be in (0, 3600] seconds, got {v:g}")
     key = api_key(args, g.api_key)
     cors = tuple(args.cors if args.cors is not None else g.cors_origins)
     catalog = ManagerCatalog(store)
@@ -105,8 +122,10 @@ def run(args) -> int:
             s.bind((host, port))
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+    remove_stale_temps(cache_dir() / "calibration", CALIBRATION_TEMP)  # left by a killed writer
     app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, model=model,
-                     allowed_hosts=(*args.allowed_hosts, host), log=not args.quiet)
+                     allowed_hosts=(*args.allowed_hosts, host), log=not args.quiet,
+                     strict_models=args.strict_models)
     sys.stderr.write(f"mlx-dflash: serving on http://{host}:{port}/v1"
                      f"{' (API key required)' if key else ''}; Ctrl-C stops\n")
     if not key and not _loopback(host):
@@ -144,12 +163,17 @@ def _serve(app, host, port, args) -> int:
                 super().handle_exit(sig, frame)
                 getattr(self, "_captured_signals", []).clear()  # run() gives the exit status, not a re-raise
                 return
-            worker.halt()  # a second signal: stop at once, without running Python's exit (the worker
-            sys.stderr.write("mlx-dflash: stopped\n")  # may be inside MLX, which must not be torn down)
+            # a second signal: stop at once, without running Python's exit (the worker may be
+            # inside MLX, which must not be torn down); the requests still open get their log line
+            worker.halt()
+            app.state.request_log.cut_open("cut by the shutdown: Ctrl-C twice")
+            sys.stderr.write("mlx-dflash: stopped\n")
             sys.stderr.flush()
             os._exit(130 if sig == signal.SIGINT else 143)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
+                            http=with_head_timeout(args.header_timeout), timeout_keep_alive=args.keep_alive,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             timeout_graceful_shutdown=args.grace + 5)  # a backstop: the worker cancels first
     server = Server(config)
     server.run()

@@ -11,10 +11,14 @@ one-line request log.
   exactly what a page can send without a CORS preflight.
 - Body size: Content-Length is checked first, then bytes are counted while they
   arrive; the 413 goes out as soon as the limit is passed.
+
+Every request gets one log line (RequestLog), also one cut by a shutdown that
+does not wait for it (`cut_open`: status 499 and the reason).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import ipaddress
 import socket
@@ -28,7 +32,9 @@ from starlette.requests import Request
 from .errors import APIError
 
 MAX_BODY = 64 << 20  # bytes; far above any context this runs
+LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
 STATS_KEY = "mlx_dflash.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
+CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the request (shutdown), for the log line
 
 
 @dataclass
@@ -86,14 +92,57 @@ def _header(scope, name: bytes) -> Optional[str]:
     return None
 
 
+class RequestLog:
+    """One line per request on `out` (None: no request lines), the requests still
+    open (so a shutdown that cannot wait for them still logs them), and notes
+    that are written once."""
+
+    def __init__(self, out=None):
+        self.out = out
+        self.open: dict = {}  # id(scope) -> (method, path, t0)
+        self._once: set = set()
+
+    def begin(self, scope, t0: float) -> None:
+        self.open[id(scope)] = (scope["method"], scope["path"], t0)
+
+    def end(self, scope, status, stats, t0: float, why: str = "") -> None:
+        if self.open.pop(id(scope), None) is None:
+            return  # already logged (cut by the shutdown)
+        extra = f" tokens={stats.generation_tokens} tau={stats.tau:.2f}" if stats is not None else ""
+        self._line(scope["method"], scope["path"], status or 499, extra + (f" ({why})" if why else ""), t0)
+
+    def cut_open(self, why: str) -> None:
+        """Log the requests still running as 499 `why` (the process is about to exit)."""
+        for key, (method, path, t0) in list(self.open.items()):
+            if self.open.pop(key, None) is not None:
+                self._line(method, path, 499, f" ({why})", t0)
+
+    def once(self, key: str, msg: str) -> None:
+        if key not in self._once and self.out is not None:
+            self._once.add(key)
+            self._write(f"mlx-dflash: {msg}\n")
+
+    def _line(self, method, path, status, extra, t0):
+        if self.out is not None:
+            self._write(f"mlx-dflash: {method} {path} {status}{extra} {(time.perf_counter() - t0) * 1000:.0f} ms\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except (OSError, ValueError):  # stderr gone (closed pipe): never fail a request for a log line
+            pass
+
+
 class Guard:
     """The ASGI middleware: reject early, add CORS headers, count the body, log."""
 
-    def __init__(self, app, policy: Policy, log: bool = True, out=None, render: Optional[Callable] = None):
-        """`render(path, APIError) -> Response`: the error format of the API at
-        that path (default: OpenAI's)."""
-        self.app, self.policy, self.log = app, policy, log
-        self.out = out or sys.stderr
+    def __init__(self, app, policy: Policy, log=True, out=None, render: Optional[Callable] = None):
+        """`log`: a RequestLog, or True / False for one on `out` (default stderr) or none.
+        `render(path, APIError) -> Response`: the error format of the API at that
+        path (default: OpenAI's)."""
+        self.app, self.policy = app, policy
+        self.log = log if isinstance(log, RequestLog) else RequestLog((out or sys.stderr) if log else None)
         self.render = render or (lambda path, e: e.response())
 
     async def __call__(self, scope, receive, send):
@@ -114,6 +163,7 @@ class Guard:
                     msg = {**msg, "headers": [*msg.get("headers", []), *_cors_headers(origin, self.policy)]}
             await send(msg)
 
+        self.log.begin(scope, t0)
         try:
             err = self._check(scope, origin)
             if err is not None:
@@ -125,8 +175,10 @@ class Guard:
                 return await _preflight(send_, scope, origin, self.policy)
             await self.app(scope, self._counted(scope, receive, send_, seen), send_)
         finally:
-            if self.log:
-                self._log(scope, seen["status"], state.get(STATS_KEY), t0)
+            self.log.end(scope, seen["status"], state.get(STATS_KEY), t0, state.get(CUT_KEY, ""))
+            length = _header(scope, b"content-length")
+            if length is not None and length.strip().isdigit() and int(length) >= LARGE_BODY:
+                release_memory()
 
     def _check(self, scope, origin) -> Optional[APIError]:
         host = _header(scope, b"host") or ""
@@ -170,16 +222,26 @@ class Guard:
 
         return receive_
 
-    def _log(self, scope, status, stats, t0):
-        ms = (time.perf_counter() - t0) * 1000
-        extra = ""
-        if stats is not None:
-            extra = f" tokens={stats.generation_tokens} tau={stats.tau:.2f}"
-        try:
-            self.out.write(f"mlx-dflash: {scope['method']} {scope['path']} {status or 499}{extra} {ms:.0f} ms\n")
-            self.out.flush()
-        except (OSError, ValueError):  # stderr gone (closed pipe): never fail a request for a log line
-            pass
+
+def release_memory() -> None:
+    """Hand memory the process freed back to the system. glibc keeps freed heap
+    memory for reuse, so after one huge request the server would hold its size
+    for good; macOS's allocator returns large blocks by itself."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_libc = _glibc()
 
 
 def _too_large(limit: int) -> APIError:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Dict, List, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
@@ -27,6 +28,11 @@ from .reasoning import ThinkStream, opens_thinking
 from .render import render
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
+OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
+CHUNK_CHARS = 32 << 10  # a long prompt is counted in pieces of this size, stopping once it cannot fit
+# ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
+LOAD_SETTINGS = ("dflash_enabled", "drafter", "drafter_quant_bits", "drafter_quant_group_size",
+                 "drafter_activation_dtype", "dtype")
 
 
 class Worker:
@@ -37,6 +43,8 @@ class Worker:
         self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
+        self.lm_load = None  # the settings it was loaded with that only a load applies (_load_key)
+        self.refused = None  # the last refusal of changed settings (logged once)
         self.store = None  # its PromptStore (mlx_dflash.prompt_store)
         self.cache_summary = None  # (model id, store summary) for /metrics
         self.metrics: Dict[str, Counters] = {}
@@ -45,6 +53,8 @@ class Worker:
         self.current: Optional[Job] = None  # the job being served
         self.parked = threading.Event()  # set once the thread took the stop sentinel
         self.thread = threading.Thread(target=self._loop, name="mlx-dflash-worker", daemon=True)
+        self.long_prompts: queue.Queue = queue.Queue()  # (job, lm, settings) to tokenize off the worker
+        threading.Thread(target=self._tokenize_loop, name="mlx-dflash-tokenize", daemon=True).start()
 
     def start(self):
         self.thread.start()
@@ -100,6 +110,7 @@ class Worker:
 
     def _loop(self):
         while True:
+            job = None  # the last job (and its prompt, maybe megabytes) is not kept while waiting
             job = self.jobs.get()
             if job is None:
                 # Park, never return: when this thread exits, MLX's thread-local
@@ -135,19 +146,69 @@ class Worker:
             finally:
                 self.current = None
 
+    def _tokenize_loop(self):
+        """Long prompts are measured and tokenized here, so the jobs queued behind
+        one are served meanwhile; a prompt that cannot fit is refused as soon as
+        that is certain (_encode). The job then goes back to the worker's queue."""
+        while True:
+            job = lm = settings = None  # the last prompt is not kept while waiting
+            job, lm, settings = self.long_prompts.get()
+            if job.cancel.is_set():
+                continue
+            try:
+                job.prepared = self._prompt_ids(job, lm, settings)
+            except APIError as e:
+                self._fail(job, e)
+                continue
+            except ValueError as e:
+                self._fail(job, _bad(_line(e) or "invalid request"))
+                continue
+            except Exception as e:  # a bug: report it, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {_line(e)}"))
+                continue
+            while not job.cancel.is_set():
+                if self.closing:
+                    self._fail(job, _closing())
+                    break
+                try:
+                    self.jobs.put(job, timeout=0.5)
+                    break
+                except queue.Full:
+                    pass
+
     def _fail(self, job, e: APIError):
         with self.lock:
             self.counters(job.model_id).errors += 1
         job.send("error", e)
 
     def _ensure(self, model_id: str):
+        """The loaded model for `model_id`, loaded now if another one (or none) is, or
+        if a setting that only a load applies (drafter, DFlash on/off, precision)
+        changed since. Changed settings that fail their check are refused, with the
+        line `generate` prints, and the model loaded before stays in use."""
         if self.lm is not None and self.lm_key == model_id:
-            return self.lm
+            want = self._load_key(self.lm.id)
+            if want is None or want == self.lm_load:
+                return self.lm
+            check = getattr(self.catalog, "check", None)
+            if check is not None:  # checked again per request: a missing drafter may be downloaded meanwhile
+                try:
+                    check(self.lm.id, self.catalog.settings(self.lm.id))
+                except ValueError as e:
+                    err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {_line(e)}; fix them "
+                                        "(mlx-dflash settings); the model stays loaded as it was", "model",
+                                   "settings_invalid")
+                    if self.refused != err.message:
+                        self.refused = err.message
+                        sys.stderr.write(f"mlx-dflash: {err.message}\n")
+                    raise err from None
+            sys.stderr.write(f"mlx-dflash: the settings of '{self.lm.id}' changed; loading it again\n")
         if self.lm is not None:  # one model in memory at a time: drop the old one first
             import mlx.core as mx
 
             self._clear_store()
-            self.lm = self.lm_key = None
+            self.lm = self.lm_key = self.lm_load = None
             gc.collect()
             mx.clear_cache()
         try:
@@ -156,11 +217,20 @@ class Worker:
             why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
-        self.lm_key = model_id
+        self.lm_key, self.refused = model_id, None
+        self.lm_load = self._load_key(self.lm.id)
         self._clear_store()
         with self.lock:
             self.counters(model_id)  # listed in /metrics from now on
         return self.lm
+
+    def _load_key(self, model_id: str):
+        """The settings of `model_id` that only loading the model applies; None if unreadable."""
+        try:
+            s = self.catalog.settings(model_id)
+        except ValueError:
+            return None
+        return tuple(getattr(s, k, None) for k in LOAD_SETTINGS) + (getattr(s, "verify_mode", None) == "off",)
 
     # -- one request ---------------------------------------------------------------------
     def _clear_store(self):
@@ -173,14 +243,16 @@ class Worker:
         tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
-        ids, prefix = self._prompt_ids(job, lm, settings)
+        if job.prepared is None and _text_chars(req) > OFF_WORKER_CHARS:
+            self.long_prompts.put((job, lm, settings))  # measured and tokenized there, then queued again
+            return
+        ids, prefix = job.prepared or self._prompt_ids(job, lm, settings)
         if job.kind == "count":
             job.send("count", len(ids))
             return
         ctx = _context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
-            raise _bad(f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
-                       "messages" if job.kind == "chat" else "prompt", "context_length_exceeded")
+            raise _too_long(f"{len(ids)}", ctx, job)
         max_tokens = req.limit()
         if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
             max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
@@ -329,9 +401,9 @@ class Worker:
             if tools:
                 prefix = forced_prefix(req, tok)
                 text += prefix
-            ids = _encode(tok, text)
+            ids = _encode(tok, text, _limit(job, lm))
         elif isinstance(req.prompt, str):
-            ids = _encode(tok, req.prompt)
+            ids = _encode(tok, req.prompt, _limit(job, lm))
         else:
             ids = list(req.prompt)
             bad = [t for t in ids if vocab is not None and t >= vocab]
@@ -354,10 +426,91 @@ def _vocab_size(lm) -> Optional[int]:
     return int(n) if isinstance(n, int) else None
 
 
-def _encode(tok, text: str) -> List[int]:
-    # like the engine: the template may already carry the BOS token
-    bos = tok.bos_token
+def _limit(job: Job, lm) -> Optional[int]:
+    """The most prompt tokens `job` may have (None: any, e.g. a token count)."""
+    return None if job.kind == "count" else _context_limit(lm.model)
+
+
+def _too_long(tokens: str, ctx: int, job: Job) -> APIError:
+    return _bad(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
+                "messages" if job.kind in ("chat", "count") else "prompt", "context_length_exceeded")
+
+
+def _text_chars(req) -> int:
+    """Characters of text in a request (its messages' or prompt's strings): how
+    long tokenizing it may take, known before any of it is rendered."""
+    def size(x) -> int:
+        if isinstance(x, str):
+            return len(x)
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(size(v) for v in x)
+        dump = getattr(x, "model_dump", None)
+        return size(dump()) if dump is not None else 0
+
+    return size(getattr(req, "messages", None)) + size(getattr(req, "prompt", None))
+
+
+_max_token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tok) -> int:
+    """The most characters of text one token of `tok` can stand for, from its
+    vocabulary (computed once per tokenizer). A token's string in the vocabulary
+    is never shorter than the text it decodes to (byte-level BPE spells each byte
+    as one character, SentencePiece a space as one '▁', byte fallbacks as
+    '<0xNN>'), so text of n characters has at least n / this many tokens."""
     try:
-        return tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+        return _max_token_chars[tok]
+    except (KeyError, TypeError):
+        pass
+    n = max((len(t) for t in tok.get_vocab()), default=1)
+    try:
+        _max_token_chars[tok] = n
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return n
+
+
+NORMALIZER_SLACK = 4  # a tokenizer's Unicode normalization may merge up to this many characters into one
+COUNT_SLACK = 1.1  # counted in pieces, a prompt may differ a little from its count as a whole
+
+
+def _encode(tok, text: str, limit: Optional[int] = None) -> List[int]:
+    """The token ids of `text`. With `limit`, a text that cannot fit in `limit`
+    tokens is refused before it is tokenized whole: first from its length (a lower
+    bound on its token count, max_token_chars), then by counting it in pieces of
+    CHUNK_CHARS and stopping as soon as the count is clearly over. Memory and time
+    stay bounded by the context, not by the request."""
+    bos = tok.bos_token
+    add = bos is None or not text.startswith(bos)
+    try:
+        if limit is not None and len(text) > CHUNK_CHARS:
+            least = len(text) // (max_token_chars(tok) * NORMALIZER_SLACK)
+            if least >= limit:
+                raise _bad(f"the prompt has at least {least} tokens ({len(text)} characters); this model's "
+                           f"context is {limit} tokens", "prompt", "context_length_exceeded")
+            counted = 0
+            for piece in _pieces(text, CHUNK_CHARS):
+                counted += len(tok.encode(piece, add_special_tokens=False))
+                if counted > limit * COUNT_SLACK:
+                    raise _bad(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's context "
+                               f"is {limit} tokens", "prompt", "context_length_exceeded")
+        return tok.encode(text, add_special_tokens=add)
     except (TypeError, ValueError) as e:
         raise _bad(f"the tokenizer cannot encode this text: {_line(e)}", "prompt") from None
+
+
+def _pieces(text: str, size: int):
+    """`text` in pieces of about `size` characters, cut after a newline or space
+    where there is one (tokenizers split words there too, so the counts add up)."""
+    i = 0
+    while i < len(text):
+        j = min(len(text), i + size)
+        if j < len(text):
+            cut = max(text.rfind("\n", i + size // 2, j), text.rfind(" ", i + size // 2, j))
+            if cut > i:
+                j = cut + 1
+        yield text[i:j]
+        i = j
