@@ -358,9 +358,9 @@ def test_second_ctrl_c_exits_at_once(setup):
 # -- the rules themselves (no server) ----------------------------------------------------
 
 def test_host_and_origin_rules():
-    from app.server.security import Policy
+    from app.server.security import AccessRules
 
-    p = Policy(hosts=("my.box", "*.lan"), origins=(APP,))
+    p = AccessRules(hosts=("my.box", "*.lan"), origins=(APP,))
     for ok in ("", "localhost:8000", "LOCALHOST", "x.localhost", "127.0.0.1:1", "10.1.2.3", "[::1]:8000",
                "my.box", "my.box.", "pc.lan", f"{socket.gethostname()}:8000"):
         assert p.host_ok(ok), ok

@@ -1,6 +1,6 @@
 """The FastAPI app: errors, auth, request parsing, model ids, and the routes
 shared by every API (health, models, metrics). Host, Origin, content type and
-body size are checked before any of this (security.Guard)."""
+body size are checked before any of this (security.RequestGate)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from .errors import APIError, _bad, _line
 from .schemas import _validation_message
-from .security import CUT_KEY, MAX_BODY, STATS_KEY, Guard, Policy, RequestLog, make_auth
+from .security import CUT_KEY, MAX_BODY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
 from .worker import Job, ManagerCatalog, Worker
 
 ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
@@ -32,7 +32,7 @@ NAMES_TTL = 10.0  # seconds a resolved model name is remembered (a newly downloa
 
 
 def _render_error(path: str, e: APIError):
-    """An error in the format of the API at `path` (for security.Guard)."""
+    """An error in the format of the API at `path` (for security.RequestGate)."""
     if path.startswith("/v1/messages"):
         from .anthropic_api import error_response
 
@@ -61,7 +61,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     (a client's own default, `gpt-4o`, `claude-...`) is answered by the default
     model, and the response's `model` says which; `strict_models` answers 404
     instead. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
-    (security.Policy); `log` writes one line per request to stderr."""
+    (security.AccessRules); `log` writes one line per request to stderr."""
     from contextlib import asynccontextmanager
 
     catalog = catalog or ManagerCatalog(store)
@@ -90,7 +90,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.request_log = request_log
-    app.add_middleware(Guard, policy=Policy(tuple(allowed_hosts), tuple(cors), max_body), log=request_log,
+    app.add_middleware(RequestGate, policy=AccessRules(tuple(allowed_hosts), tuple(cors), max_body), log=request_log,
                        render=_render_error)
 
     @app.exception_handler(APIError)
@@ -117,7 +117,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     auth = make_auth(api_key)
 
     async def parse(request: Request, cls):
-        raw = await request.body()  # Guard stops reading past max_body
+        raw = await request.body()  # RequestGate stops reading past max_body
         if len(raw) > max_body:
             raise APIError(413, f"the request body is over {max_body >> 20} MiB")
         try:

@@ -38,7 +38,7 @@ CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the r
 
 
 @dataclass
-class Policy:
+class AccessRules:
     """Which hosts and origins are served, and how large a body may be."""
 
     hosts: Tuple[str, ...] = ()  # extra Host names ("*" any, "*.example" a domain)
@@ -134,10 +134,10 @@ class RequestLog:
             pass
 
 
-class Guard:
+class RequestGate:
     """The ASGI middleware: reject early, add CORS headers, count the body, log."""
 
-    def __init__(self, app, policy: Policy, log=True, out=None, render: Optional[Callable] = None):
+    def __init__(self, app, policy: AccessRules, log=True, out=None, render: Optional[Callable] = None):
         """`log`: a RequestLog, or True / False for one on `out` (default stderr) or none.
         `render(path, APIError) -> Response`: the error format of the API at that
         path (default: OpenAI's)."""
@@ -254,12 +254,12 @@ async def _reply(send, resp, close: bool = False):
     await resp({"type": "http"}, None, send)
 
 
-def _cors_headers(origin: str, policy: Policy):
+def _cors_headers(origin: str, policy: AccessRules):
     allow = "*" if "*" in policy.origins else origin
     return [(b"access-control-allow-origin", allow.encode("latin-1")), (b"vary", b"Origin")]
 
 
-async def _preflight(send, scope, origin: str, policy: Policy):
+async def _preflight(send, scope, origin: str, policy: AccessRules):
     """The answer to a CORS preflight from an allowed origin (send_ adds the origin headers)."""
     asked = _header(scope, b"access-control-request-headers") or ""
     headers = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"), (b"access-control-max-age", b"600"),
