@@ -366,7 +366,7 @@ def test_host_and_origin_rules():
         assert p.host_ok(ok), ok
     for bad in ("evil.example", "localhost.evil.example", "my.box.evil", "lan", "127.0.0.1.nip.io:8000"):
         assert not p.host_ok(bad), bad
-    assert Policy(hosts=("*",)).host_ok("anything.example")
+    assert AccessRules(hosts=("*",)).host_ok("anything.example")
     assert p.origin_ok(APP, "127.0.0.1:8000", "http")
     assert p.origin_ok("http://127.0.0.1:8000", "127.0.0.1:8000", "http")  # same origin
     for bad in (EVIL, "null", "http://127.0.0.1:9999", APP + ".evil.example"):
