@@ -87,10 +87,11 @@ def test_greedy_equals_mlx_lm(family, tok):
 
 def _expected(log, width, max_tokens):
     """(accepted, cycle tokens, cycles) the loop must report for the oracle's
-    choices, replaying its width rule (never draft past max_tokens)."""
+    choices, replaying its width rule (the published loops': the last block is at
+    most the tokens left + 1 wide, a bonus past max_tokens dropped)."""
     emitted, acc, tokens, cycles, log = 1, 0, 0, 0, list(log)  # 1: the prefill token
     while emitted < max_tokens:
-        ww = min(width, max_tokens - emitted)
+        ww = min(width, max_tokens - emitted + 1)
         a = 0
         if ww > 1:
             w, k = log.pop(0)

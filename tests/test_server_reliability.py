@@ -250,7 +250,7 @@ def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from app.server.worker import CHUNK_CHARS, COUNT_SLACK, _pieces, max_token_chars
-    from mlx_dflash.loader import default_pair
+    from mlx_dflash.discovery import default_pair
 
     tok = load_tokenizer(Path(default_pair()[0]))
     rnd = random.Random(0)
