@@ -34,9 +34,13 @@ def ids_of(n, seed=0):
     return [rng.randrange(4, 512) for _ in range(n)]
 
 
-def run(model, ids, drafter=None, pc=None, **kw):
-    """Token ids of one DFlash call (no tokenizer: no EOS, runs to max_tokens)."""
-    return [r.token for r in stream_generate(model, None, ids, drafter, prompt_cache=pc, **kw)]
+def run(model, ids, drafter=None, pc=None, stats=None, **kw):
+    """Token ids of one DFlash call (no tokenizer: no EOS, runs to max_tokens);
+    its stats appended to `stats`."""
+    rs = list(stream_generate(model, None, ids, drafter, prompt_cache=pc, **kw))
+    if stats is not None:
+        stats.append(rs[-1].stats)
+    return [r.token for r in rs]
 
 
 def mlx_lm_tokens(model, ids, n, cache=None, **kw):
@@ -142,31 +146,59 @@ def test_checkpoint_sliding_layers_keep_their_window():
     assert isinstance(d.make_cache()[1], KVCache) and d.make_cache()[0].window == 6
 
 
-def _pair(tmp_path, family="qwen3", version=1):
-    return make_drafter(tmp_path / f"d{family}{version}", config(family), 3, version=version, block_size=8,
+def _pair(tmp_path, family="qwen3", version=1, **over):
+    return make_drafter(tmp_path / f"d{family}{version}", config(family, **over), 3, version=version, block_size=8,
                         seed=version)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
-def test_greedy_lossless_at_8k_with_the_window_wrapped(tmp_path, family):
+def _common(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# one attention layer (two for the hybrid: gated-delta + attention): a tiny model's
+# 8k-token prefill costs ~10 s on this CPU (mlx's CPU attention), two per test
+LONG = {"qwen3": 1, "qwen3_next": 2}
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+@pytest.mark.parametrize("family", list(LONG))
+def test_greedy_lossless_at_8k_with_the_window_wrapped(tmp_path, family, kv_bits):
     """8k+ tokens of context, a real (random) drafter whose window wrapped long
-    ago and whose sink is in use; the conversation continues through the prompt
-    cache, then branches back inside the window and below it (a trim of the
-    bounded context): every call is mlx-lm's greedy output."""
-    model, d = model_of(family), _pair(tmp_path, family)
+    ago and whose sink is in use: mlx-lm's greedy output. On the attention
+    target the conversation goes on through the prompt cache, then branches
+    back inside the window and below it (the bounded context is trimmed), each
+    call equal to mlx-lm continuing its own cache cut back the same way. With
+    kv_bits the target's cache is quantized in the prefill's last chunk."""
+    model = _models.setdefault((family, 8), build(family, num_hidden_layers=LONG[family]))
+    d = _pair(tmp_path, family, num_hidden_layers=LONG[family])
+    d.config.target_layer_ids = [min(i, LONG[family] - 1) for i in d.config.target_layer_ids]
     ids = ids_of(8300, seed=3)
-    kw = dict(max_tokens=24, block_size=5, guard=False, drafter_window=48, drafter_sink=8)
-    pc = PromptCache()
-    out = run(model, ids, d, pc, **kw)
-    assert out == mlx_lm_tokens(model, ids, 24)
-    assert all(c.rows == 56 and c.offset + (pc.pending.shape[1] if pc.pending is not None else 0) == len(pc.tokens)
-               for c in pc.drafter)
+    q = dict(kv_bits=kv_bits, kv_group_size=32, quantized_kv_start=8100)
+    kw = dict(max_tokens=24, block_size=5, guard=False, drafter_window=48, drafter_sink=8, **q)
+    pc, ref_cache, stats = PromptCache(), make_prompt_cache(model), []
+    out = run(model, ids, d, pc, stats, **kw)
+    assert out == mlx_lm_tokens(model, ids, 24, cache=ref_cache, **q)
+    assert stats[-1].drafted > 0 and stats[-1].cycles > 1
+    assert any(isinstance(c, QuantizedKVCache) for c in pc.target) == (kv_bits is not None)
+    for c in pc.drafter:  # the window wrapped, the sink holds the first rows
+        assert c.rows == 56 and c.offset + (pc.pending.shape[1] if pc.pending is not None else 0) == len(pc.tokens)
+        assert c.first == c.offset - 48
+    if family != "qwen3":
+        return  # (a recurrent state cannot be cut back: mlx-lm's cache cannot branch)
     turns = [ids + out + ids_of(40, seed=4),  # continues
              ids + out[:10] + ids_of(30, seed=5),  # back inside the window
              ids[:8000] + ids_of(50, seed=6)]  # back below it
     for prompt in turns:
-        got = run(model, prompt, d, pc, **kw)
-        assert got == mlx_lm_tokens(model, prompt, 24)
+        common = _common(pc.tokens, prompt[:-1])
+        got = run(model, prompt, d, pc, stats, **kw)
+        trim_prompt_cache(ref_cache, ref_cache[0].offset - common)
+        assert got == mlx_lm_tokens(model, prompt[common:], 24, cache=ref_cache, **q)
+        assert stats[-1].reused_tokens == common
         assert pc.drafter[0].offset > 8000 and pc.drafter[0].rows <= 56
 
 
