@@ -324,3 +324,26 @@ def test_cancelled_prefill_leaves_the_prompt_cache_consistent(tmp_path, family):
     assert [r.token for r in stats] == ref
     assert stats[-1].stats.reused_tokens == 96
     assert t.can_trim(pc.target)
+
+
+def test_generate_shows_prefill_progress_for_long_prompts(pairs, tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = pairs("qwen3", version=1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_DFLASH_HOME": str(tmp_path / "home")}
+
+    def gen(text):
+        return subprocess.run([sys.executable, "-m", "app.cli", "generate", "--model", str(d / "target"), "--prompt",
+                               "-", "--raw", "--max-tokens", "2"], cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, env=env, timeout=600, input=text)
+
+    r = gen("hello there " * 3000)
+    assert r.returncode == 0, r.stderr
+    steps = [(int(a), int(b)) for a, b in re.findall(r"prefill (\d+)/(\d+) tokens", r.stderr)]
+    total = steps[-1][1]
+    assert total > 4096 and steps[0] == (2048, total) and steps[-1] == (total, total), steps
+    assert "prefill" not in gen("hello there").stderr  # a short prompt: no progress line
