@@ -204,9 +204,10 @@ class Decoder:
         """The prompt's uncached tokens, chunked like mlx-lm so the first logits
         match it bit for bit (its KV quantization at the same points). Returns (the
         first token, its log-probabilities or None, the captured features of
-        every prompt row, after the `pending` ones of the cached rows). After each chunk, `prefill_progress(done,
-        total)`; an exception it raises cancels the call, leaving the prompt cache
-        consistent: its tokens are the chunks done, their features pending."""
+        every prompt row, after the `pending` ones of the cached rows). After
+        each chunk, `prefill_progress(done, total)`; an exception it raises
+        cancels the call, leaving the prompt cache consistent: its tokens are
+        the chunks done, their features pending."""
         step, pc, feats = self.config.prefill_step_size, self.pc, [pending]
         report, total, done = self.config.prefill_progress, len(rest), 0
         try:

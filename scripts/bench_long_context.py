@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--bounded-only", action="store_true", help="skip the unbounded runs (minutes at 64k on a CPU)")
+    ap.add_argument("--bounded-only", action="store_true",
+                    help="skip the unbounded runs (minutes at 64k on a CPU)")
     a = ap.parse_args(argv)
     model = build_target(a.target, a.dtype)
     target = Target(model)
