@@ -87,8 +87,8 @@ class ReplayDrafter:
         self.seq, self.emitted, self.rng = [], 0, random.Random(0)
         self.lengths = []
 
-    def make_cache(self):
-        return self.inner.make_cache()
+    def make_cache(self, window=None, sink=0):
+        return self.inner.make_cache(window, sink)
 
     def begin(self, prompt: list, continuation: list, seed: int) -> None:
         self.seq, self.start, self.emitted = list(prompt) + list(continuation), len(prompt), 0

@@ -135,7 +135,12 @@ def run(args):
                         f"use 1..{b}")
     tok = lm.tokenizer
     prompt = build_prompt(tok, prompt_text, args.raw, args.system if args.system is not None else s.system_prompt)
-    cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop)
+    def progress(done, total):  # a prompt of more than two prefill chunks: its progress on stderr
+        if total > 4096:
+            sys.stderr.write(f"\rmlx-dflash: prefill {done}/{total} tokens{chr(10) if done == total else ''}")
+            sys.stderr.flush()
+
+    cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop, prefill_progress=progress)
     out = _Pipe()
     text, ids, r, warned = [], [], None, False
     eos = set(tok.eos_token_ids)

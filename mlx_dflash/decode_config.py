@@ -7,8 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Callable, List, Optional, Sequence
 
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
 from .modes import DEFAULT_BLOCK_SIZE, POLICIES
 from .sampling import SamplingParams
+
+KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
@@ -32,6 +37,21 @@ class DecodeConfig:
     logits_processors: List[Callable] = field(default_factory=list)
     logprobs: bool = False  # each response carries its step's log-probabilities (plain decoding)
     plain_reason: Optional[str] = None  # the caller's words for why this call decodes plainly
+    # long context (issue 23). The drafter attends to a sink of the first drafter_sink
+    # context rows plus a window of the last drafter_window (None: every row), so a
+    # draft costs the same at any length; layers the checkpoint gives a sliding window
+    # keep that window as published
+    drafter_window: Optional[int] = 1024
+    drafter_sink: int = 64
+    # the target's KV cache quantized as mlx-lm's generate_step(kv_bits=...) does it:
+    # each layer's cache becomes a QuantizedKVCache once it holds quantized_kv_start rows
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    # prefill_progress(done, total): called after each prefill chunk (tokens of this
+    # call's uncached prompt); an exception it raises cancels the call, the prompt
+    # cache keeps the chunks done
+    prefill_progress: Optional[Callable[[int, int], None]] = None
 
     def __post_init__(self):
         if self.verify_mode not in POLICIES:
@@ -41,6 +61,18 @@ class DecodeConfig:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block size must be >= 1, got {self.block_size}")
         self.sampling()  # validates temperature, top_p, top_k, min_p
+        if self.drafter_window is not None and self.drafter_window < 1:
+            raise ValueError(f"drafter_window must be >= 1 (or None: unbounded), got {self.drafter_window}")
+        if self.drafter_sink < 0:
+            raise ValueError(f"drafter_sink must be >= 0, got {self.drafter_sink}")
+        if self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        if self.quantized_kv_start < 0:
+            raise ValueError(f"quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+        if self.prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
@@ -56,6 +88,11 @@ class DecodeConfig:
             return self.plain_reason
         why = (["logprobs"] if self.logprobs else []) + (["logits processors"] if self.logits_processors else [])
         return f"{' and '.join(why)} requested (plain decoding applies them)" if why else None
+
+    @property
+    def drafter_layout(self) -> tuple:
+        """The drafter context's (window, sink) (Drafter.make_cache)."""
+        return (self.drafter_window, self.drafter_sink if self.drafter_window is not None else 0)
 
     def width(self, limit: int, what: str) -> int:
         """The verify width, checked against `limit` (the drafter's trained block size)."""

@@ -17,6 +17,7 @@ import time
 from typing import Iterator, List, Optional
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode_config import DecodeConfig
@@ -138,10 +139,10 @@ class Decoder:
         if cfg.seed is not None:
             mx.random.seed(cfg.seed)
         self.stats = GenerationStats(prompt_tokens=len(ids))
-        if self.pc.target is None:
-            self.pc.target = self.target.make_cache()
+        if self.pc.target is None or not self._kv_fits():
+            self.pc.target, self.pc.tokens = self.target.make_cache(), []
         self._plan(ids)
-        common = reuse(self.target, self.pc, ids, self.use)
+        common = reuse(self.target, self.pc, ids, self.use, cfg.drafter_layout)
         self.stats.reused_tokens = common
         self.emit = Emitter(self.tokenizer, cfg.stop, cfg.max_tokens)
         if cfg.logits_processors:
@@ -152,8 +153,8 @@ class Decoder:
         pending = None
         if self.use is not None:  # (a call without the drafter leaves them for a later one)
             pending, self.pc.pending = self.pc.pending, None
-        token, lp, feats = self.prefill(ids[common:])
-        self.rows = [cat_feats([pending, feats])]  # the next draft takes them
+        token, lp, feats = self.prefill(ids[common:], pending)
+        self.rows = [feats]  # the next draft takes them
         self.stats.prompt_time = time.perf_counter() - tic
         self._gen_tic = time.perf_counter()
         if self.index is not None:
@@ -201,25 +202,42 @@ class Decoder:
         tok = mx.argmax(logits, axis=-1) if self.sp.greedy else sample(probs(logits, self.sp))
         return tok, (lp if cfg.logprobs else None)
 
-    def prefill(self, rest: List[int]):
+    def prefill(self, rest: List[int], pending=None):
         """The prompt's uncached tokens, chunked like mlx-lm so the first logits
-        match it bit for bit. Returns (the first token, its log-probabilities or
-        None, the captured features of every prompt row)."""
-        step, pc, feats = self.config.prefill_step_size, self.pc, []
-        while len(rest) > 1:
-            n = min(step, len(rest) - 1)
-            _, f = self.target(mx.array(rest[:n])[None], pc.target, self.capture)
-            mx.eval(f if f is not None else [c.state for c in pc.target])
+        match it bit for bit (its KV quantization at the same points). Returns (the
+        first token, its log-probabilities or None, the captured features of
+        every prompt row, after the `pending` ones of the cached rows). After
+        each chunk, `prefill_progress(done, total)`; an exception it raises
+        cancels the call, leaving the prompt cache consistent: its tokens are
+        the chunks done, their features pending."""
+        step, pc, feats = self.config.prefill_step_size, self.pc, [pending]
+        report, total, done = self.config.prefill_progress, len(rest), 0
+        try:
+            while len(rest) > 1:
+                n = min(step, len(rest) - 1)
+                _, f = self.target(mx.array(rest[:n])[None], pc.target, self.capture)
+                self._quantize()
+                mx.eval(f if f is not None else [c.state for c in pc.target])
+                if f is not None:
+                    feats.append(f)
+                pc.tokens += rest[:n]
+                rest, done = rest[n:], done + n
+                if report is not None:
+                    report(done, total)
+            logits, f = self.target(mx.array(rest)[None], pc.target, self.capture)
+            self._quantize()
             if f is not None:
                 feats.append(f)
-            pc.tokens += rest[:n]
-            rest = rest[n:]
-        logits, f = self.target(mx.array(rest)[None], pc.target, self.capture)
-        if f is not None:
-            feats.append(f)
-        pc.tokens += rest
-        tok, lp = self._pick(logits[0, -1])
-        return int(tok.item()), lp, cat_feats(feats)
+            pc.tokens += rest
+            tok, lp = self._pick(logits[0, -1])
+            tok = int(tok.item())
+        except BaseException:
+            if self.use is not None:  # the next call's first draft takes them
+                pc.pending = cat_feats(feats)
+            raise
+        if report is not None and done < total:  # (the last token: its cache row is in)
+            report(total, total)
+        return tok, lp, cat_feats(feats)
 
     def draft(self, token: int, width: int):
         """The DFlash drafter's proposal for this cycle (lazy), from the features
@@ -254,6 +272,7 @@ class Decoder:
         accepted drafts become drafter context (their features are returned),
         the bonus is the next anchor."""
         self.target.trim(self.pc.target, n - a)
+        self._quantize()  # on the kept rows, as mlx-lm's token-by-token loop would have
         self.pc.tokens.append(token)
         self.pc.tokens += out[:a]
         return None if f is None else f[:, : a + 1]
@@ -272,7 +291,7 @@ class Decoder:
         """One draft + verify cycle. Returns the next anchor, or None when generation is over."""
         t0 = time.perf_counter()
         # the published loops' last block: one row past max_tokens, its bonus token dropped
-        w = min(d.width, self.emit.left + 1)
+        w = min(d.width, self.emit.left + 1, self._kv_room())
         q, conf, t_cut = None, None, 0.0
         if w < 2:
             drafts = mx.zeros((0,), mx.int32)
@@ -313,6 +332,7 @@ class Decoder:
         """Queue the plain step that consumes `tok` (lazy), so building the next
         graph overlaps this compute. Returns (next token, its log-probs, features)."""
         logits, f = self.target(tok.reshape(1, 1), self.pc.target, self.capture)
+        self._quantize()
         nxt, lp = self._pick(logits[0, -1], tok)
         mx.async_eval(nxt, *([f] if f is not None else []), *([lp] if lp is not None else []))
         return nxt, lp, f
@@ -358,6 +378,41 @@ class Decoder:
             if nxt is None:
                 return tok
             y, ylp = nxt, nlp
+
+    # -- KV cache quantization (mlx-lm's kv_bits) --------------------------------------------
+    def _quantizable(self):
+        """(index, cache) of the target layers mlx-lm's maybe_quantize_kv_cache would
+        convert (sliding-window layers, which mlx-lm cannot quantize, stay)."""
+        for i, c in enumerate(self.pc.target):
+            if hasattr(c, "to_quantized") and not isinstance(c, RotatingKVCache):
+                yield i, c
+
+    def _kv_fits(self) -> bool:
+        """Whether the kept cache's quantized layers are this call's kv_bits and
+        group size (another KV quantization starts over, as mlx-lm's server does)."""
+        cfg = self.config
+        return all(c.bits == cfg.kv_bits and c.group_size == cfg.kv_group_size
+                   for c in self.pc.target if isinstance(c, QuantizedKVCache))
+
+    def _quantize(self) -> None:
+        """After each target forward, as mlx-lm's generate_step: a layer whose cache
+        holds quantized_kv_start rows becomes a QuantizedKVCache (lazy)."""
+        cfg = self.config
+        if cfg.kv_bits is None:
+            return
+        for i, c in list(self._quantizable()):
+            if c.offset >= cfg.quantized_kv_start:
+                self.pc.target[i] = c.to_quantized(group_size=cfg.kv_group_size, bits=cfg.kv_bits)
+
+    def _kv_room(self) -> int:
+        """The widest verify that ends before the cache is quantized: mlx-lm,
+        token by token, quantizes once quantized_kv_start rows are in, so the rows
+        after that see quantized keys; a verify must not straddle that point."""
+        cfg = self.config
+        if cfg.kv_bits is not None:
+            for _, c in self._quantizable():
+                return max(1, cfg.quantized_kv_start - c.offset)
+        return sys.maxsize
 
     # -- emission and accounting ------------------------------------------------------------
     def _emit(self, token: int, from_draft: bool, cycle: Optional[CycleResult], logprobs=None):

@@ -48,30 +48,32 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def _visible(self, L: int, n: int, offset: int):
+    def _visible(self, L: int, n: int, offset: int, first: int = 0):
         """Context rows kept (from lo) and the boolean mask [L, n - lo + L], or None
-        when every row sees everything. Context row p sits at position p, block row
-        i at offset + i; a window W keeps p > offset + i - W (the reference's rule)."""
-        lo = 0 if self.window is None else min(n, max(0, offset - self.window + 1))
-        cut = self.window is not None and n > lo and lo <= offset + L - 1 - self.window
+        when every row sees everything. Context row j sits at position first + j
+        (a bounded cache keeps only the last rows of a window layer), block row i
+        at offset + i; a window W keeps p > offset + i - W (the reference's rule)."""
+        lo = 0 if self.window is None else min(n, max(0, offset - self.window + 1 - first))
+        cut = self.window is not None and n > lo and first + lo <= offset + L - 1 - self.window
         if not (self.causal and L > 1) and not cut:
             return lo, None
         i = mx.arange(L)[:, None]
         if self.window is not None:
-            ctx = (lo + mx.arange(n - lo))[None] > offset + i - self.window
+            ctx = (first + lo + mx.arange(n - lo))[None] > offset + i - self.window
         else:
             ctx = mx.ones((L, n - lo), dtype=mx.bool_)
         blk = (mx.arange(L)[None] <= i) if self.causal else mx.ones((L, L), dtype=mx.bool_)
         return lo, mx.concatenate([ctx, blk], axis=1)
 
-    def __call__(self, x, ctx_k, ctx_v, offset, mask=None):
-        """x: block rows [B, L, H] at positions offset.. ; ctx_k/v: cached context K/V."""
+    def __call__(self, x, ctx_k, ctx_v, offset, mask=None, first: int = 0):
+        """x: block rows [B, L, H] at positions offset.. ; ctx_k/v: cached context K/V
+        (row j at position first + j on a window layer)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offset)
         k, v = self._kv(x, offset)
         if mask is None:
-            lo, mask = self._visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset)
+            lo, mask = self._visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset, first)
             if ctx_k is not None and lo:
                 ctx_k, ctx_v = ctx_k[..., lo:, :], ctx_v[..., lo:, :]
         if ctx_k is not None and ctx_k.shape[2]:
@@ -106,19 +108,112 @@ class DraftLayer(nn.Module):
             self.mlp_conv = DynamicConv(c.hidden_size, c.conv_group_size, c.conv_kernel_size)
         self.v2 = c.version == 2
 
-    def __call__(self, x, ctx_k, ctx_v, offset, block_size, mask=None):
+    def __call__(self, x, ctx_k, ctx_v, offset, block_size, mask=None, first: int = 0):
         a = self.input_layernorm(x)
         if self.v2:  # one projection per sublayer feeds the conv on both sides
             d = self.attention_conv.coefficients(a)
             a = self.attention_conv(a, d, 0, block_size)
-            x = x + self.attention_conv(self.self_attn(a, ctx_k, ctx_v, offset, mask), d, 1, block_size)
+            x = x + self.attention_conv(self.self_attn(a, ctx_k, ctx_v, offset, mask, first), d, 1, block_size)
         else:
-            x = x + self.self_attn(a, ctx_k, ctx_v, offset, mask)
+            x = x + self.self_attn(a, ctx_k, ctx_v, offset, mask, first)
         a = self.post_attention_layernorm(x)
         if self.v2:
             d = self.mlp_conv.coefficients(a)
             return x + self.mlp_conv(self.mlp(self.mlp_conv(a, d, 0, block_size)), d, 1, block_size)
         return x + self.mlp(a)
+
+
+class ContextCache:
+    """A drafter layer's context K/V bounded to a sink of the first `sink` rows
+    and a window of the last `window` rows (mlx-lm's RotatingKVCache(max_size,
+    keep), kept in temporal order instead of rotating in place, so that it trims
+    exactly on prompt-cache reuse): memory and the draft's attention cost stay flat
+    as the context grows. Every row keeps the position it was RoPE'd at; `offset`
+    counts all rows ever fed (the next row's position). After a trim that reaches
+    below the window's first row, the window is shorter until new rows arrive."""
+
+    def __init__(self, window: int, sink: int = 0):
+        if window < 1 or sink < 0:
+            raise ValueError(f"drafter context window must be >= 1 and sink >= 0, got {window} and {sink}")
+        self.window, self.sink = window, sink
+        self.keys = self.values = None  # [B, H, rows, D]: the sink rows, then the window rows
+        self.offset = 0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def first(self) -> int:
+        """The position of the first window row (rows after the sink are contiguous)."""
+        return self.offset - (self.rows - min(self.sink, self.offset))
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        s = min(self.sink, self.offset)
+        if self.rows > s + self.window:
+            self.keys = mx.concatenate([self.keys[..., :s, :], self.keys[..., -self.window:, :]], axis=2)
+            self.values = mx.concatenate([self.values[..., :s, :], self.values[..., -self.window:, :]], axis=2)
+        return self.keys, self.values
+
+    def fetch(self):
+        return self.keys, self.values
+
+    def skip(self, n: int) -> None:
+        """Advance by `n` rows that are never fed (they would fall out of the
+        window anyway: the caller feeds at least `window` rows after them)."""
+        s = min(self.sink, self.offset)
+        if self.keys is not None and self.rows > s:
+            self.keys, self.values = self.keys[..., :s, :], self.values[..., :s, :]
+        self.offset += n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        if n <= 0:
+            return 0
+        t = self.offset - n
+        s_old, s_new = min(self.sink, self.offset), min(self.sink, t)
+        keep = min(s_old, s_new) + max(0, t - self.first)
+        self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        self.offset = t
+        return n
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def fetch(cache):
+    """The context K/V a layer cache holds (None, None when empty)."""
+    if not cache.offset:
+        return None, None
+    if isinstance(cache, ContextCache):
+        return cache.fetch()
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
+
+def _unseen(cache, n: int):
+    """(head, gap): of `n` new context rows, the first `head` reach a sink and the
+    next `gap` would leave every layer's window before a draft could see them;
+    (n, 0) when some layer keeps every row."""
+    if not n or not all(isinstance(c, ContextCache) for c in cache):
+        return n, 0
+    off = cache[0].offset
+    head = min(n, max(0, max(c.sink for c in cache) - off))
+    gap = max(0, n - head - max(c.window for c in cache))
+    return head, gap
 
 
 class Drafter(nn.Module):
@@ -148,8 +243,21 @@ class Drafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def make_cache(self) -> list:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, window: Optional[int] = None, sink: int = 0) -> list:
+        """Per layer: the context K/V. Layers the checkpoint gives a sliding window
+        keep the last `sliding_window` rows (all they can see, as published);
+        the others a sink of the first `sink` rows plus the last `window` rows
+        (None: every row, a plain KVCache)."""
+        out = []
+        for layer in self.layers:
+            w = layer.self_attn.window
+            if w is not None:
+                out.append(ContextCache(w, 0))
+            elif window is not None:
+                out.append(ContextCache(window, sink))
+            else:
+                out.append(KVCache())
+        return out
 
     def context(self, feats: mx.array) -> mx.array:
         """Tapped target features [B, n, taps*H] -> context rows [B, n, H]."""
@@ -176,21 +284,30 @@ class Drafter(nn.Module):
         cache: per-layer context K/V (grows by n rows). The block sits at positions
         `offset` (default: the context length, i.e. the anchor's position).
         Returns the final-normed hidden states [1, w, H] (apply `logits`)."""
-        ctx = self.context(new_feats) if new_feats is not None and new_feats.shape[1] else None
+        n = new_feats.shape[1] if new_feats is not None else 0
+        head, gap = _unseen(cache, n)
+        if gap:  # rows no bounded cache keeps: never projected
+            new_feats = mx.concatenate([new_feats[:, :head], new_feats[:, head + gap:]], axis=1)
+        ctx = self.context(new_feats) if n else None
         x = block_emb
         if self.config.input_embedding_scale != 1.0:
             x = x * self.config.input_embedding_scale
         w = x.shape[1]
         for layer, c in zip(self.layers, cache):
             if ctx is not None:  # context rows keep their real positions
-                k, v = layer.self_attn._kv(ctx, c.offset)
+                if gap:
+                    if head:
+                        c.update_and_fetch(*layer.self_attn._kv(ctx[:, :head], c.offset))
+                    c.skip(gap)
+                    k, v = layer.self_attn._kv(ctx[:, head:], c.offset)
+                else:
+                    k, v = layer.self_attn._kv(ctx, c.offset)
                 ctx_k, ctx_v = c.update_and_fetch(k, v)
-            elif c.offset:
-                ctx_k, ctx_v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
             else:
-                ctx_k = ctx_v = None
+                ctx_k, ctx_v = fetch(c)
             start = c.offset if offset is None else offset
-            x = layer(x, ctx_k, ctx_v, start, w)
+            first = c.offset - (ctx_k.shape[2] if ctx_k is not None else 0)  # (window layers: no sink)
+            x = layer(x, ctx_k, ctx_v, start, w, first=first)
         return self.norm(x)
 
 

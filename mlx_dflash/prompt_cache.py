@@ -5,7 +5,7 @@ new prompt can continue from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -21,6 +21,7 @@ class PromptCache:
     drafter: list = None
     tokens: List[int] = field(default_factory=list)  # tokens whose K/V sit in `target`
     drafter_id: Optional[int] = None  # the drafter the context rows belong to
+    drafter_layout: Tuple[Optional[int], int] = (None, 0)  # its context's (window, sink): Drafter.make_cache
     # captured target features of tokens[drafter offset:], not yet in the drafter's
     # context (plain steps and accepted rows since the last draft): the next call
     # hands them to its first draft, so the whole cached prefix stays reusable
@@ -28,12 +29,13 @@ class PromptCache:
     index: Optional[NgramIndex] = None  # the n-gram index of the last call's text (lookup drafts)
 
 
-def reusable(pc: PromptCache, drafter) -> int:
+def reusable(pc: PromptCache, drafter, layout: Optional[Tuple[Optional[int], int]] = None) -> int:
     """How many leading `pc.tokens` a call with `drafter` (None: none) can reuse:
-    the drafter's context must cover them, as context rows or pending features."""
+    the drafter's context must cover them, as context rows or pending features
+    (in a cache of that `layout`, when given)."""
     if drafter is None:
         return len(pc.tokens)
-    if pc.drafter is None or pc.drafter_id != id(drafter):
+    if pc.drafter is None or pc.drafter_id != id(drafter) or layout not in (None, pc.drafter_layout):
         return 0
     rows = pc.pending.shape[1] if pc.pending is not None else 0
     return min(len(pc.tokens), pc.drafter[0].offset + rows)
@@ -51,14 +53,16 @@ def lookup_index(pc, ids) -> NgramIndex:
     return idx
 
 
-def reuse(target, pc, ids, drafter) -> int:
+def reuse(target, pc, ids, drafter, layout: Tuple[Optional[int], int] = (None, 0)) -> int:
     """Keep the cached prefix shared with `ids` (always leaving >= 1 token to
     process). Drafter context rows always cover a prefix of the target's cached
     tokens; rows beyond what both share are dropped (`drafter`: the one this
-    call drafts with, or None). Returns its length."""
+    call drafts with, or None; `layout`: its context's (window, sink), a cache
+    of another layout starts over). Returns its length."""
     d = drafter
-    if d is not None and (pc.drafter is None or pc.drafter_id != id(d)):
-        pc.drafter, pc.drafter_id, pc.pending = d.make_cache(), id(d), None
+    if d is not None and (pc.drafter is None or pc.drafter_id != id(d) or pc.drafter_layout != tuple(layout)):
+        pc.drafter, pc.drafter_id, pc.pending = d.make_cache(*layout), id(d), None
+        pc.drafter_layout = tuple(layout)
     keep = reusable(pc, d)
     common = 0
     for x, y in zip(pc.tokens[:keep], ids[:-1]):

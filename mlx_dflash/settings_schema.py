@@ -53,13 +53,19 @@ class ModelSettings:
     # has no length fallback: the guard prices a cycle at the context's length
     max_context: int = 4096
     dtype: str = "auto"  # the target's compute dtype: auto = the fastest here (float32 on mlx-cpu for bf16)
+    # long context (LONG_CONTEXT_KEYS below): the drafter's context window and sink, the target's KV quantization
+    drafter_window: Optional[int] = 1024  # None: the drafter attends to every context row
+    drafter_sink: int = 64
+    kv_bits: Optional[int] = None  # None | 4 | 8 (mlx-lm's kv_bits)
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000  # mlx-lm's default: rows before the cache is quantized
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments for `stream_generate`."""
         mode = self.verify_mode if self.dflash_enabled else "off"
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, block_size=self.block_size,
-                    verify_mode=mode)
+                    verify_mode=mode, **{f: getattr(self, f) for f in LONG_CONTEXT_KEYS.values()})
 
 
 @dataclass
@@ -91,6 +97,32 @@ MODEL_KEYS = {
     "max_context": "max_context",
     "dtype": "dtype",
 }
+
+# -- long context (issue 23): the drafter's bounded context and the target's KV quantization
+LONG_CONTEXT_KEYS = {
+    "drafter.window": "drafter_window",
+    "drafter.sink": "drafter_sink",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "quantized_kv_start": "quantized_kv_start",
+}
+MODEL_KEYS.update(LONG_CONTEXT_KEYS)
+KV_BITS = (None, 4, 8)
+
+
+def check_long_context(s: "ModelSettings") -> None:
+    if s.drafter_window is not None and s.drafter_window < 1:
+        raise SettingsError(f"drafter.window must be >= 1 (or none: unbounded), got {s.drafter_window}")
+    if s.drafter_sink < 0:
+        raise SettingsError(f"drafter.sink must be >= 0, got {s.drafter_sink}")
+    if s.kv_bits not in KV_BITS:
+        raise SettingsError(f"kv_bits must be none, 4 or 8, got {s.kv_bits}")
+    if s.kv_group_size not in GROUP_SIZES:
+        raise SettingsError(f"kv_group_size must be 32, 64 or 128, got {s.kv_group_size}")
+    if s.quantized_kv_start < 0:
+        raise SettingsError(f"quantized_kv_start must be >= 0, got {s.quantized_kv_start}")
+
+
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
 _FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
 _TYPES = {  # field -> (type, optional)
@@ -102,6 +134,8 @@ _TYPES = {  # field -> (type, optional)
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
 }
+_TYPES.update({"drafter_window": (int, True), "drafter_sink": (int, False), "kv_bits": (int, True),
+               "kv_group_size": (int, False), "quantized_kv_start": (int, False)})
 
 
 def model_field(key: str) -> str:
@@ -207,6 +241,7 @@ def check_model(s: ModelSettings) -> None:
         raise SettingsError(f"max_tokens must be >= 1, got {s.max_tokens}")
     if s.max_context < 1:
         raise SettingsError(f"max_context must be >= 1, got {s.max_context}")
+    check_long_context(s)
 
 
 def check_global(g: GlobalSettings) -> None:

@@ -29,7 +29,7 @@ class OracleDrafter:
         self.rng = random.Random(seed)
         self.config = _Cfg(list(layer_ids))
 
-    def make_cache(self):
+    def make_cache(self, window=None, sink=0):  # (a bounded context changes nothing here)
         return [KVCache()]
 
     def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):

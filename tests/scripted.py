@@ -197,7 +197,7 @@ class ScriptDrafter:
         self.script, self.vocab, self.block_size = script, vocab, block_size
         self.config = SimpleNamespace(target_layer_ids=[0], mask_token_id=0)
 
-    def make_cache(self):
+    def make_cache(self, window=None, sink=0):  # (a bounded context changes nothing here)
         return [KVCache()]
 
     def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
