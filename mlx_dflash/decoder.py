@@ -74,6 +74,7 @@ class Decoder:
         self.use = None  # the drafter this call drafts with (None: none)
         self.capture: list = []  # the target layers the drafter reads
         self.index = None  # the n-gram index, for policies that verify prompt-lookup drafts
+        self.sources: dict = {}  # draft source -> how many of n drafts it can offer now
         self.rows: list = []  # feature blocks of fed rows the drafter has not seen yet, in order
         self.emit: Optional[Emitter] = None
         self.hist = None  # prompt + generated ids as an mx.array, for logits processors
