@@ -26,6 +26,8 @@ def test_api_key(locked):
     api_error(httpx.get(locked.url + "/v1/models"), 401)
     api_error(httpx.post(locked.url + "/v1/completions", json={"prompt": "x"}), 401)
     assert httpx.get(locked.url + "/health").status_code == 200  # liveness needs no key
+    assert httpx.head(locked.url + "/").status_code == 200  # nor a client's probe of the base URL
+    assert httpx.get(locked.url + "/").json() == {"status": "ok"}
     assert [m.id for m in locked.client("sekret").models.list()]
 
 

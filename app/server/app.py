@@ -218,6 +218,11 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     async def health():  # no key needed, so it tells nothing but that the server is up
         return {"status": "ok"}
 
+    # clients probe the base URL before their first request (Claude Code sends HEAD /)
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        return {"status": "ok"}
+
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         ms = dict(await run_in_threadpool(refresh))
