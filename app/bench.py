@@ -22,14 +22,13 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 from app import bench_realistic
 from app.bench_costs import measure
 from app.bench_prompts import load_prompts
-from app.bench_report import KINDS, OURS, goals, machine_info, markdown, summarize, write
+from app.bench_report import KINDS, goals, machine_info, markdown, summarize, write
 from app.bench_runs import Method
 
 DEFAULT_KINDS = ("mlx-lm", "mlx-lm-spec", "dflash1", "dflash2", "adaptive", "default", "lookup")

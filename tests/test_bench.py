@@ -6,6 +6,7 @@ import json
 import pytest
 
 from app import bench
+from app.bench_report import OURS
 from app.cli import main
 
 
@@ -55,7 +56,7 @@ def test_quick_json(pairs, tmp_path, capsys):
         assert r["efficiency"] == pytest.approx(r["ratio"] / r["limit"])
         if r["acceptance"] is not None:
             assert 0.0 <= r["acceptance"] <= 1.0
-        if r["kind"] in bench.OURS:
+        if r["kind"] in OURS:
             sh = r["shares"]
             assert set(sh) == {"draft", "verify", "book", "other"}  # (t_select was always 0: gone)
             assert sum(sh.values()) == pytest.approx(1.0)
@@ -78,7 +79,7 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
-    from mlx_dflash import calibrate, costs, load
+    from mlx_dflash import costs, load
 
     m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
     cached = costs.load_cached(costs.cost_key(m, dr), widest)

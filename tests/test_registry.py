@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mlx_dflash import discovery, registry
+from mlx_dflash import discovery
 from mlx_dflash.loader import load
 from mlx_dflash.registry import Found, base_name, find_drafter, known_drafters
 
