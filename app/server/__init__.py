@@ -1,21 +1,25 @@
 """`mlx-dflash serve`: a local OpenAI-compatible server (FastAPI on uvicorn).
 
-One worker thread owns the loaded model and its PromptCache (the engine runs
+One worker thread owns the loaded model and its prompt store (the engine runs
 one generation at a time); HTTP handlers validate a request, put it on a
 bounded queue (429 when full) and relay the worker's events, as SSE or as one
 JSON body. Every response carries `usage`, llama.cpp-style `timings` and a
-`dflash` object. No option is ignored: those the DFlash path cannot honour
-(logprobs, penalties, logit_bias) run on plain decoding, which applies them,
-and `dflash.mode` / `dflash.fallback` say so; anything else unknown is a 400.
+`dflash` object. Options the DFlash path cannot honour (logprobs, penalties,
+logit_bias, a constrained format) run on the engine's plain decoding, which
+applies them, and `dflash.mode` / `dflash.fallback` say so; fields a request
+may carry that change nothing are accepted and ignored, those that would change
+the answer and cannot be honoured are a 400 naming them.
 
     mlx-dflash serve [--model M] [--host H] [--port P] [--api-key-file F]
                      [--cors ORIGIN ...] [--allowed-hosts NAME ...] [--queue-size N]
                      [--grace S] [--quiet]
 
 Modules: errors (OpenAI-format errors), schemas (request bodies), worker (the
-generation thread, the catalog), security (Host / Origin / content-type / body
-checks, the API key, the request log), app (the FastAPI app, shared routes),
-openai_api (chat/completions), cli (arguments, start-up).
+generation thread), catalog (jobs, counters, model names), security (Host /
+Origin / content-type / body checks, the API key, the request log), connections
+(socket limits), app (the FastAPI app, shared routes), relay (one generation for
+a handler, the shared stats), openai_api / responses_api / anthropic_api (the
+three APIs), processors (logits processors for plain decoding), cli.
 """
 
 import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from . import relay
+from .relay import ClientGone, collect, count, events, start, stats_fields
 from .errors import APIError, _bad
 from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
@@ -237,27 +237,27 @@ def register(app, ctx) -> None:
         try:
             req = await checked(request, MessagesRequest)
             g = _gen(req)
-            job, mid, started = await relay.start(ctx, request, "chat", g, req.model)
+            job, mid, started = await start(ctx, request, "chat", g, req.model)
         except APIError as e:
             return error_response(e)
-        except relay.ClientGone:
+        except ClientGone:
             return JSONResponse({}, status_code=499)
         mid_ = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return StreamingResponse(stream(job, request, mid_, mid, started[1]["prompt_tokens"]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            out = await relay.collect(ctx, job, request)
+            out = await collect(ctx, job, request)
         except APIError as e:
             return error_response(e)
-        except relay.ClientGone:
+        except ClientGone:
             return JSONResponse({}, status_code=499)
         content = ([_thinking_block(out.reasoning)] if out.reasoning else []) + \
             ([{"type": "text", "text": out.text}] if out.text else []) + [_tool_block(c) for c in out.calls]
         end = out.end
         body = {"id": mid_, "type": "message", "role": "assistant", "model": mid, "content": content,
                 "stop_reason": _stop_reason(end), "stop_sequence": end.get("stop_sequence"),
-                "usage": _usage(end), "dflash": relay.stats_fields(end)["dflash"]}
+                "usage": _usage(end), "dflash": stats_fields(end)["dflash"]}
         if req.context_management is not None:
             body["context_management"] = {"applied_edits": []}
         return JSONResponse(body)
@@ -266,10 +266,10 @@ def register(app, ctx) -> None:
     async def count_tokens(request: Request):
         try:
             req = await checked(request, CountRequest)
-            n = await relay.count(ctx, request, _gen(req), req.model)
+            n = await count(ctx, request, _gen(req), req.model)
         except APIError as e:
             return error_response(e)
-        except relay.ClientGone:
+        except ClientGone:
             return JSONResponse({}, status_code=499)
         return JSONResponse({"input_tokens": n})
 
@@ -277,13 +277,13 @@ def register(app, ctx) -> None:
         def ev(kind: str, **data) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-        start = {"id": msg_id, "type": "message", "role": "assistant", "model": mid, "content": [],
+        head = {"id": msg_id, "type": "message", "role": "assistant", "model": mid, "content": [],
                  "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
-        yield ev("message_start", message=start)
+        yield ev("message_start", message=head)
         index, open_block = 0, None  # the kind of the open block: "text" | "reasoning" | None
         try:
-            async for kind, v in relay.events(ctx, job, request, poll=False):
+            async for kind, v in events(ctx, job, request, poll=False):
                 if open_block is not None and kind != open_block:
                     if open_block == "reasoning":
                         yield ev("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
@@ -310,9 +310,9 @@ def register(app, ctx) -> None:
                     index += 1
                     continue
                 yield ev("message_delta", delta={"stop_reason": _stop_reason(v), "stop_sequence": v.get("stop_sequence")},
-                         usage=_usage(v), dflash=relay.stats_fields(v)["dflash"])
+                         usage=_usage(v), dflash=stats_fields(v)["dflash"])
                 yield ev("message_stop")
-        except relay.ClientGone:
+        except ClientGone:
             return
         except APIError as e:  # after the headers: Anthropic's in-band error event
             yield ev("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})

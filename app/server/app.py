@@ -22,7 +22,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from .anthropic_api import error_response as messages_error
+from .anthropic_api import register as register_messages
 from .errors import APIError, _bad, _line
+from .openai_api import register as register_openai
+from .responses_api import register as register_responses
 from .schemas import _validation_message
 from .security import CUT_KEY, MAX_BODY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
 from .worker import Job, ManagerCatalog, Worker
@@ -34,9 +38,7 @@ NAMES_TTL = 10.0  # seconds a resolved model name is remembered (a newly downloa
 def _render_error(path: str, e: APIError):
     """An error in the format of the API at `path` (for security.RequestGate)."""
     if path.startswith("/v1/messages"):
-        from .anthropic_api import error_response
-
-        return error_response(e)
+        return messages_error(e)
     return e.response()
 
 
@@ -208,11 +210,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
 
     ctx = ServerContext(worker, auth, parse, model_id, next_event)
     app.state.ctx = ctx
-    from . import anthropic_api, openai_api, responses_api
-
-    openai_api.register(app, ctx)
-    responses_api.register(app, ctx)  # /v1/responses
-    anthropic_api.register(app, ctx)  # /v1/messages, /v1/messages/count_tokens
+    register_openai(app, ctx)
+    register_responses(app, ctx)  # /v1/responses
+    register_messages(app, ctx)  # /v1/messages, /v1/messages/count_tokens
 
     @app.get("/health")
     async def health():  # no key needed, so it tells nothing but that the server is up

@@ -13,6 +13,7 @@ from typing import List, Optional
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .relay import report
 from .schemas import ChatRequest, CompletionRequest
 from .tools import call_id
 from .worker import Job
@@ -20,30 +21,6 @@ from .worker import Job
 
 
 # -- response bodies -----------------------------------------------------------------------
-
-def _report(stats, end: dict) -> dict:
-    """usage + llama.cpp `timings` + `dflash`, from the engine's GenerationStats."""
-    s = stats
-    prompt_n = s.prompt_tokens - s.reused_tokens
-    return {
-        "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generation_tokens,
-                  "total_tokens": s.prompt_tokens + s.generation_tokens,
-                  "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
-                  "completion_tokens_details": {"reasoning_tokens": end.get("reasoning_tokens", 0)}},
-        "timings": {"cache_n": s.reused_tokens, "prompt_n": prompt_n, "prompt_ms": s.prompt_time * 1000,
-                    "prompt_per_token_ms": s.prompt_time * 1000 / prompt_n if prompt_n else 0.0,
-                    "prompt_per_second": s.prompt_tps,
-                    "predicted_n": s.generation_tokens, "predicted_ms": s.generation_time * 1000,
-                    "predicted_per_token_ms": 1000 / s.generation_tps if s.generation_tps else 0.0,
-                    "predicted_per_second": s.generation_tps,
-                    "draft_n": s.drafted, "draft_n_accepted": s.accepted},
-        "dflash": {"tau": s.tau, "cycles": s.cycles, "verify_width": s.block_size, "mode": s.mode,
-                   "fallback": s.fallback, "policy": s.policy, "lookup_cycles": s.lookup_cycles,
-                   "acceptance_rate": s.acceptance_rate,
-                   "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
-                   "queue_ms": end["queue_ms"]},
-    }
-
 
 def _lp_block(kind: str, entries: List[dict]) -> Optional[dict]:
     if kind == "chat":
@@ -125,7 +102,7 @@ def register(app, ctx) -> None:
             choice = {"index": 0, "text": "".join(text), "logprobs": lp, "finish_reason": end["finish_reason"]}
             obj = "text_completion"
         body = {"id": rid, "object": obj, "created": created, "model": mid, "choices": [choice],
-                **_report(end["stats"], end)}
+                **report(end["stats"], end)}
         return JSONResponse(body)
 
     async def sse(job, request, req, kind, rid, created, mid):
@@ -180,7 +157,7 @@ def register(app, ctx) -> None:
                     n_calls += 1
                     continue
                 end = ev[1]
-                rep = _report(end["stats"], end)
+                rep = report(end["stats"], end)
                 yield chunk(leftover or None, end["finish_reason"],
                             extra={"timings": rep["timings"], "dflash": rep["dflash"]})
                 if req.stream_options is not None and req.stream_options.include_usage:

@@ -96,11 +96,33 @@ async def count(ctx, request, req, model: Optional[str]) -> int:
 
 def stats_fields(end: dict) -> dict:
     """The `dflash` object and cached-token count every API reports."""
-    from .openai_api import _report
-
-    rep = _report(end["stats"], end)
+    rep = report(end["stats"], end)
     return {"dflash": rep["dflash"], "timings": rep["timings"], "cached": end["stats"].reused_tokens,
             "prompt": end["stats"].prompt_tokens, "completion": end["stats"].generation_tokens}
 
 
 __all__ = ["APIError", "ClientGone", "Result", "start", "events", "collect", "count", "stats_fields"]
+
+
+def report(stats, end: dict) -> dict:
+    """usage + llama.cpp `timings` + `dflash`, from the engine's GenerationStats."""
+    s = stats
+    prompt_n = s.prompt_tokens - s.reused_tokens
+    return {
+        "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generation_tokens,
+                  "total_tokens": s.prompt_tokens + s.generation_tokens,
+                  "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
+                  "completion_tokens_details": {"reasoning_tokens": end.get("reasoning_tokens", 0)}},
+        "timings": {"cache_n": s.reused_tokens, "prompt_n": prompt_n, "prompt_ms": s.prompt_time * 1000,
+                    "prompt_per_token_ms": s.prompt_time * 1000 / prompt_n if prompt_n else 0.0,
+                    "prompt_per_second": s.prompt_tps,
+                    "predicted_n": s.generation_tokens, "predicted_ms": s.generation_time * 1000,
+                    "predicted_per_token_ms": 1000 / s.generation_tps if s.generation_tps else 0.0,
+                    "predicted_per_second": s.generation_tps,
+                    "draft_n": s.drafted, "draft_n_accepted": s.accepted},
+        "dflash": {"tau": s.tau, "cycles": s.cycles, "verify_width": s.block_size, "mode": s.mode,
+                   "fallback": s.fallback, "policy": s.policy, "lookup_cycles": s.lookup_cycles,
+                   "acceptance_rate": s.acceptance_rate,
+                   "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
+                   "queue_ms": end["queue_ms"]},
+    }

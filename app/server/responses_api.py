@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from . import relay
+from .relay import ClientGone, Result, collect, events, start, stats_fields
 from .errors import APIError, _bad
 from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, reasoning_item,
                               to_messages, tool_choice)
@@ -101,10 +101,10 @@ def register(app, ctx) -> None:
                 "tools": tools.echo, "truncation": "disabled",
                 "usage": None}
 
-    def finish(body: dict, end: dict, history: List[dict], out: relay.Result, req: ResponsesRequest,
+    def finish(body: dict, end: dict, history: List[dict], out: Result, req: ResponsesRequest,
                tools: Tools) -> dict:
         incomplete = end["finish_reason"] == "length"
-        stats = relay.stats_fields(end)["dflash"]
+        stats = stats_fields(end)["dflash"]
         if tools.not_offered:
             stats["tools_not_offered"] = tools.not_offered
         body.update(status="incomplete" if incomplete else "completed", usage=_usage(end),
@@ -163,8 +163,8 @@ def register(app, ctx) -> None:
         req = await ctx.parse(request, ResponsesRequest)
         g, history, tools = build(req)
         try:
-            job, mid, _ = await relay.start(ctx, request, "chat", g, req.model)
-        except relay.ClientGone:
+            job, mid, _ = await start(ctx, request, "chat", g, req.model)
+        except ClientGone:
             return JSONResponse({}, status_code=499)
         rid, created = "resp_" + uuid.uuid4().hex[:24], int(time.time())
         if req.stream:
@@ -172,8 +172,8 @@ def register(app, ctx) -> None:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            out = await relay.collect(ctx, job, request)
-        except relay.ClientGone:
+            out = await collect(ctx, job, request)
+        except ClientGone:
             return JSONResponse({}, status_code=499)
         body = base(rid, req, mid, created, "completed", tools)
         if out.reasoning:
@@ -196,7 +196,7 @@ def register(app, ctx) -> None:
         body = base(rid, req, mid, created, "in_progress", tools)
         yield ev("response.created", response=body)
         yield ev("response.in_progress", response=body)
-        out, msg, text = relay.Result(), None, []  # msg: the open message item
+        out, msg, text = Result(), None, []  # msg: the open message item
         thought, thinking = None, []  # the open reasoning item, its text so far
 
         def close_msg():
@@ -229,7 +229,7 @@ def register(app, ctx) -> None:
             return parts
 
         try:
-            async for kind, v in relay.events(ctx, job, request, poll=False):
+            async for kind, v in events(ctx, job, request, poll=False):
                 if kind != "reasoning" and thought is not None:
                     for e in close_thought():
                         yield e
@@ -287,7 +287,7 @@ def register(app, ctx) -> None:
                     # "incomplete"): the OpenAI SDK's stream helper and Codex take no other
                     # event as the end of a response (README)
                     yield ev("response.completed", response=body)
-        except relay.ClientGone:
+        except ClientGone:
             return
         except APIError as e:  # after the headers: in-band, as OpenAI does
             body.update(status="failed", error={"code": e.code or "server_error", "message": e.message})
