@@ -5,7 +5,7 @@ new prompt can continue from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -27,6 +27,16 @@ class PromptCache:
     # hands them to its first draft, so the whole cached prefix stays reusable
     pending: Optional[mx.array] = None
     index: Optional[NgramIndex] = None  # the n-gram index of the last call's text (lookup drafts)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def reusable(pc: PromptCache, drafter, layout: Optional[Tuple[Optional[int], int]] = None) -> int:
@@ -63,12 +73,7 @@ def reuse(target, pc, ids, drafter, layout: Tuple[Optional[int], int] = (None, 0
     if d is not None and (pc.drafter is None or pc.drafter_id != id(d) or pc.drafter_layout != tuple(layout)):
         pc.drafter, pc.drafter_id, pc.pending = d.make_cache(*layout), id(d), None
         pc.drafter_layout = tuple(layout)
-    keep = reusable(pc, d)
-    common = 0
-    for x, y in zip(pc.tokens[:keep], ids[:-1]):
-        if x != y:
-            break
-        common += 1
+    common = common_prefix(pc.tokens[:reusable(pc, d)], ids[:-1])
     if common < len(pc.tokens):
         if target.can_trim(pc.target, len(pc.tokens) - common):
             target.trim(pc.target, len(pc.tokens) - common)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .prompt_cache import PromptCache, reusable
+from .prompt_cache import PromptCache, common_prefix, reusable
 from .target import Target
 
 
@@ -41,15 +41,6 @@ def cache_bytes(pc: PromptCache) -> int:
     return _nbytes(pc.target) + _nbytes(pc.drafter) + pending
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _reach(pc: PromptCache) -> Tuple[int, int]:
     """(tokens cached, tokens the drafter context covers as rows or pending features)."""
     rows = pc.drafter[0].offset + (pc.pending.shape[1] if pc.pending is not None else 0) if pc.drafter else -1
@@ -60,7 +51,7 @@ def _covers(a: PromptCache, b: PromptCache) -> bool:
     """Whether trimming `a` serves every prompt `b` serves (b's tokens and
     drafter rows are a prefix of a's)."""
     (na, da), (nb, db) = _reach(a), _reach(b)
-    return nb <= na and db <= da and _common(b.tokens, a.tokens) == nb
+    return nb <= na and db <= da and common_prefix(b.tokens, a.tokens) == nb
 
 
 @dataclass
@@ -108,7 +99,7 @@ class PromptStore:
         head = ids[:-1]
         for key, (pc, _) in self.entries.items():
             keep = self.usable(pc, drafter, with_drafter)
-            n = _common(pc.tokens[:keep], head)
+            n = common_prefix(pc.tokens[:keep], head)
             drop = len(pc.tokens) - n
             if n and drop and not target.can_trim(pc.target, drop):
                 n = 0
@@ -122,7 +113,7 @@ class PromptStore:
         system prompt. 0 when `match` already reuses as much."""
         _, n = self.match(target, ids, drafter, with_drafter)
         head = ids[:-1]
-        best = max((_common(pc.tokens[: self.usable(pc, drafter, with_drafter)], head)
+        best = max((common_prefix(pc.tokens[: self.usable(pc, drafter, with_drafter)], head)
                     for pc, _ in self.entries.values()), default=0)
         return best if best > n else 0
 

@@ -15,7 +15,7 @@ from tiny_families import build, config
 from mlx_dflash import stream_generate
 from mlx_dflash.decode_config import DecodeConfig
 from mlx_dflash.drafter import ContextCache, Drafter, DrafterConfig
-from mlx_dflash.prompt_cache import PromptCache
+from mlx_dflash.prompt_cache import PromptCache, common_prefix
 from mlx_dflash.prompt_store import cache_bytes
 from mlx_dflash.target import Target
 
@@ -151,15 +151,6 @@ def _pair(tmp_path, family="qwen3", version=1, **over):
                         seed=version)
 
 
-def _common(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # one attention layer (two for the hybrid: gated-delta + attention): a tiny model's
 # 8k-token prefill costs ~10 s on this CPU (mlx's CPU attention), two per test
 LONG = {"qwen3": 1, "qwen3_next": 2}
@@ -194,7 +185,7 @@ def test_greedy_lossless_at_8k_with_the_window_wrapped(tmp_path, family, kv_bits
              ids + out[:10] + ids_of(30, seed=5),  # back inside the window
              ids[:8000] + ids_of(50, seed=6)]  # back below it
     for prompt in turns:
-        common = _common(pc.tokens, prompt[:-1])
+        common = common_prefix(pc.tokens, prompt[:-1])
         got = run(model, prompt, d, pc, stats, **kw)
         trim_prompt_cache(ref_cache, ref_cache[0].offset - common)
         assert got == mlx_lm_tokens(model, prompt[common:], 24, cache=ref_cache, **q)
