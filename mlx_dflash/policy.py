@@ -258,6 +258,7 @@ class Guard(Policy):
             plain = max(p0 + f * (p1 - p0), 1e-9)
         self.kw = {x: cyc[x] / plain for x in self.ws}
         self.k = self.kw[self.w]
+        self.p_mid = _p_mid(self.k, self.w)  # the probe's prior moves with k
 
     def _was_paying(self) -> bool:
         if self.multi:
@@ -278,17 +279,8 @@ class Guard(Policy):
         """(width, predicted speedup) that maximises tau(w) / k(w)."""
         return max(((x, self.expected(p, x) / k) for x, k in self.kw.items()), key=lambda ws: (ws[1], -ws[0]))
 
-    def _p_mid(self) -> float:
-        """The constant per-position acceptance whose tau at the widest width is halfway
-        between break-even and the width (the single-width probe's prior)."""
-        want, lo, hi = (self.k + self.w) / 2, 0.0, 1.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if self.expected([mid] * (self.w - 1), self.w) < want else (lo, mid)
-        return (lo + hi) / 2
-
     def _probe_p(self) -> List[float]:
-        pm = self._p_mid()
+        pm = self.p_mid
         return [(self.PSEUDO * pm + h) / (self.PSEUDO + n) for h, n in self.counts]
 
     def _estimate(self):
@@ -434,6 +426,16 @@ class Guard(Policy):
     def summary(self) -> dict:
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
                 "speedup": self.speedup(), "cycle_cost": self.k, "tau": self._tau(), "widths": dict(self.widths)}
+
+
+def _p_mid(k: float, w: int) -> float:
+    """The constant per-position acceptance whose tau at width w is halfway between
+    break-even (k) and w: the probe's prior (by bisection)."""
+    want, lo, hi = (k + w) / 2, 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if Guard.expected([mid] * (w - 1), w) < want else (lo, mid)
+    return (lo + hi) / 2
 
 
 class _Lookup:
