@@ -29,7 +29,7 @@ from app import bench_realistic
 from app.bench_costs import measure
 from app.bench_prompts import load_prompts
 from app.bench_report import KINDS, goals, machine_info, markdown, summarize, write
-from app.bench_runs import Method
+from app.bench_runs import Method, fastest_plain
 
 DEFAULT_KINDS = ("mlx-lm", "mlx-lm-spec", "dflash1", "dflash2", "adaptive", "default", "lookup")
 SHARED = ("The machine may have been shared with other jobs while this ran: compare the ratios "
@@ -219,6 +219,8 @@ def bench(args, log=lambda s: None) -> dict:
     if ctx["note"]:  # after the prompts: a bad prompt file stays a one-line error
         log(ctx["note"])
     log(f"{len(prompts)} prompts x {len(methods)} methods x {args.max_tokens} tokens; skipped: {skipped or 'none'}")
+    log("timing the target's 1-token step at the measured kernel threads, 1 and every core...")
+    step_threads = fastest_plain(ctx["model"])  # the plain baseline, and every method, at its fastest
     costs = measure(ctx, methods)
     for m in methods:  # warm-up: first calls at each shape are slow (adaptive also gets its cost curve)
         m.go(ctx, prompts[0]["prompt"], 8)
@@ -240,7 +242,8 @@ def bench(args, log=lambda s: None) -> dict:
                  "seconds": round(time.time() - t_start, 1), "prompts": args.prompts,
                  "num_prompts": len(prompts), "max_tokens": args.max_tokens, "quick": args.quick,
                  "temperature": 0.0, "batch": 1, "models": ctx["paths"], "skipped": skipped,
-                 "machine": machine_info(), "costs": cost_json, "shared_machine": SHARED},
+                 "machine": machine_info(), "costs": cost_json, "shared_machine": SHARED,
+                 "step_threads": step_threads},
         "methods": rows,
         "goals": goals(rows),
         "per_prompt": [{"prompt": p["id"], **{m.name: {"tokens": len(m.runs[i].tokens),

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from app.bench_report import fmt_num, machine_info, summarize
-from app.bench_runs import Method, run_mlx_lm, run_ours
+from app.bench_report import fmt_num, machine_info, summarize, threads_text
+from app.bench_runs import Method, fastest_plain, run_mlx_lm, run_ours
 
 # published shapes (config.json of the Hugging Face repos), vocab included
 _QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
@@ -250,6 +250,8 @@ def bench_target(name, args, log) -> dict:
     prompts = [[rng.randrange(4, vocab - 1) for _ in range(64)] for _ in range(args.num_prompts)]
     alpha = alpha_for(args.tau, inner.block_size)
     replay = ReplayDrafter(inner, alpha, vocab)
+    log(f"{name}: timing the 1-token step at the measured kernel threads, 1 and every core...")
+    step_threads = fastest_plain(model)  # every method runs at the plain step's fastest threads
     log(f"{name}: the target's greedy continuations (plain mlx-lm, {args.max_tokens} tokens)...")
     conts = [run_mlx_lm(model, tok, p, args.max_tokens).tokens for p in prompts]
     log(f"{name}: measuring c(w), d(w) at widths 1, {', '.join(map(str, widths))} (again after every prompt)...")
@@ -291,7 +293,7 @@ def bench_target(name, args, log) -> dict:
     return {"target": name, "label": TARGETS[name][2], "dtype": args.dtype, "bits": TARGETS[name][1],
             "params": n_params, "drafter_params": d_params, "drafter_layers": args.draft_layers,
             "alpha": alpha, "replayed_mean_accept_len": mean_len, "costs": costs.to_json(),
-            "cost_samples": len(sampler.t1),
+            "cost_samples": len(sampler.t1), "step_threads": step_threads,
             "seconds": round(time.time() - t0, 1), "methods": rows}
 
 
@@ -319,7 +321,7 @@ def markdown(res: dict) -> str:
                   f"Drafter: DFlash 2, {t['drafter_layers']} layers, {t['drafter_params'] / 1e6:.0f}M parameters "
                   f"(+ the target's embedding and head); replayed alpha {t['alpha']:.3f} (mean accept length drawn "
                   f"{fmt_num(t['replayed_mean_accept_len'])} of 15); 1-token step {1e3 * t['costs']['t1']:.1f} ms; "
-                  f"{t['seconds']:.0f} s.", "",
+                  f"{t['seconds']:.0f} s." + (f" {threads_text(t['step_threads'])}." if t.get("step_threads") else ""), "",
                   "| method | tau | tok/s | x mlx-lm | c | d | limit | efficiency | lossless |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in t["methods"]:

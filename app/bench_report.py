@@ -126,6 +126,16 @@ def machine_info() -> dict:
 # -- output ---------------------------------------------------------------------------------
 
 
+def threads_text(st: dict) -> str:
+    """'1-token step 93.4 ms at the measured kernel threads (1 thread 95.0 ms, 2 threads 131.0 ms)'."""
+    if not st:
+        return ""
+    ms = st["ms"]
+    return (f"plain 1-token step {ms[st['fastest']]:.1f} ms at the {st['fastest']} kernel thread"
+            f"{'s' if st['fastest'] != '1 thread' else ''} used for every method ("
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items() if k != st["fastest"]) + ")")
+
+
 def fmt_num(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
@@ -135,7 +145,8 @@ def markdown(res: dict) -> str:
     lines = [f"# mlx-dflash bench: {meta['prompts']}", "",
              f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens, greedy, batch 1; "
              f"{meta['date_utc']} UTC; {meta['machine']['platform']}, MLX {meta['machine']['mlx']} "
-             f"({meta['machine']['device']}), BLAS: {meta['machine']['blas']}.", ""]
+             f"({meta['machine']['device']}), BLAS: {meta['machine']['blas']}."
+             + (f" {threads_text(meta['step_threads'])}." if meta.get("step_threads") else ""), ""]
     if meta.get("command"):
         lines += ["```", meta["command"], "```", ""]
     lines += ["| method | tau | accept | tok/s | x mlx-lm | prefill tok/s | TTFT ms | peak GB "

@@ -11,8 +11,10 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx_lm
 
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
 from app.bench_report import COSTS_OF
-from mlx_dflash import stream_generate
+from mlx_dflash import fastblas, stream_generate
 
 
 @dataclass
@@ -40,6 +42,22 @@ class Run:
     @property
     def gen_tokens(self) -> int:  # tokens after the first
         return max(0, len(self.tokens) - 1)
+
+
+def fastest_plain(model, context: int = 64) -> dict:
+    """Sets the few-row kernel's threads to the fastest for this model's 1-token
+    step (the measured table, 1 thread or every core: fastblas.fastest_threads),
+    so that the plain baseline, and every method compared with it, runs at its
+    fastest configuration. Returns the step times by configuration ({} where
+    there is nothing to choose)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(context)[None] % 1000, cache=cache))
+
+    def step():
+        mx.eval(model(mx.array([[1]]), cache=cache))
+        trim_prompt_cache(cache, 1)
+
+    return fastblas.fastest_threads(step, apply=True)
 
 
 def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None) -> Run:

@@ -196,7 +196,17 @@ static void small_sgemm_nn(I M, I N, I K, float alpha, const float* A, I lda,
    takes chunks of W's rows from a shared counter, so a thread that is
    descheduled delays the product by one chunk, not by half of it. */
 int mlx_dflash_threads = 1;
-unsigned char mlx_dflash_kthreads[MB + 1];  /* per row count; 0: mlx_dflash_threads */
+/* Size classes of W (N * K): the kernel's routing and its threads are chosen per
+   row count and class, measured on this machine (fastblas.calibrate). */
+#define NCLS 7
+long mlx_dflash_class_max[NCLS] = {16384, 65536, 262144, 1048576, 4194304, 16777216, -1};
+static int size_class(I n, I k) {
+  long nk = (long)n * k;
+  int c = 0;
+  while (c < NCLS - 1 && nk > mlx_dflash_class_max[c]) c++;
+  return c;
+}
+unsigned char mlx_dflash_kthreads[MB + 1][NCLS];  /* per row count and class; 0: mlx_dflash_threads */
 #define MAXT 64
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER, job_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_COND_INITIALIZER;
@@ -238,7 +248,8 @@ static int nt(I M, I N, I K, float alpha, const float* A, I lda, const float* B,
   nt_fn f = nt_for(M);
   const float* Ap = pack(M, K, A, lda);
   if (!Ap) return 0;  /* out of memory: OpenBLAS does it */
-  int t = mlx_dflash_kthreads[M] ? mlx_dflash_kthreads[M] : mlx_dflash_threads;
+  int t = mlx_dflash_kthreads[M][size_class(N, K)];
+  t = t ? t : mlx_dflash_threads;
   t = t < MAXT ? t : MAXT;
   /* threads only where the work dwarfs a wake-up (~10 us), and one caller at a time */
   if (t <= 1 || (long)N * K < (1L << 19) || pthread_mutex_trylock(&job_mu) != 0) {
@@ -276,16 +287,10 @@ static int nt(I M, I N, I K, float alpha, const float* A, I lda, const float* B,
    shape the kernel takes (tests, A/B runs). */
 int mlx_dflash_small_gemm = 0;
 long mlx_dflash_small_gemm_calls = 0;
-#define NCLS 6
-long mlx_dflash_class_max[NCLS] = {16384, 65536, 262144, 1048576, 4194304, -1};  /* N * K */
 unsigned char mlx_dflash_route[MB + 1][NCLS];
 
 static int routed(I m, I n, I k) {
-  if (mlx_dflash_small_gemm == 2) return 1;
-  long nk = (long)n * k;
-  int c = 0;
-  while (c < NCLS - 1 && nk > mlx_dflash_class_max[c]) c++;
-  return mlx_dflash_route[m][c];
+  return mlx_dflash_small_gemm == 2 || mlx_dflash_route[m][size_class(n, k)];
 }
 
 void cblas_sgemm(I o, I ta, I tb, I m, I n, I k, float al, const void* a, I lda,

@@ -8,9 +8,11 @@ mlx imports and forwards them to the (symbol-prefixed) OpenBLAS of
 then binds libmlx's gemm calls to the shim. Nothing in mlx is patched. Must run
 before `import mlx`.
 
-Two choices are measured on this machine once and cached (`calibrate`): the
-thread count (more threads are not faster on a small shared CPU) and, per row
-count m <= 16 and weight size, whether the shim's few-row kernel beats OpenBLAS.
+Three choices are measured on this machine once and cached (`calibrate`): the
+OpenBLAS thread count (more threads are not faster on a small shared CPU) and,
+per row count m <= 16 and weight size class, whether the shim's few-row kernel
+beats OpenBLAS and how many threads it runs (a 1-token step over a 600 MB head
+reads memory faster on two cores; a 4 MB one does not gain).
 Only float32 products reach BLAS: mlx-cpu runs bf16/fp16 matmuls in its own
 code (and `load` widens them to float32 on the CPU), so the shim never sees them.
 """
@@ -33,11 +35,14 @@ STATE = {"blas": "reference (mlx-cpu bundled)", "shim": None, "error": None, "th
 _SHIM = None  # the loaded shim (ctypes.CDLL)
 _BLAS = None  # the loaded OpenBLAS
 MB = 16  # widest row count the kernel takes
-CLASS_SHAPES = [(128, 128), (256, 256), (512, 512), (1024, 1024), (4096, 1024), (8192, 1024)]  # (n, k)
-CLASS_MAX = [16384, 65536, 262144, 1048576, 4194304, None]  # n * k bound of each size class
+# (n, k) measured for each size class of W; the last stands for the LM heads of
+# published vocabularies (32k-150k rows: 130-620 MB in float32)
+CLASS_SHAPES = [(128, 128), (256, 256), (512, 512), (1024, 1024), (4096, 1024), (8192, 1024), (32768, 1024)]
+CLASS_MAX = [16384, 65536, 262144, 1048576, 4194304, 16777216, None]  # n * k bound of each size class
+POOL_MIN = 1 << 19  # n * k below which the kernel runs on the calling thread alone (see the shim)
 MEASURED_M = (1, 2, 4, 8, 16)
 SPINNERS = 2  # busy processes during the busy OpenBLAS thread-count rounds
-CALIBRATION_VERSION = 5  # bump when what is measured changes: old files are measured again
+CALIBRATION_VERSION = 6  # bump when what is measured changes: old files are measured again
 
 
 def _openblas_lib() -> Path | None:
@@ -77,25 +82,44 @@ def small_gemm_calls() -> int:
     return ctypes.c_long.in_dll(_SHIM, "mlx_dflash_small_gemm_calls").value if _SHIM else 0
 
 
+def size_class(n: int, k: int) -> int:
+    """The size class of an [n, k] weight (what the shim's tables are indexed by)."""
+    return next((i for i, b in enumerate(CLASS_MAX) if b is None or n * k <= b), len(CLASS_MAX) - 1)
+
+
+def _table(kernel, n: int) -> list:
+    """Kernel threads as a [MB + 1][class] table, from an int (everywhere), a
+    list by row count (every class alike) or a table."""
+    if not isinstance(kernel, (list, tuple)):
+        return [[int(kernel or n)] * len(CLASS_MAX) for _ in range(MB + 1)]
+    return [list(r) if isinstance(r, (list, tuple)) else [int(r)] * len(CLASS_MAX) for r in kernel]
+
+
 def set_threads(n: int, kernel=None) -> None:
-    """Threads for OpenBLAS, and for the few-row kernel: `kernel` an int, or a
-    list of MB + 1 counts by row count (index 0 unused); default: `n`."""
+    """Threads for OpenBLAS, and for the few-row kernel: `kernel` an int, a list
+    of MB + 1 counts by row count (index 0 unused), or a table of them by row
+    count and size class (what calibrate measures); default: `n`."""
     if _SHIM is None:
         return
     _BLAS.scipy_openblas_set_num_threads(int(n))
-    per = list(kernel) if isinstance(kernel, (list, tuple)) else [int(kernel or n)] * (MB + 1)
+    per = _table(kernel, n)
     ctypes.c_int.in_dll(_SHIM, "mlx_dflash_threads").value = int(n)
-    arr = (ctypes.c_ubyte * (MB + 1)).in_dll(_SHIM, "mlx_dflash_kthreads")
+    arr = (ctypes.c_ubyte * len(CLASS_MAX) * (MB + 1)).in_dll(_SHIM, "mlx_dflash_kthreads")
     for m in range(MB + 1):
-        arr[m] = max(1, min(64, int(per[m])))
-    STATE["threads"], STATE["kernel_threads"] = int(n), [int(arr[m]) for m in range(MB + 1)]
+        for c in range(len(CLASS_MAX)):
+            arr[m][c] = max(1, min(64, int(per[m][c])))
+    STATE["threads"] = int(n)
+    STATE["kernel_threads"] = [[int(arr[m][c]) for c in range(len(CLASS_MAX))] for m in range(MB + 1)]
 
 
-def kernel_threads_text(per=None) -> str:
-    """'1 thread at 1 row, 2 threads at 2-16 rows' for a per-row-count list."""
-    per = per or STATE["kernel_threads"]
-    if not per:
-        return "none"
+def kernel_threads_at(m: int, n: int, k: int) -> int:
+    """Threads the kernel runs an [m, k] @ [n, k].T product on now (1 below the pool's size)."""
+    if _SHIM is None or not 1 <= m <= MB or n * k < POOL_MIN:
+        return 1
+    return STATE["kernel_threads"][m][size_class(n, k)]
+
+
+def _rows_text(per: list) -> str:
     runs = []  # [threads, first row, last row]
     for m in range(1, MB + 1):
         if runs and runs[-1][0] == per[m]:
@@ -104,6 +128,35 @@ def kernel_threads_text(per=None) -> str:
             runs.append([per[m], m, m])
     return ", ".join(f"{t} thread{'s' * (t > 1)} at {a}{'' if a == b else f'-{b}'} row{'s' * (b > 1)}"
                      for t, a, b in runs)
+
+
+def _size_text(n_k: int) -> str:
+    return f"{n_k >> 20}M" if n_k >= 1 << 20 else f"{n_k >> 10}K"
+
+
+def kernel_threads_text(table=None) -> str:
+    """'1 thread at 1 row, 2 threads at 2-16 rows' where every weight size the
+    pool runs on is alike; else per range of weight sizes (elements of W)."""
+    table = table or STATE["kernel_threads"]
+    if not table:
+        return "none"
+    table = _table(table, 1)
+    first = next(c for c, b in enumerate(CLASS_MAX) if b is None or b > POOL_MIN)  # smaller: one thread
+    groups = []  # [column, first class, last class]
+    for c in range(first, len(CLASS_MAX)):
+        col = [table[m][c] for m in range(MB + 1)]
+        if groups and groups[-1][0] == col:
+            groups[-1][2] = c
+        else:
+            groups.append([col, c, c])
+    if len(groups) == 1:
+        return _rows_text(groups[0][0])
+    parts = []
+    for col, a, b in groups:
+        lo = POOL_MIN if a == first else CLASS_MAX[a - 1]
+        rng = f"W over {_size_text(lo)}" + (f" up to {_size_text(CLASS_MAX[b])}" if CLASS_MAX[b] else "")
+        parts.append(f"{rng}: {_rows_text(col)}")
+    return "; ".join(parts)
 
 
 def _route_array():
@@ -125,8 +178,38 @@ def routed(m: int, n: int, k: int) -> bool:
         return False
     if STATE["small_gemm"] == "all":
         return True
-    c = next((i for i, b in enumerate(CLASS_MAX) if b is None or n * k <= b), len(CLASS_MAX) - 1)
-    return bool(_route_array()[m][c])
+    return bool(_route_array()[m][size_class(n, k)])
+
+
+def fastest_threads(step, reps: int = 7, apply: bool = False) -> dict:
+    """Median seconds of `step()` (one decode step of a loaded model) with the
+    few-row kernel's threads as measured for this machine, on 1 thread and on
+    every core (up to 8), timed round-robin after a warm-up round. With `apply`
+    the fastest stays set (a benchmark's plain baseline runs at its fastest
+    configuration, and so does everything compared with it). {} without the shim
+    or with one core."""
+    if _SHIM is None or _cpus() < 2:
+        return {}
+    threads, measured = STATE["threads"], STATE["kernel_threads"]
+    many = min(_cpus(), 8)
+    configs = {"measured": measured, "1 thread": 1, f"{many} threads": many}
+    times = {k: [] for k in configs}
+    try:
+        for _ in range(reps + 1):
+            for k, kt in configs.items():
+                set_threads(threads, kt)
+                t0 = time.perf_counter()
+                step()
+                times[k].append(time.perf_counter() - t0)
+    finally:
+        set_threads(threads, measured)
+    ms = {k: round(sorted(v[1:])[reps // 2] * 1e3, 2) for k, v in times.items()}
+    best = min(ms, key=ms.get)
+    if ms[best] > 0.97 * ms["measured"]:  # within noise: keep what was measured
+        best = "measured"
+    if apply:
+        set_threads(threads, configs[best])
+    return {"ms": ms, "fastest": best}
 
 
 # -- measurement ------------------------------------------------------------------------
@@ -136,13 +219,13 @@ class _Bench:
     """Times the shim's sgemm on a 64 MB rotation of weights, so that every
     size class reads its weights from memory as a real model's layers do."""
 
-    def __init__(self, total: int = 16 << 20):  # 64 MB: twice the L3 here
+    def __init__(self, total: int = 16 << 20):  # 64 MB: twice the L3 here (at least the largest class)
         import numpy as np
 
         self.np = np
-        self.w = np.full(total, 0.01, np.float32)
-        self.a = np.full(MB * 8192, 0.02, np.float32)
-        self.c = np.zeros(MB * 8192, np.float32)
+        self.w = np.full(max(total, max(n * k for n, k in CLASS_SHAPES)), 0.01, np.float32)
+        self.a = np.full(max(32, MB) * max(k for _, k in CLASS_SHAPES), 0.02, np.float32)
+        self.c = np.zeros(max(32, MB) * max(n for n, _ in CLASS_SHAPES), np.float32)  # (32 rows: the thread test)
         f = _SHIM.cblas_sgemm
         f.restype = None
         f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -208,7 +291,7 @@ def _measure_threads(b: _Bench, cpus: int, rounds: int = 8) -> tuple:
     slowest round, and more threads must win by >= 10%: an OpenBLAS thread that
     waits for a busy core stalls the whole product (seen here: 2 threads 1.3-13x
     slower than 1)."""
-    n, k = CLASS_SHAPES[-1]
+    n, k = CLASS_SHAPES[-2]  # a decoder layer's largest weight
     cands = sorted({1, min(cpus, 8)})
     tb = {t: [] for t in cands}
     spinner = None
@@ -229,18 +312,19 @@ def _measure_threads(b: _Bench, cpus: int, rounds: int = 8) -> tuple:
 
 
 def _measure_kernel_threads(b: _Bench, cpus: int, blas_threads: int, rounds: int = 10) -> tuple:
-    """Kernel threads by row count: more than 1 where they win by >= 10% (median
-    of quiet rounds) and lose at most 10% (median of rounds where another
-    process holds a core). The kernel's threads sleep between calls and take
-    small chunks of W from a shared counter, so one that waits for a busy core
-    delays a product by one chunk. Measured at MEASURED_M on the largest weights;
-    a row count in between takes more threads only where both neighbours do."""
-    n, k = CLASS_SHAPES[-1]
+    """Kernel threads by row count and weight size class: more than 1 where
+    they win by >= 10% (median of quiet rounds) and lose at most 10% (median of
+    rounds where another process holds a core). The kernel's threads sleep
+    between calls and take small chunks of W from a shared counter, so one that
+    waits for a busy core delays a product by one chunk. Measured at MEASURED_M
+    on each class the pool runs on (the classes below run on one thread); a row
+    count in between takes more threads only where both neighbours do."""
     many = min(cpus, 8)
-    per = [1] * (MB + 1)
+    per = [[1] * len(CLASS_MAX) for _ in range(MB + 1)]
     if many == 1:
         return per, None
-    t_ = {(m, t, busy): [] for m in MEASURED_M for t in (1, many) for busy in (0, 1)}
+    classes = [c for c, (n, k) in enumerate(CLASS_SHAPES) if n * k >= POOL_MIN]
+    t_ = {(m, c, t, busy): [] for m in MEASURED_M for c in classes for t in (1, many) for busy in (0, 1)}
     spinner = None
     try:
         for r in range(rounds):
@@ -248,24 +332,29 @@ def _measure_kernel_threads(b: _Bench, cpus: int, blas_threads: int, rounds: int
             if busy and spinner is None:
                 spinner = _spin(1)
             for m in MEASURED_M:
-                for t in (1, many):
-                    set_threads(blas_threads, t)
-                    t_[(m, t, busy)].append(b.sweep(m, n, k, True))
+                for c in classes:
+                    n, k = CLASS_SHAPES[c]
+                    for t in (1, many):
+                        set_threads(blas_threads, t)
+                        t_[(m, c, t, busy)].append(b.sweep(m, n, k, True))
     finally:
         _stop(spinner)
 
     def med(xs):
         return sorted(xs)[len(xs) // 2]
 
-    wins = {m: med(t_[(m, many, 0)]) < 0.9 * med(t_[(m, 1, 0)]) and med(t_[(m, many, 1)]) <= 1.1 * med(t_[(m, 1, 1)])
-            for m in MEASURED_M}
+    wins = {(m, c): med(t_[(m, c, many, 0)]) < 0.9 * med(t_[(m, c, 1, 0)])
+            and med(t_[(m, c, many, 1)]) <= 1.1 * med(t_[(m, c, 1, 1)])
+            for m in MEASURED_M for c in classes}
     for m in range(1, MB + 1):
         lo = max(x for x in MEASURED_M if x <= m)
         hi = min(x for x in MEASURED_M if x >= m)
-        per[m] = many if wins[lo] and wins[hi] else 1
-    per[0] = per[1]
-    times = {str(m): {f"{t} thread{'s' if t > 1 else ''}, {'busy' if busy else 'quiet'}": round(med(t_[(m, t, busy)]) * 1e3, 3)
-                      for t in (1, many) for busy in (0, 1)} for m in MEASURED_M}
+        for c in classes:
+            per[m][c] = many if wins[(lo, c)] and wins[(hi, c)] else 1
+    per[0] = list(per[1])
+    times = {f"{m},{CLASS_SHAPES[c][0]}x{CLASS_SHAPES[c][1]}": {
+        f"{t} thread{'s' if t > 1 else ''}, {'busy' if busy else 'quiet'}": round(med(t_[(m, c, t, busy)]) * 1e3, 3)
+        for t in (1, many) for busy in (0, 1)} for m in MEASURED_M for c in classes}
     return per, times
 
 
@@ -363,7 +452,8 @@ def _describe() -> str:
                  "(rows, size) classes")
     return (f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim), "
             f"{STATE['threads']} thread{'s' if STATE['threads'] != 1 else ''}, {kern}"
-            + (f" (threads: {kernel_threads_text()})" if mode and set(STATE["kernel_threads"]) != {STATE["threads"]} else ""))
+            + (f" (threads: {kernel_threads_text()})"
+               if mode and {t for r in STATE["kernel_threads"] for t in r} != {STATE["threads"]} else ""))
 
 
 # -- loading ----------------------------------------------------------------------------

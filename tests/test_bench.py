@@ -40,6 +40,9 @@ def test_quick_json(pairs, tmp_path, capsys):
     meta = res["meta"]
     assert meta["num_prompts"] == 3 and meta["max_tokens"] == 48 and meta["quick"]
     assert meta["skipped"] == {}
+    st = meta["step_threads"]  # the plain baseline at its fastest kernel threads, said beside the figures
+    if st:
+        assert st["fastest"] in st["ms"] and f"plain 1-token step {st['ms'][st['fastest']]:.1f} ms" in md
     rows = {r["method"]: r for r in res["methods"]}
     kinds = {r["kind"] for r in res["methods"]}
     assert kinds == set(bench.DEFAULT_KINDS)
@@ -260,6 +263,8 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
     assert [g["method"] for g in res["goals"]] == ["dflash2-w5", "dflash2-w8", "dflash2-w16"]
     md = (tmp_path / "r" / "results.md").read_text()
     assert "tiny Qwen3" in md and "shared with other jobs" in md
+    if t["step_threads"]:
+        assert f"plain 1-token step {t['step_threads']['ms'][t['step_threads']['fastest']]:.1f} ms" in md
 
 
 def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):

@@ -38,6 +38,13 @@ def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
         assert set(r["verify_cost"]) == {"1", "2", "4", "8", "16"} and r["verify_cost"]["1"] == 1.0
         assert all(v > 0 for v in r["verify_ms"].values())
     assert out["verify_cost"] in [r["verify_cost"] for r in runs.values()]
+    for probe in out["probes"].values():
+        for r in probe["runs"].values():  # the c(w) check ran on every measurement
+            assert isinstance(r["check"], list) and set(r["noise"]) == set(r["verify_cost"])
+    st = out["probes"]["large"].get("step_threads")
+    if fastblas.STATE["shim"] and fastblas.STATE["small_gemm"] and doctor._cpus() > 1:
+        assert set(st["ms"]) == {"measured", "1 thread", f"{min(doctor._cpus(), 8)} threads"}
+        assert st["fastest"] in st["ms"] and all(v > 0 for v in st["ms"].values())
     assert len(out["load_average"]) == 1 + len(runs) * 2 and isinstance(out["warnings"], list)
     if fastblas.STATE["shim"]:
         assert out["blas_threads"] >= 1 and out["blas_threads_from"]
@@ -126,3 +133,29 @@ def test_warnings_come_before_the_figures_and_the_dtype_line_says_why(monkeypatc
     assert warn < dt < figures
     assert lines[dt] == ("compute dtype: float32 (auto) for embedded/target: auto: measured, a bfloat16 step "
                          "costs 2.0x a float32 one on this CPU")
+
+
+def test_cost_check_wants_c_at_least_1_and_non_decreasing_within_noise():
+    good = {1: 1.0, 2: 1.17, 4: 1.32, 8: 1.68, 16: 2.78}
+    assert doctor.cost_check(good, {}) == []
+    slowed = {1: 1.0, 2: 0.76, 4: 0.68, 8: 1.7, 16: 2.8}  # the slowed 1-token step the check is for
+    probs = doctor.cost_check(slowed, {w: 0.01 for w in slowed})
+    assert [x.split(" ")[0] for x in probs] == ["c(2)", "c(4)"] and all("< 1" in x for x in probs)
+    assert doctor.cost_check({1: 1.0, 2: 0.97, 4: 1.1}, {2: 0.01}) == []  # within the noise floor
+    assert len(doctor.cost_check({1: 1.0, 2: 0.9, 4: 1.1}, {2: 0.01})) == 1
+    assert doctor.cost_check({1: 1.0, 2: 0.9, 4: 1.1}, {2: 0.15}) == []  # noisy rounds: not a finding
+    dip = doctor.cost_check({"1": 1.0, "8": 1.5, "16": 1.35}, {})  # string keys, as in the JSON
+    assert dip == ["c(16) = 1.35 < c(8) = 1.50: a wider verify measured cheaper"]
+
+
+def test_warns_when_the_large_probe_fails_the_check_or_the_threads_are_slow():
+    run = {"verify_cost": {"1": 1.0, "2": 0.76}, "spread_t1": 0.1, "check": ["c(2) = 0.76 < 1: x"]}
+    out = {"cpus": 2, "load_average": [0.1], "probes": {"large": {"runs": {"on": run}, "step_threads": {
+        "ms": {"measured": 239.0, "1 thread": 239.0, "2 threads": 131.0}, "fastest": "2 threads"}}}}
+    w = doctor._warnings(out)
+    assert any("c(2) = 0.76 < 1" in x for x in w)
+    assert any("239.0 ms at the measured kernel threads but 131.0 ms on 2 threads" in x and "--recalibrate" in x
+               for x in w)
+    out["probes"]["large"]["step_threads"]["ms"]["measured"] = 135.0  # within 10%: fine
+    run["check"] = []
+    assert doctor._warnings(out) == []

@@ -91,13 +91,40 @@ def test_a_row_does_not_depend_on_its_batch(kernel, threads, K):
 
 def test_kernel_threads_by_row_count():
     prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    n_cls = len(fastblas.CLASS_MAX)
     try:
         fastblas.set_threads(1, [1, 1] + [2] * 15)
-        assert fastblas.STATE["kernel_threads"][1] == 1 and fastblas.STATE["kernel_threads"][16] == 2
+        assert fastblas.STATE["kernel_threads"][1] == [1] * n_cls and fastblas.STATE["kernel_threads"][16] == [2] * n_cls
         assert fastblas.kernel_threads_text() == "1 thread at 1 row, 2 threads at 2-16 rows"
         fastblas.set_threads(2)
-        assert fastblas.STATE["kernel_threads"] == [2] * (fastblas.MB + 1)
+        assert fastblas.STATE["kernel_threads"] == [[2] * n_cls] * (fastblas.MB + 1)
         assert fastblas.kernel_threads_text() == "2 threads at 1-16 rows"
+    finally:
+        fastblas.set_threads(*prev)
+
+
+def test_kernel_threads_by_row_count_and_weight_size():
+    """The 1-token step over an LM head takes two threads while a layer's
+    weights of a few MB keep one: the table is per row count and size class,
+    and the shim runs each product on its own class's count."""
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    n_cls = len(fastblas.CLASS_MAX)
+    big = n_cls - 1
+    table = [[2 if (c == big or m >= 2) else 1 for c in range(n_cls)] for m in range(fastblas.MB + 1)]
+    try:
+        fastblas.set_threads(1, table)
+        assert fastblas.kernel_threads_at(1, 151936, 1024) == 2  # a Qwen3 head
+        assert fastblas.kernel_threads_at(1, 3072, 1024) == 1  # an MLP projection
+        assert fastblas.kernel_threads_at(4, 3072, 1024) == 2
+        assert fastblas.kernel_threads_at(1, 64, 64) == 1  # below the pool's size: always one
+        text = fastblas.kernel_threads_text()
+        assert text == ("W over 512K up to 16M: 1 thread at 1 row, 2 threads at 2-16 rows; "
+                        "W over 16M: 2 threads at 1-16 rows"), text
+        rng = np.random.default_rng(7)
+        a = mx.array(rng.standard_normal((3, 1024), dtype=np.float32))
+        w = mx.array(rng.standard_normal((20000, 1024), dtype=np.float32))  # 20M: the two-thread class at 1 row
+        full = np.array(a @ w.T)
+        assert np.array_equal(np.array(a[1:2] @ w.T), full[1:2])  # 2 threads at 1 row, as at 3 rows
     finally:
         fastblas.set_threads(*prev)
 
@@ -242,13 +269,16 @@ class _FakeBench:
 
 class _FakeThreadBench:
     """Kernel seconds: 2 threads halve 8 and 16 rows on a quiet machine; at 1 row they
-    win quietly but lose 30% when another process holds a core."""
+    win quietly but lose 30% when another process holds a core, except on the
+    largest weights (memory-bound: two cores read faster, busy or not)."""
 
     def sweep(self, m, n, k, kernel):
-        t = fastblas.STATE["kernel_threads"][m]
+        t = fastblas.STATE["kernel_threads"][m][fastblas.size_class(n, k)]
         busy = len(_FakeThreadBench.spinning) > 0
         if t == 1:
             return 1.0
+        if n * k > fastblas.CLASS_MAX[-2]:
+            return 0.6
         return {1: 1.3 if busy else 0.7, 2: 1.0, 4: 0.95}.get(m, 1.05 if busy else 0.5)
 
     spinning = []
@@ -262,11 +292,18 @@ def test_kernel_threads_are_measured_per_row_count(monkeypatch):
         per, times = fastblas._measure_kernel_threads(_FakeThreadBench(), 2, 1)
     finally:
         fastblas.set_threads(*prev)
-    assert per[1] == 1  # slower when a core is busy
-    assert per[2] == per[4] == 1  # no clear win
-    assert per[5] == per[7] == 1 and per[8] == per[12] == per[16] == 2  # between 4 and 8: both must win
-    assert set(times) == {str(m) for m in fastblas.MEASURED_M}
-    assert fastblas._measure_kernel_threads(_FakeThreadBench(), 1, 1)[0] == [1] * (fastblas.MB + 1)
+    layer, head = len(fastblas.CLASS_MAX) - 2, len(fastblas.CLASS_MAX) - 1
+    col = [per[m][layer] for m in range(fastblas.MB + 1)]
+    assert col[1] == 1  # slower when a core is busy
+    assert col[2] == col[4] == 1  # no clear win
+    assert col[5] == col[7] == 1 and col[8] == col[12] == col[16] == 2  # between 4 and 8: both must win
+    assert [per[m][head] for m in range(1, fastblas.MB + 1)] == [2] * fastblas.MB  # the head: 2 at every row count
+    assert all(per[m][c] == 1 for m in range(fastblas.MB + 1) for c, (n, k) in enumerate(fastblas.CLASS_SHAPES)
+               if n * k < fastblas.POOL_MIN)  # the pool does not run there: not measured, one thread
+    pooled = [c for c, (n, k) in enumerate(fastblas.CLASS_SHAPES) if n * k >= fastblas.POOL_MIN]
+    assert set(times) == {f"{m},{fastblas.CLASS_SHAPES[c][0]}x{fastblas.CLASS_SHAPES[c][1]}"
+                          for m in fastblas.MEASURED_M for c in pooled}
+    assert fastblas._measure_kernel_threads(_FakeThreadBench(), 1, 1)[0] == [[1] * len(fastblas.CLASS_MAX)] * (fastblas.MB + 1)
 
 
 def test_route_is_the_measured_crossover():
@@ -274,7 +311,33 @@ def test_route_is_the_measured_crossover():
     n_cls = len(fastblas.CLASS_MAX)
     assert route[0] == [0] * n_cls  # no rows: nothing to route
     assert route[1] == route[4] == [1] * n_cls
-    assert route[8] == [1, 1, 1, 0, 0, 0]  # crossover at the size where OpenBLAS won
+    assert route[8] == [1, 1, 1] + [0] * (n_cls - 3)  # crossover at the size where OpenBLAS won
     assert route[6] == route[8]  # between two measured m: only where both neighbours won
     assert route[12] == route[16] == [0] * n_cls
     assert len(times) == len(fastblas.MEASURED_M) * n_cls
+
+
+def test_fastest_threads_times_each_configuration_and_keeps_the_fastest(monkeypatch):
+    """A step that runs twice as fast when the kernel has two threads at 1 row
+    on the largest weights (a memory-bound LM head): the measured table said 1,
+    the run switches to 2 and says so; a step that does not care keeps the table."""
+    monkeypatch.setattr(fastblas, "_cpus", lambda: 2)
+    prev = fastblas.STATE["threads"], fastblas.STATE["kernel_threads"]
+    clock = [0.0]
+    monkeypatch.setattr(fastblas.time, "perf_counter", lambda: clock[0])
+
+    def head_step():
+        clock[0] += 1.0 if fastblas.kernel_threads_at(1, 151936, 1024) == 2 else 2.0
+
+    try:
+        fastblas.set_threads(1, 1)
+        out = fastblas.fastest_threads(head_step, reps=3, apply=False)
+        assert out == {"ms": {"measured": 2000.0, "1 thread": 2000.0, "2 threads": 1000.0}, "fastest": "2 threads"}
+        assert fastblas.kernel_threads_at(1, 151936, 1024) == 1  # not applied: the table is back
+        fastblas.fastest_threads(head_step, reps=3, apply=True)
+        assert fastblas.kernel_threads_at(1, 151936, 1024) == 2
+        fastblas.set_threads(1, 1)
+        flat = fastblas.fastest_threads(lambda: clock.__setitem__(0, clock[0] + 1.0), reps=3, apply=True)
+        assert flat["fastest"] == "measured" and fastblas.kernel_threads_at(1, 151936, 1024) == 1
+    finally:
+        fastblas.set_threads(*prev)
