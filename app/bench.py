@@ -86,20 +86,23 @@ def resolve_drafter(model_ref: str):
     """(folder, how it was found) of the drafter `generate --model X` would use:
     the saved or best compatible one (mlx_dflash.manager), else a published one
     found by the registry; or (None, why there is none)."""
-    from mlx_dflash import manager
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.manager import pick_drafter
+    from mlx_dflash.model_names import model_path, resolve
     from mlx_dflash.registry import find_drafter, missing_message
+    from mlx_dflash.settings import SettingsStore
 
     try:
-        store = manager.SettingsStore()
-        entries = manager.discover(store)
-        entry = manager.resolve(model_ref, store, entries)
+        store = SettingsStore()
+        entries = discover(store)
+        entry = resolve(model_ref, store, entries)
         if entry.kind == "target":
-            did, dpath = manager._pick_drafter(entry, store.model(entry.id), entries, store)
+            did, dpath = pick_drafter(entry, store.model(entry.id), entries, store)
             if dpath:
                 return dpath, f"{did}, the drafter `generate --model {model_ref}` uses"
     except Exception:  # a name the manager does not list: the registry may still know it
         pass
-    path = Path(manager.model_path(model_ref)).expanduser()
+    path = Path(model_path(model_ref)).expanduser()
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

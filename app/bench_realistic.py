@@ -148,7 +148,8 @@ def build_drafter(model, layers: int, dtype: str, seed: int = 1):
     hidden size, its MLP width, 5 layers, 5 taps, block 16."""
     import mlx.core as mx
 
-    from mlx_dflash.drafter import Drafter, DrafterConfig, default_target_layer_ids
+    from mlx_dflash.drafter import Drafter
+    from mlx_dflash.drafter_config import DrafterConfig, default_target_layer_ids
     from mlx_dflash.target import Target
 
     t = Target(model)

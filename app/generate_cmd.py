@@ -62,7 +62,7 @@ FLAGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_p": "top_p", "t
 def effective_settings(saved, args):
     """The saved settings with the flags that were given on top, checked as the
     settings file is (so `--block-size 0` or `--temp nan` is refused, not ignored)."""
-    from mlx_dflash.settings import SettingsError, check_model
+    from mlx_dflash.settings_schema import SettingsError, check_model
 
     names = {f.name for f in fields(saved)}
     over = {FLAGS[k]: v for k, v in vars(args).items() if k in FLAGS and v is not None and FLAGS[k] in names}
@@ -111,10 +111,12 @@ class _Pipe:
 
 def run(args):
     from mlx_dflash import DecodeConfig, stream_generate
-    from mlx_dflash.manager import acceptance_warning, load_model, settings_store
+    from mlx_dflash.manager import acceptance_warning, load_model
+    from mlx_dflash.settings_checks import settings_store
 
     from mlx_dflash.loader import model_dtype
-    from mlx_dflash.settings import COMPUTE_DTYPES, SettingsError
+    from mlx_dflash.settings_schema import SettingsError
+    from mlx_dflash.settings_schema import COMPUTE_DTYPES
 
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
         raise SettingsError(f"--dtype: unknown dtype '{args.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")

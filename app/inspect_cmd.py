@@ -27,11 +27,12 @@ def _weight_keys(path: Path) -> dict:
 
 
 def run(args):
-    from mlx_dflash.drafter import Drafter, param_counts, read_config
+    from mlx_dflash.drafter import Drafter, param_counts
+    from mlx_dflash.drafter_config import read_config
     from mlx_dflash.drafter_config import attention_summary
     from mlx_dflash.discovery import weights_problem
     from mlx_dflash.hub import HubError, resolve_path
-    from mlx_dflash.manager import model_path
+    from mlx_dflash.model_names import model_path
 
     path = resolve_path(model_path(args.path), "drafter")  # any name `models list` prints
     c = read_config(path)

@@ -31,7 +31,8 @@ def human(n: int) -> str:
 
 
 def _list(args, store) -> int:
-    from mlx_dflash.manager import discover, list_targets
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.discovery import list_targets
 
     entries = list_targets(store) if args.targets else discover(store)
     if args.json:
@@ -57,8 +58,9 @@ def _list(args, store) -> int:
 
 
 def _show(args, store) -> int:
-    from mlx_dflash.manager import discover, resolve
-    from mlx_dflash.settings import MODEL_KEYS
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.model_names import resolve
+    from mlx_dflash.settings_schema import MODEL_KEYS
 
     entries = discover(store)
     e = resolve(args.id, store, entries)
@@ -96,9 +98,10 @@ def _show(args, store) -> int:
 
 
 def _pull(args, store) -> int:
-    from mlx_dflash.manager import pull_with_drafter, resolve
+    from mlx_dflash.manager import pull_with_drafter
+    from mlx_dflash.model_names import resolve
 
-    from mlx_dflash.settings import SettingsError
+    from mlx_dflash.settings_schema import SettingsError
 
     path, drepo, dpath, dproblem = pull_with_drafter(args.repo)  # the target's drafter too (registry.py)
     try:
@@ -115,9 +118,10 @@ def _pull(args, store) -> int:
 
 
 def _rm(args, store) -> int:
-    from mlx_dflash.manager import remove, resolve
+    from mlx_dflash.manager import remove
+    from mlx_dflash.model_names import resolve
 
-    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+    from mlx_dflash.settings_schema import SettingsError  # a ValueError: the CLI prints one line, exits 2
 
     e = resolve(args.id, store)
     if e.source == "embedded":
@@ -135,7 +139,7 @@ def _rm(args, store) -> int:
 
 
 def run(args) -> int:
-    from mlx_dflash.manager import settings_store
+    from mlx_dflash.settings_checks import settings_store
 
     store = settings_store()
     return {"list": _list, "show": _show, "pull": _pull, "rm": _rm}[args.models_command](args, store)

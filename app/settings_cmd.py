@@ -24,7 +24,7 @@ def add_parser(sub):
 
 
 def _is_global(store, name: str) -> bool:
-    from mlx_dflash.settings import GLOBAL_KEYS, SettingsError
+    from mlx_dflash.settings_schema import GLOBAL_KEYS, SettingsError
 
     if name not in GLOBAL_KEYS:
         return False
@@ -35,7 +35,7 @@ def _is_global(store, name: str) -> bool:
 
 
 def _model_view(store, model_id: str) -> dict:
-    from mlx_dflash.settings import MODEL_KEYS
+    from mlx_dflash.settings_schema import MODEL_KEYS
 
     s = store.model(model_id)
     return {k: getattr(s, f) for k, f in MODEL_KEYS.items()}
@@ -73,7 +73,8 @@ def resolved_notes(store, model_id: str, view: dict) -> dict:
     from mlx_dflash import dtype_choice
     from mlx_dflash.drafter_precision import quant_label, resolve_quant_bits
     from mlx_dflash.hub import HubError
-    from mlx_dflash.manager import discover, find
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.model_names import find
 
     notes = {}
     if view.get("drafter.quant_bits") == "auto":
@@ -101,9 +102,9 @@ def resolved_notes(store, model_id: str, view: dict) -> dict:
 
 
 def _get(store, a, as_json) -> int:
-    from mlx_dflash.settings import model_field
+    from mlx_dflash.settings_schema import model_field
 
-    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+    from mlx_dflash.settings_schema import SettingsError  # a ValueError: the CLI prints one line, exits 2
 
     if len(a) > 2:
         raise SettingsError("usage: mlx-dflash settings get [MODEL] [KEY]")
@@ -128,7 +129,7 @@ def _get(store, a, as_json) -> int:
         _print(view, as_json, None if as_json else resolved_notes(store, model_id, view))
         return 0
     model_field(a[1])  # unknown key -> one-line error listing the valid ones
-    from mlx_dflash.settings import MODEL_KEYS
+    from mlx_dflash.settings_schema import MODEL_KEYS
 
     key = a[1] if a[1] in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == a[1])
     note = None if as_json else resolved_notes(store, model_id, {key: view[key]}).get(key)
@@ -140,7 +141,8 @@ def _model(store, name: str):
     """(the listed id of the model `name` refers to, its kind label), or (name, None)
     when no such model is installed (settings may precede a download)."""
     from mlx_dflash.hub import HubError
-    from mlx_dflash.manager import discover, find
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.model_names import find
 
     try:
         e = find(name, discover(store), store)
@@ -150,15 +152,17 @@ def _model(store, name: str):
 
 
 def _unknown_key(word: str) -> str:
-    from mlx_dflash.settings import GLOBAL_KEYS, MODEL_KEYS, did_you_mean
+    from mlx_dflash.settings_schema import GLOBAL_KEYS, MODEL_KEYS
+    from mlx_dflash.settings_schema import did_you_mean
 
     return f"unknown setting '{word}'{did_you_mean(word, [*GLOBAL_KEYS, *MODEL_KEYS])}"
 
 
 def _set(store, a) -> int:
-    from mlx_dflash.settings import MODEL_KEYS, model_field, parse_value
+    from mlx_dflash.settings_schema import MODEL_KEYS, model_field
+    from mlx_dflash.settings_schema import parse_value
 
-    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+    from mlx_dflash.settings_schema import SettingsError  # a ValueError: the CLI prints one line, exits 2
 
     if len(a) == 2 and _is_global(store, a[0]):
         g = store.set_global(**{a[0]: parse_value(a[0], a[1])})
@@ -189,7 +193,7 @@ def _set(store, a) -> int:
 
 
 def _reset(store, a, yes) -> int:
-    from mlx_dflash.settings import SettingsError  # a ValueError: the CLI prints one line, exits 2
+    from mlx_dflash.settings_schema import SettingsError  # a ValueError: the CLI prints one line, exits 2
 
     if not a:
         if not yes:
@@ -209,7 +213,7 @@ def _reset(store, a, yes) -> int:
 
 
 def run(args) -> int:
-    from mlx_dflash.manager import settings_store
+    from mlx_dflash.settings_checks import settings_store
 
     store = settings_store()
     if args.action == "path":

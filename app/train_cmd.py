@@ -15,7 +15,7 @@ from dataclasses import fields
 
 
 def add_parser(sub):
-    from mlx_dflash.train import TrainConfig
+    from mlx_dflash.train_config import TrainConfig
 
     d = {f.name: f.default for f in fields(TrainConfig)}
     p = sub.add_parser("train-drafter", help="train a DFlash / DFlash 2 drafter for a target model",
@@ -64,7 +64,7 @@ def add_parser(sub):
 
 
 def _config(args):
-    from mlx_dflash.train import TrainConfig
+    from mlx_dflash.train_config import TrainConfig
 
     for k in ("steps", "batch", "anchors", "block_size", "layers", "seq_len", "log_every", "eval_every",
               "ckpt_every", "gen_max_tokens", "gen_batch"):

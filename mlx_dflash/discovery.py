@@ -18,12 +18,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-import mlx.core as mx
 import mlx_dflash_models
 
 from . import dtype_choice
-from .drafter import DrafterConfig, DrafterError, validate
-from .settings import ModelSettings, SettingsError, SettingsStore
+from .drafter import validate
+from .drafter_config import DrafterConfig, DrafterError
+from .settings import SettingsStore
+from .settings_schema import ModelSettings, SettingsError
 
 KINDS = {"target": "target", "dflash1": "DFlash 1 drafter", "dflash2": "DFlash 2 drafter",
          "draft": "classic draft model"}
@@ -59,7 +60,7 @@ class ModelEntry:
                     compatible_drafters=list(self.compatible_drafters), block_size=self.block_size)
 
 
-def _notice(msg: str) -> None:
+def notice(msg: str) -> None:
     print(f"mlx-dflash: {msg}", file=sys.stderr)
 
 
@@ -138,10 +139,6 @@ def weights_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _cpu() -> bool:
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
-
-
 def _weight_bytes(path: Path, dtype=None) -> tuple:
     """(bytes as loaded here, bytes per activation). Float weights take the compute
     dtype when one is asked for (`dtype`, else $MLX_DFLASH_DTYPE: see
@@ -161,7 +158,7 @@ def _weight_bytes(path: Path, dtype=None) -> tuple:
     return total, act or 4
 
 
-def _dir_size(path: Path) -> int:
+def dir_size(path: Path) -> int:
     n = 0
     for root, _, files in os.walk(path):
         for f in files:
@@ -186,12 +183,12 @@ def _kind(cfg: dict, name: str, weight_bytes: int) -> Optional[str]:
     return None  # not a language model mlx-lm could load
 
 
-def _entry(model_id: str, path: Path, source: str, store: SettingsStore, size=None) -> Optional[ModelEntry]:
+def make_entry(model_id: str, path: Path, source: str, store: SettingsStore, size=None) -> Optional[ModelEntry]:
     try:
         return _make_entry(model_id, path, source, store, size)
     except (TypeError, ValueError, AttributeError) as e:  # e.g. "num_hidden_layers": null
         # one bad folder must not take the whole listing down
-        _notice(f"skipping {path}: its config.json has a value of the wrong type ({type(e).__name__}: {e})")
+        notice(f"skipping {path}: its config.json has a value of the wrong type ({type(e).__name__}: {e})")
         return None
 
 
@@ -218,7 +215,7 @@ def _make_entry(model_id: str, path: Path, source: str, store: SettingsStore, si
     kv = int(t.get("num_key_value_heads") or heads)
     head_dim = int(t.get("head_dim") or (int(t.get("hidden_size", 0)) // heads))
     kv_bytes = 2 * int(t.get("num_hidden_layers", 0)) * kv * head_dim * ctx * act
-    return ModelEntry(model_id, Path(path), kind, source, _dir_size(path) if size is None else size,
+    return ModelEntry(model_id, Path(path), kind, source, dir_size(path) if size is None else size,
                       wbytes + kv_bytes, block_size=block, config=cfg)
 
 
@@ -251,7 +248,7 @@ def _embedded(store):
     root = models_dir()
     for p in sorted(root.iterdir()) if root.is_dir() else ():
         if p.is_dir():
-            e = _entry(f"embedded/{p.name}", p, "embedded", store)
+            e = make_entry(f"embedded/{p.name}", p, "embedded", store)
             if e:
                 yield e
 
@@ -262,7 +259,7 @@ def _folders(store, dirs):
         if not root.is_dir():
             continue
         if (root / "config.json").exists():  # the folder is itself a model
-            e = _entry(root.name, root, "folder", store)
+            e = make_entry(root.name, root, "folder", store)
             if e:
                 yield e
             continue
@@ -270,13 +267,13 @@ def _folders(store, dirs):
             if not p.is_dir():
                 continue
             if (p / "config.json").exists():  # flat: dir/name
-                e = _entry(p.name, p, "folder", store)
+                e = make_entry(p.name, p, "folder", store)
                 if e:
                     yield e
                 continue
             for q in sorted(p.iterdir()):  # dir/org/name
                 if q.is_dir() and (q / "config.json").exists():
-                    e = _entry(f"{p.name}/{q.name}", q, "folder", store)
+                    e = make_entry(f"{p.name}/{q.name}", q, "folder", store)
                     if e:
                         yield e
 
@@ -290,7 +287,7 @@ def _hf_repos():
     try:
         info = scan_cache_dir(cache)
     except Exception as e:  # CacheNotFound, unreadable cache: no models from there
-        _notice(f"cannot scan the Hugging Face cache {cache} ({type(e).__name__})")
+        notice(f"cannot scan the Hugging Face cache {cache} ({type(e).__name__})")
         return []
     return sorted((r for r in info.repos if r.repo_type == "model"), key=lambda r: r.repo_id)
 
@@ -299,7 +296,7 @@ def _hf(store):
     for repo in _hf_repos():
         revs = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True)
         if revs:
-            e = _entry(repo.repo_id, revs[0].snapshot_path, "hf-cache", store, size=revs[0].size_on_disk)
+            e = make_entry(repo.repo_id, revs[0].snapshot_path, "hf-cache", store, size=revs[0].size_on_disk)
             if e:
                 yield e
 
@@ -339,11 +336,11 @@ def discover(store: Optional[SettingsStore] = None) -> list:
             out.append(e)
     for t in out:
         if t.kind == "target":
-            t.compatible_drafters = _compatible(t, out)
+            t.compatible_drafters = compatible_drafters(t, out)
     return out
 
 
-def _compatible(target: ModelEntry, entries: list) -> list:
+def compatible_drafters(target: ModelEntry, entries: list) -> list:
     """Ids of the drafters that fit `target`: DFlash 2 first, else in discovery order."""
     drafters = sorted((d for d in entries if d.kind in DRAFTER_KINDS), key=lambda d: DRAFTER_KINDS.index(d.kind))
     return [d.id for d in drafters if pair_problem(target.config, d.config) is None]

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .drafter_config import (ARCH_V1, ARCH_V2, FIELDS, DrafterConfig, DrafterError,  # noqa: F401 (re-exported)
+from .drafter_config import (ARCH_V1, ARCH_V2, FIELDS, DrafterConfig, DrafterError,
                              build_target_layer_ids, default_target_layer_ids, read_config)
 from .hub import resolve_path
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .discovery import _cpu
-from .dtype_choice import cast
-from .settings import SettingsError
+from .dtype_choice import cast, on_cpu
+from .settings_schema import SettingsError
 
 # drafter.quant_bits auto: 4-bit where quantized matmuls are the fast ones (Metal:
 # memory-bound, 28% of the bytes, no tau loss: bench/quant.md); full precision on
@@ -21,7 +20,7 @@ def resolve_quant_bits(setting) -> tuple:
     """(bits the drafter's weights are quantized to, None for full precision; why)."""
     if setting != "auto":
         return setting, "from the setting"
-    where = "cpu" if _cpu() else "metal"
+    where = "cpu" if on_cpu() else "metal"
     bits = AUTO_QUANT_BITS[where]
     return bits, ("auto on Metal: memory-bound, a quarter of the bytes" if bits else
                   "auto on mlx-cpu: its quantized matmul is slower than full precision there")
@@ -47,8 +46,8 @@ def safe_activation_dtype(requested: str, target_dtype) -> tuple:
     if requested == "auto":
         return target_dtype, None
     want = getattr(mx, requested)
-    if want == mx.float16 and (target_dtype != mx.float16 or _cpu()):
-        why = "on the CPU backend" if _cpu() else f"with a {_dtype_name(target_dtype)} target"
+    if want == mx.float16 and (target_dtype != mx.float16 or on_cpu()):
+        why = "on the CPU backend" if on_cpu() else f"with a {_dtype_name(target_dtype)} target"
         return target_dtype, (f"drafter activations in float16 {why} can overflow and zero acceptance; "
                               f"using {_dtype_name(target_dtype)}")
     return want, None

@@ -61,12 +61,13 @@ def cast(m, dtype) -> None:
         mx.eval(m.parameters())
 
 
-def _cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether MLX computes on the CPU here (no Metal, or the CPU chosen)."""
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
 def backend() -> str:
-    return "cpu" if _cpu() else "metal"
+    return "cpu" if on_cpu() else "metal"
 
 
 @dataclass
@@ -221,7 +222,7 @@ def choose(model, setting: str = "auto", source: str = "setting", path=None) -> 
         return mk(ckpt, f"the checkpoint's, from the {source}" if source != "default" else "the checkpoint's")
     if setting != "auto":
         return mk(setting, f"from the {source}")
-    if not _cpu():
+    if not on_cpu():
         return mk(ckpt, "auto: the checkpoint's; Metal runs it natively")
     if ckpt_dt == mx.float32:
         return mk(ckpt, "auto: the checkpoint's, already float32")

@@ -10,15 +10,12 @@ from typing import Optional
 import mlx.core as mx
 
 from . import discovery, dtype_choice
-from .drafter import Drafter, DrafterError, load_drafter, validate
+from .drafter import Drafter, load_drafter, validate
+from .drafter_config import DrafterError
 from .dtype_choice import cast, param_dtype
 from .hub import HubError, resolve_path
 from .registry import find_drafter, missing_message
 from .target import Target
-
-
-def _cpu() -> bool:
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
 def load(model: Optional[str] = None, drafter: Optional[str] = None, *, dtype=None, auto_drafter: bool = True):

@@ -1,20 +1,18 @@
-"""The model manager: resolve a model's name, load a model with its settings
-(drafter choice, drafter quantization), check settings against model files,
-download and remove models.
+"""The model manager: load a model with its settings (drafter choice, drafter
+quantization), download and remove models.
 
-One API for the CLI, the chat UI and the server:
-
-    discover(store) -> [ModelEntry]       every model found, drafters included
-    list_targets(store) -> [ModelEntry]   what a user can chat with
-    resolve(name, store) -> ModelEntry    one name everywhere: folder, listed id, repo id
-    model_path(name, store) -> str        the same for mlx_dflash.load (load(name, drafter))
-    settings_store() -> SettingsStore     settings with the checks that need model files
     load_model(model_id, store) -> LoadedModel
     pull(repo_id) -> Path;  remove(model_id, store) -> bytes freed
 
-Discovery (reading folders, pairing by config) is in discovery.py, names in
-model_names.py, the drafter's precision in drafter_precision.py, the settings file
-in settings.py and the checks of it that need model files in settings_checks.py.
+What it builds on, one way (names -> discovery -> registry -> loader -> manager),
+each imported from where it lives:
+
+    discovery.discover(store) -> [ModelEntry]       every model found, drafters included
+    discovery.list_targets(store) -> [ModelEntry]   what a user can chat with
+    model_names.resolve(name, store) -> ModelEntry  one name everywhere: folder, listed id, repo id
+    model_names.model_path(name, store) -> str      the same for mlx_dflash.load (load(name, drafter))
+    settings_checks.settings_store() -> SettingsStore  settings with the checks that need model files
+    drafter_precision: the drafter's precision; settings.py: the settings file.
 """
 
 from __future__ import annotations
@@ -29,16 +27,16 @@ import mlx.core as mx
 
 from . import loader
 # what the API above names, and what callers import from here, whichever file it lives in
-from .discovery import (DRAFTER_KINDS, KINDS, ModelEntry, _compatible, _dir_size, _entry, _notice,  # noqa: F401
-                        discover, hf_cache_dir, list_targets, pair_problem, read_config, weights_problem)
-from .drafter_precision import (param_bytes, quantize_drafter, resolve_quant_bits,  # noqa: F401
+from .discovery import (DRAFTER_KINDS, ModelEntry, dir_size, notice,
+                        discover, hf_cache_dir, pair_problem)
+from .drafter_precision import (quantize_drafter, resolve_quant_bits,
                                 safe_activation_dtype, set_activation_dtype)
 from .dtype_choice import DtypeChoice, param_dtype
 from .hub import HubError
-from .model_names import _drafter_cfg, check_files, find, model_path, resolve  # noqa: F401
+from .model_names import drafter_ref, check_files, model_path, resolve
 from .registry import known_drafters
-from .settings import ModelSettings, SettingsError, SettingsStore
-from .settings_checks import FileChecks, check_settings, settings_store  # noqa: F401
+from .settings import SettingsStore
+from .settings_schema import ModelSettings, SettingsError
 
 
 @dataclass
@@ -98,9 +96,9 @@ def _load_files(load_fn, model, drafter, **kw):
 # -- loading ---------------------------------------------------------------------------
 
 
-def _pick_drafter(entry: ModelEntry, s: ModelSettings, entries: list, store=None) -> tuple:
+def pick_drafter(entry: ModelEntry, s: ModelSettings, entries: list, store=None) -> tuple:
     if s.drafter:
-        did, path, _ = _drafter_cfg(s.drafter, entries, store)
+        did, path, _ = drafter_ref(s.drafter, entries, store)
         return did, str(path)
     if entry.compatible_drafters:
         did = entry.compatible_drafters[0]
@@ -142,7 +140,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
             raise SettingsError(f"drafter '{d.id}' does not fit '{entry.id}': {why}")
         did, dpath = d.id, str(d.path)
     elif on:
-        did, dpath = _pick_drafter(entry, s, entries, store)
+        did, dpath = pick_drafter(entry, s, entries, store)
         if dpath is None:
             notices.append(f"no compatible DFlash drafter found for '{entry.id}'; using plain decoding")
     # DFlash off: no drafter at all (the loader would otherwise look one up);
@@ -167,7 +165,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
                            f"{drafter.block_size}; using {drafter.block_size}")
             s = replace(s, block_size=drafter.block_size)
     for n in notices:
-        _notice(n)
+        notice(n)
     return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices, choice,
                        bits if drafter is not None else None, bits_why)
 
@@ -267,7 +265,7 @@ def remove(model_id: str, store: Optional[SettingsStore] = None) -> int:
     roots = [Path(d).expanduser().resolve() for d in store.globals().model_dirs]
     if not any(r == path or r in path.parents for r in roots):
         raise SettingsError(f"{path} is not inside a configured model folder; delete it yourself if you mean to")
-    size = _dir_size(path)
+    size = dir_size(path)
     shutil.rmtree(path)
     parent = path.parent
     if parent not in roots and any(r in parent.parents for r in roots) and not any(parent.iterdir()):

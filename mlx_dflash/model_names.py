@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .discovery import ModelEntry, _compatible, _entry, default_pair, discover, weights_problem
+from .discovery import ModelEntry, compatible_drafters, make_entry, default_pair, discover, weights_problem
 from .hub import HubError, resolve_path
-from .settings import SettingsError, SettingsStore, did_you_mean
+from .settings import SettingsStore
+from .settings_schema import SettingsError
+from .settings_schema import did_you_mean
 
 
 def _is_repo_id(name: str) -> bool:
@@ -44,11 +46,11 @@ def find(name: str, entries: list, store) -> Optional[ModelEntry]:
             if Path(e.path).resolve() == rp:
                 return e
         check_files(p)  # not listed: maybe unreadable; say which file
-        e = _entry(str(p), p, "folder", store)
+        e = make_entry(str(p), p, "folder", store)
         if e is None:
             raise HubError(f"{p} holds no model mlx-dflash can use (not a language model config)")
         if e.kind == "target":
-            e.compatible_drafters = _compatible(e, entries)
+            e.compatible_drafters = compatible_drafters(e, entries)
         return e
     for e in entries:
         if e.id == name:
@@ -84,12 +86,12 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
             path = resolve_path(model_id, "model")  # the hub's cache, or a download
         except HubError as err:  # the same message as without download, and what the fetch said
             raise SettingsError(f"{unknown_model(model_id, entries)} (fetching it now failed: {err})") from None
-        e = _entry(model_id, path, "hf-cache", store)
+        e = make_entry(model_id, path, "hf-cache", store)
         if e is None:
             raise HubError(f"'{model_id}' holds no model mlx-dflash can use (needs config.json and "
                            ".safetensors weights)")
         if e.kind == "target":
-            e.compatible_drafters = _compatible(e, entries)
+            e.compatible_drafters = compatible_drafters(e, entries)
         return e
     raise SettingsError(unknown_model(model_id, entries))
 
@@ -149,7 +151,7 @@ def check_files(path) -> None:
         raise HubError(why)
 
 
-def _drafter_cfg(ref: str, entries: list, store=None) -> tuple:
+def drafter_ref(ref: str, entries: list, store=None) -> tuple:
     """(id, path, config) of a drafter named as `find` takes names; an unknown
     drafter is refused (pull it first)."""
     e = find(ref, entries, store)

@@ -23,7 +23,7 @@ when it changed. Whatever is in the file, the CLI keeps working.
 The keys, their types and the value checks are in settings_schema.py (its names
 are importable from here too). This module knows nothing of model files: checks that need them (does the
 drafter fit the target, is the default model installed) are passed in as a
-`checker` (mlx_dflash.manager.settings_store() makes a store with them), so
+`checker` (mlx_dflash.settings_checks.settings_store() makes a store with them), so
 the dependency runs one way, manager -> settings."""
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from .settings_schema import (ACTIVATION_DTYPES, COMPUTE_DTYPES, GLOBAL_KEYS, GROUP_SIZES, MODEL_KEYS,  # noqa: F401
-                              QUANT_BITS, GlobalSettings, ModelSettings, SettingsError, _check_type, _FIELD_TO_KEY,
-                              check_global, check_model, did_you_mean, global_field, model_field, parse_value,
-                              verify_modes)
+from .settings_schema import (GLOBAL_KEYS, MODEL_KEYS,
+                              GlobalSettings, ModelSettings, SettingsError, check_type, FIELD_TO_KEY,
+                              check_global, check_model, global_field, model_field)
 
 VERSION = 1
 FILE_NAME = "settings.json"
@@ -350,7 +349,7 @@ class SettingsStore:
                 self._warn_once(f"{wkey}:{k}", f"unknown {unknown(k)} in {self.path} (kept, ignored)")
                 continue
             try:
-                setattr(s, name, _check_type(name, v))
+                setattr(s, name, check_type(name, v))
             except SettingsError as e:
                 self._warn_once(f"{wkey}:{k}", f"{self.path}: {where}{e}; using the default")
         try:
@@ -391,7 +390,7 @@ class SettingsStore:
         ch = {}
         for k, v in changes.items():
             name = model_field(k)
-            ch[name] = _check_type(name, v)
+            ch[name] = check_type(name, v)
 
         def apply(raw):  # validated against the file as it is under the lock
             e = raw["models"].get(model_id)
@@ -402,7 +401,7 @@ class SettingsStore:
             if self.checker is not None and {"drafter", "block_size", "dflash_enabled"} & set(ch):
                 self.checker.model(self, model_id, new, "block_size" in ch or "block_size" in e)
             for name, v in ch.items():
-                e[_FIELD_TO_KEY[name]] = v
+                e[FIELD_TO_KEY[name]] = v
             raw["models"][model_id] = e
 
         return self._model_from(self._update(apply), model_id)
@@ -416,7 +415,7 @@ class SettingsStore:
             if name is None or not isinstance(e, dict):
                 raw["models"].pop(model_id, None)
             else:
-                e.pop(_FIELD_TO_KEY[name], None)
+                e.pop(FIELD_TO_KEY[name], None)
                 if not e:
                     raw["models"].pop(model_id, None)
 
@@ -431,7 +430,7 @@ class SettingsStore:
         return self._globals_from(self._read_raw())
 
     def set_global(self, **changes) -> GlobalSettings:
-        ch = {global_field(k): _check_type(k, v) for k, v in changes.items()}
+        ch = {global_field(k): check_type(k, v) for k, v in changes.items()}
 
         def apply(raw):
             new = GlobalSettings(**{**asdict(self._globals_from(raw)), **ch})

@@ -5,10 +5,11 @@ to the settings store as its checker: the dependency runs one way, to settings."
 from __future__ import annotations
 
 from .discovery import discover, pair_problem
-from .drafter import DrafterConfig, DrafterError
+from .drafter_config import DrafterConfig, DrafterError
 from .hub import HubError
-from .model_names import _drafter_cfg, find, resolve
-from .settings import ModelSettings, SettingsError, SettingsStore
+from .model_names import drafter_ref, find, resolve
+from .settings import SettingsStore
+from .settings_schema import ModelSettings, SettingsError
 
 
 def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explicit_block: bool = True) -> None:
@@ -23,7 +24,7 @@ def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explic
     if target is not None and target.kind != "target":
         raise SettingsError(f"'{model_id}' is a {target.kind_label}; settings apply to target models")
     if s.drafter:
-        did, _, cfg = _drafter_cfg(s.drafter, entries, store)
+        did, _, cfg = drafter_ref(s.drafter, entries, store)
         try:
             dc = DrafterConfig.from_dict(cfg)
         except DrafterError as e:

@@ -1,7 +1,7 @@
 """The settings' values: what each key is, its type, how a typed value is read,
 and the checks that need no model files (check_model, check_global). The file
 itself is settings.py (SettingsStore); checks against model files are the model
-manager's (manager.check_settings, passed to the store as its checker)."""
+manager's (settings_checks.check_settings, passed to the store as its checker)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def check_long_context(s: "ModelSettings") -> None:
 
 
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
-_FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
+FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
 _TYPES = {  # field -> (type, optional)
     "dflash_enabled": (bool, False), "drafter": (str, True), "block_size": (int, False),
     "verify_mode": (str, False), "drafter_quant_bits": (int, True), "drafter_quant_group_size": (int, False),
@@ -142,7 +142,7 @@ def model_field(key: str) -> str:
     """A model key as the user writes it ("dflash.enabled") or a field name -> the field."""
     if key in MODEL_KEYS:
         return MODEL_KEYS[key]
-    if key in _FIELD_TO_KEY:
+    if key in FIELD_TO_KEY:
         return key
     raise SettingsError(f"unknown model setting '{key}'{did_you_mean(key, MODEL_KEYS)}; "
                         f"valid: {', '.join(MODEL_KEYS)}")
@@ -179,14 +179,14 @@ def parse_value(name: str, text: str):
             return [s.strip() for s in t.split(",") if s.strip()]
     except (KeyError, ValueError):
         want = {bool: "true or false", int: "an integer", float: "a finite number"}[typ]
-        raise SettingsError(f"{_FIELD_TO_KEY.get(name, name)} must be {want}, got '{text}'") from None
+        raise SettingsError(f"{FIELD_TO_KEY.get(name, name)} must be {want}, got '{text}'") from None
     return text
 
 
-def _check_type(name: str, v):
+def check_type(name: str, v):
     """Coerce JSON/Python values to the field's type; one-line error if impossible."""
     typ, optional = _TYPES[name]
-    key = _FIELD_TO_KEY.get(name, name)
+    key = FIELD_TO_KEY.get(name, name)
     if v is None:
         if optional:
             return None

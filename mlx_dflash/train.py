@@ -30,7 +30,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import Drafter, DrafterConfig, save_drafter
+from .drafter import Drafter, save_drafter
+from .drafter_config import DrafterConfig
 from .target import Target
 from .train_config import TrainConfig, TrainError
 from .train_data import feature_cache, generate_responses, load_data, read_jsonl, sample_anchors

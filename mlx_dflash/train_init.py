@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import Drafter, DrafterConfig, default_target_layer_ids
+from .drafter import Drafter
+from .drafter_config import DrafterConfig, default_target_layer_ids
 from .target import Target
 from .train_config import TrainConfig, TrainError
 

@@ -32,7 +32,8 @@ from mlx_dflash import load, stream_generate  # noqa: E402
 from mlx_dflash.drafter import load_drafter, validate  # noqa: E402
 from mlx_dflash.discovery import default_pair  # noqa: E402
 from mlx_dflash.dtype_choice import cast as _cast, param_dtype as _param_dtype  # noqa: E402
-from mlx_dflash.manager import param_bytes, quantize_drafter  # noqa: E402
+from mlx_dflash.drafter_precision import quantize_drafter  # noqa: E402
+from mlx_dflash.drafter_precision import param_bytes
 from mlx_dflash.target import Target  # noqa: E402
 
 CONFIGS = "none,8:64,4:32,4:64,4:128"  # bits:group size; "none" (the reference) always runs first

@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: F401,E402  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlx_dflash.drafter import Drafter, DrafterConfig, default_target_layer_ids, save_drafter  # noqa: E402
+from mlx_dflash.drafter import Drafter, save_drafter  # noqa: E402
+from mlx_dflash.drafter_config import DrafterConfig, default_target_layer_ids  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHAT_TEMPLATE = (

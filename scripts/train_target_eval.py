@@ -14,7 +14,6 @@ from train_target_model import PRESETS, VAL_SEQ, build_model, count_params
 
 
 def cmd_evaluate(args):
-    import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler

@@ -44,7 +44,7 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
     """Embedded: target + dflash2 (block 8) + draft-ar; folders: a flat target, a
     DFlash 1 drafter, a drafter for a wider model; HF cache: a target, a DFlash 2
     drafter, a tiny draft model, a dataset and a repo without weights."""
-    from mlx_dflash.manager import settings_store
+    from mlx_dflash.settings_checks import settings_store
 
     v2, v1 = pairs(version=2, block_size=8), pairs(version=1)
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
@@ -73,6 +73,6 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
 
 
 def by_id(store):
-    from mlx_dflash.manager import discover
+    from mlx_dflash.discovery import discover
 
     return {e.id: e for e in discover(store)}

@@ -236,7 +236,7 @@ class ScriptCatalog(OneModelCatalog):
     """The catalog the server's worker loads from: one scripted model, "script"."""
 
     def __init__(self, tok, budget_mb=64, max_tokens=256, drafter=True):
-        from mlx_dflash.settings import ModelSettings
+        from mlx_dflash.settings_schema import ModelSettings
 
         super().__init__("script", ModelSettings(max_tokens=max_tokens, block_size=4), budget_mb << 20)
         self.tok, self.with_drafter = tok, drafter

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, squeeze, status_text, until
+from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines, status_text, until
 
 from app.chat import SettingsScreen, build_prompt
 from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen

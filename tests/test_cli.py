@@ -110,7 +110,7 @@ def listed(pairs):
 
 
 def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
-    from mlx_dflash.manager import settings_store
+    from mlx_dflash.settings_checks import settings_store
 
     settings_store().set_model("target", max_tokens=4, block_size=3)
     assert main("generate", "--model", "TARGET", "--drafter", "drafter", "--prompt", "hi", "--json") == 0
@@ -124,7 +124,7 @@ def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
 
 
 def test_generate_dtype_flag_and_setting(listed, capsys):
-    from mlx_dflash.manager import settings_store
+    from mlx_dflash.settings_checks import settings_store
 
     settings_store().set_model("target", dtype="bfloat16")
     assert main("generate", "--model", "target", "--prompt", "hi", "--max-tokens", "2", "--json") == 0
@@ -284,9 +284,11 @@ def test_settings_set_without_a_value_says_the_value_is_missing(listed, capsys):
 def test_an_unknown_model_gets_one_message_everywhere(listed, capsys, monkeypatch):
     """generate (which may download) and serve / settings (which do not) name the
     mistake with the same words: model_names.unknown_model."""
-    from mlx_dflash.manager import discover, resolve, settings_store
+    from mlx_dflash.discovery import discover
+    from mlx_dflash.model_names import resolve
+    from mlx_dflash.settings_checks import settings_store
     from mlx_dflash.model_names import unknown_model
-    from mlx_dflash.settings import SettingsError
+    from mlx_dflash.settings_schema import SettingsError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     store = settings_store()

@@ -10,8 +10,8 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash import generate
 from mlx_dflash.loader import load
-from mlx_dflash.drafter import (ARCH_V2, Drafter, DrafterConfig, DrafterError, load_drafter, param_counts,
-                                save_drafter, validate)
+from mlx_dflash.drafter import Drafter, load_drafter, param_counts, save_drafter, validate
+from mlx_dflash.drafter_config import ARCH_V2, DrafterConfig, DrafterError
 from mlx_dflash.hub import HubError
 from mlx_dflash.target import Target
 

@@ -14,7 +14,8 @@ from tiny_families import build, config
 
 from mlx_dflash import stream_generate
 from mlx_dflash.decode_config import DecodeConfig
-from mlx_dflash.drafter import ContextCache, Drafter, DrafterConfig
+from mlx_dflash.drafter import ContextCache, Drafter
+from mlx_dflash.drafter_config import DrafterConfig
 from mlx_dflash.prompt_cache import PromptCache, common_prefix
 from mlx_dflash.prompt_store import cache_bytes
 from mlx_dflash.target import Target

@@ -1,6 +1,5 @@
 """Greedy output is token-for-token mlx-lm's own stream_generate."""
 
-import mlx_lm
 import pytest
 
 from drafters import OracleDrafter, reference_tokens

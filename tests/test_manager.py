@@ -11,9 +11,11 @@ import pytest
 from model_world import by_id, copy_model, files_size
 
 from mlx_dflash.hub import HubError
-from mlx_dflash.manager import (acceptance_warning, discover, list_targets, load_model, pair_problem, pull, remove,
-                                resolve, weights_problem)
-from mlx_dflash.settings import ModelSettings, SettingsError
+from mlx_dflash.manager import acceptance_warning, load_model, pull, remove
+from mlx_dflash.discovery import discover, pair_problem
+from mlx_dflash.model_names import resolve
+from mlx_dflash.discovery import list_targets, weights_problem
+from mlx_dflash.settings_schema import ModelSettings, SettingsError
 
 
 def test_discovery(world):

@@ -9,8 +9,10 @@ import pytest
 from model_world import by_id
 
 from mlx_dflash import generate
-from mlx_dflash.manager import load_model, param_bytes, safe_activation_dtype, set_activation_dtype
-from mlx_dflash.settings import SettingsError
+from mlx_dflash.manager import load_model
+from mlx_dflash.drafter_precision import safe_activation_dtype, set_activation_dtype
+from mlx_dflash.drafter_precision import param_bytes
+from mlx_dflash.settings_schema import SettingsError
 from mlx_dflash.target import Target
 
 

@@ -167,7 +167,7 @@ class PairCatalog(OneModelCatalog):
     """The test pair behind a server, with a prompt-cache budget in bytes."""
 
     def __init__(self, folder, budget):
-        from mlx_dflash.settings import ModelSettings
+        from mlx_dflash.settings_schema import ModelSettings
 
         super().__init__("pair", ModelSettings(max_tokens=N, block_size=W), budget)
         self.folder = folder

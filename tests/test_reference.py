@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten
 pytest.importorskip("dflash")  # skipped only when the reference is not installed (bootstrap installs it)
 import dflash.model_mlx as ref  # noqa: E402  (installed but broken: fail, do not skip)
 
-from mlx_dflash.drafter import Drafter, DrafterConfig, load_drafter, save_drafter  # noqa: E402
+from mlx_dflash.drafter import Drafter, load_drafter, save_drafter  # noqa: E402
+from mlx_dflash.drafter_config import DrafterConfig  # noqa: E402
 from mlx_dflash.target import Target  # noqa: E402
 from reference_configs import H, SLIDE, TL, V, VARIANTS, _randomize, base_config, write_published  # noqa: E402
 

@@ -15,8 +15,10 @@ import httpx
 import pytest
 from serve_process import ROOT, Server, api_error
 
-from mlx_dflash.manager import check_settings, resolve
-from mlx_dflash.settings import ModelSettings, SettingsError, SettingsStore
+from mlx_dflash.model_names import resolve
+from mlx_dflash.settings_checks import check_settings
+from mlx_dflash.settings import SettingsStore
+from mlx_dflash.settings_schema import ModelSettings, SettingsError
 
 pytestmark = pytest.mark.timeout(600)
 

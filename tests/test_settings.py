@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dflash.settings import (GlobalSettings, ModelSettings, SettingsError, SettingsStore, atomic_write,
-                                 parse_value, remove_stale_temps, verify_modes)
+from mlx_dflash.settings import SettingsStore, atomic_write, remove_stale_temps
+from mlx_dflash.settings_schema import GlobalSettings, ModelSettings, SettingsError
+from mlx_dflash.settings_schema import parse_value, verify_modes
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ def run(args) -> int:
     if entry.kind != "target":
         raise UserError(f"'{entry.id}' is a {entry.kind_label}, not a chat model; pick a target from "
                         "`mlx-dflash models list --targets`")
-    from mlx_dflash.manager import check_files
+    from mlx_dflash.model_names import check_files
 
     check_files(entry.path)  # a damaged folder: one line naming the file, before the UI
     ChatApp(entry.id, backend=backend, reopen_last=not args.new).run()

@@ -21,17 +21,17 @@ class ManagerBackend:
     with these methods."""
 
     def __init__(self, store=None):
-        from mlx_dflash.manager import settings_store
+        from mlx_dflash.settings_checks import settings_store
 
         self.store = store if store is not None else settings_store()
 
     def resolve(self, model_id):
-        from mlx_dflash.manager import resolve
+        from mlx_dflash.model_names import resolve
 
         return resolve(model_id, self.store, download=True)
 
     def targets(self) -> list:
-        from mlx_dflash.manager import list_targets
+        from mlx_dflash.discovery import list_targets
 
         return list_targets(self.store)
 

@@ -27,6 +27,7 @@ import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
 from .app import create_app
 from .cli import add_parser, run
 from .errors import APIError
-from .worker import ManagerCatalog, Worker
+from .worker import Worker
+from .catalog import ManagerCatalog
 
 __all__ = ["create_app", "add_parser", "run", "APIError", "ManagerCatalog", "Worker"]

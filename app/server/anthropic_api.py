@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from .relay import ClientGone, collect, count, events, start, stats_fields
-from .errors import APIError, _bad
+from .errors import APIError, bad_request
 from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
 
@@ -113,7 +113,7 @@ def _text(blocks, where: str, placeholders: bool = False) -> str:
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
-        raise _bad(f"{where} must be a string or a list of text blocks", where)
+        raise bad_request(f"{where} must be a string or a list of text blocks", where)
     out = []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else type(b).__name__
@@ -122,7 +122,7 @@ def _text(blocks, where: str, placeholders: bool = False) -> str:
         elif placeholders and kind in ("image", "document"):
             out.append(f"[{kind} left out: this model reads text only]")
         else:
-            raise _bad(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
+            raise bad_request(f"{where}[{j}]: block type '{kind}' is not supported here (text only)", where)
     return "".join(out)
 
 
@@ -137,12 +137,12 @@ def _messages(req) -> List[dict]:
             msgs.append({"role": "system", "content": _text(content, f"{where}.content")})
             continue
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role must be user, assistant or system", where)
+            raise bad_request(f"{where}.role must be user, assistant or system", where)
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise _bad(f"{where}.content must be a string or a list of blocks", where)
+            raise bad_request(f"{where}.content must be a string or a list of blocks", where)
         text, calls = [], []
         for j, b in enumerate(content):
             w = f"{where}.content[{j}]"
@@ -152,7 +152,7 @@ def _messages(req) -> List[dict]:
             elif t == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) \
                         or not isinstance(b.get("input", {}), dict):
-                    raise _bad(f"{w}: tool_use needs id and name (strings) and input (an object)", w)
+                    raise bad_request(f"{w}: tool_use needs id and name (strings) and input (an object)", w)
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input") or {}}})
             elif t == "tool_result" and role == "user":
@@ -160,7 +160,7 @@ def _messages(req) -> List[dict]:
                     msgs.append({"role": "user", "content": "".join(text)})
                     text = []
                 if not isinstance(b.get("tool_use_id"), str):
-                    raise _bad(f"{w}: tool_result needs tool_use_id", w)
+                    raise bad_request(f"{w}: tool_result needs tool_use_id", w)
                 out = _text(b.get("content", ""), f"{w}.content", placeholders=True)
                 if b.get("is_error"):
                     out = "Error: " + out
@@ -172,7 +172,7 @@ def _messages(req) -> List[dict]:
                                                "container_upload"):
                 ignored("assistant block", [t])  # server tools' turns (run at Anthropic): nothing to render
             else:
-                raise _bad(f"{w}: block type '{t}' is not supported in a {role} message", w)
+                raise bad_request(f"{w}: block type '{t}' is not supported in a {role} message", w)
         if role == "assistant" and (text or calls):
             turn = {"role": "assistant", "content": "".join(text)}
             if calls:
@@ -192,7 +192,7 @@ def _gen(req) -> GenRequest:
         choice = {"auto": "auto", "any": "required", "none": "none", "tool": {"name": tc.name}}[tc.type]
         parallel = not tc.disable_parallel_tool_use
         if tc.type == "tool" and not tc.name:
-            raise _bad("tool_choice type 'tool' needs a name", "tool_choice")
+            raise bad_request("tool_choice type 'tool' needs a name", "tool_choice")
     check_tool_choice(tools, choice)
     kw = thinking_kwargs(req.thinking.on() if req.thinking else None)
     g = GenRequest(req.model, _messages(req), tools, choice, parallel, template_kwargs=kw)
@@ -206,7 +206,7 @@ def _gen(req) -> GenRequest:
             fmt, param = req.output_config.format, "output_config.format"
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-                raise _bad(f"{param}.type must be 'json_schema'", param)
+                raise bad_request(f"{param}.type must be 'json_schema'", param)
             g.response_format = parse_format("json_schema", fmt.get("schema"), param)
     return g
 

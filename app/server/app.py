@@ -24,12 +24,14 @@ from starlette.responses import Response
 
 from .anthropic_api import error_response as messages_error
 from .anthropic_api import register as register_messages
-from .errors import APIError, _bad, _line
+from .errors import APIError, bad_request, error_line
 from .openai_api import register as register_openai
 from .responses_api import register as register_responses
-from .schemas import _validation_message
+from .schemas import validation_error
 from .security import CUT_KEY, MAX_BODY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
-from .worker import Job, ManagerCatalog, Worker
+from .worker import Worker
+from .catalog import Job
+from .catalog import ManagerCatalog
 
 ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
 NAMES_TTL = 10.0  # seconds a resolved model name is remembered (a newly downloaded model shows up after it)
@@ -75,7 +77,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         try:
             found = {m["id"]: m for m in catalog.targets()}
         except Exception as e:  # a corrupt settings file or model folder: the server's problem, not the client's
-            why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
+            why = error_line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {error_line(e)}"
             raise APIError(503, f"cannot list models: {why}", code="model_catalog_unavailable") from None
         return found
 
@@ -105,7 +107,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e):
-        return _bad(f"invalid request: {e.errors()[0].get('msg', '')}").response()
+        return bad_request(f"invalid request: {e.errors()[0].get('msg', '')}").response()
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request, e):  # the client left while sending its body: nothing to answer, no error
@@ -125,22 +127,22 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError):  # includes UnicodeDecodeError
-            raise _bad("the request body is not valid JSON") from None
+            raise bad_request("the request body is not valid JSON") from None
         if not isinstance(data, dict):
-            raise _bad("the request body must be a JSON object")
+            raise bad_request("the request body must be a JSON object")
         try:  # JSON may escape lone surrogates, which no tokenizer accepts (the copy only when it may)
             if ESCAPED_SURROGATE.search(raw):
                 json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise _bad("the request contains invalid Unicode (an unpaired surrogate)") from None
+            raise bad_request("the request contains invalid Unicode (an unpaired surrogate)") from None
         except (ValueError, RecursionError):
-            raise _bad("the request body is not valid JSON") from None
+            raise bad_request("the request body is not valid JSON") from None
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise _validation_message(e) from None
+            raise validation_error(e) from None
         except (ValueError, RecursionError) as e:
-            raise _bad(_line(e) or "invalid request") from None
+            raise bad_request(error_line(e) or "invalid request") from None
 
     async def default_id() -> str:
         if model is not None:
@@ -148,9 +150,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         try:
             return await run_in_threadpool(catalog.default)
         except ValueError as e:
-            raise APIError(404, f"no default model: {_line(e)}", "model", "model_not_found") from None
+            raise APIError(404, f"no default model: {error_line(e)}", "model", "model_not_found") from None
         except Exception as e:  # a corrupt model folder (see refresh)
-            raise APIError(503, f"no default model: {type(e).__name__}: {_line(e)}", "model",
+            raise APIError(503, f"no default model: {type(e).__name__}: {error_line(e)}", "model",
                            "model_catalog_unavailable") from None
 
     def lookup(name: str) -> Optional[str]:
@@ -165,9 +167,9 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
             else:  # a catalog without name resolution (tests): its targets' exact ids
                 found = name if any(m["id"] == name for m in catalog.targets()) else None
         except ValueError as e:  # a drafter, an ambiguous name: the client's mistake, in one line
-            raise APIError(404, _line(e), "model", "model_not_found") from None
+            raise APIError(404, error_line(e), "model", "model_not_found") from None
         except Exception as e:  # a corrupt model folder (see refresh)
-            raise APIError(503, f"cannot list models: {type(e).__name__}: {_line(e)}", "model",
+            raise APIError(503, f"cannot list models: {type(e).__name__}: {error_line(e)}", "model",
                            "model_catalog_unavailable") from None
         if len(names) > 1024:  # clients may send any name: keep the memo small
             names.clear()

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from mlx_dflash.manager import check_settings, discover, find
+from mlx_dflash.discovery import discover
+from mlx_dflash.settings_checks import check_settings
+from mlx_dflash.model_names import find
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -24,19 +26,19 @@ class ManagerCatalog:
         self.store = store or SettingsStore()
 
     def targets(self) -> List[dict]:
-        from mlx_dflash.manager import list_targets
+        from mlx_dflash.discovery import list_targets
 
         return [{"id": e.id, "owned_by": e.source, "drafters": list(e.compatible_drafters)}
                 for e in list_targets(self.store)]
 
     def default(self) -> str:
-        from mlx_dflash.manager import resolve
+        from mlx_dflash.model_names import resolve
 
         return resolve(None, self.store).id
 
     def find(self, name: str, served: Optional[str] = None) -> Optional[str]:
         """The id of the target `name` refers to, by the resolution every command
-        uses (manager.find: exact id, any case, ORG/NAME for NAME, a model's folder);
+        uses (model_names.find: exact id, any case, ORG/NAME for NAME, a model's folder);
         None for a name no model here has. A folder path is taken only when it is a
         listed model's folder or the served one: a client must not make the server
         read folders of its choosing. A drafter or other non-target: ValueError."""
@@ -73,12 +75,12 @@ class ManagerCatalog:
         try:
             return self.store.globals().prompt_cache_mb << 20
         except (ValueError, AttributeError):  # unreadable settings: the default budget
-            from mlx_dflash.settings import GlobalSettings
+            from mlx_dflash.settings_schema import GlobalSettings
 
             return GlobalSettings().prompt_cache_mb << 20
 
 
-def _context_limit(model) -> Optional[int]:
+def context_limit(model) -> Optional[int]:
     args = getattr(model, "args", None)
     n = getattr(args, "max_position_embeddings", None)
     return int(n) if isinstance(n, int) and n > 0 else None
@@ -143,11 +145,11 @@ class Counters:
         return d
 
 
-def _budget(catalog) -> int:
+def store_budget(catalog) -> int:
     """The prompt store's memory budget in bytes (a catalog may not say: the default)."""
     f = getattr(catalog, "prompt_cache_bytes", None)
     if f is not None:
         return int(f())
-    from mlx_dflash.settings import GlobalSettings
+    from mlx_dflash.settings_schema import GlobalSettings
 
     return GlobalSettings().prompt_cache_mb << 20

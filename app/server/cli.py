@@ -13,10 +13,10 @@ from typing import Optional
 from mlx_dflash.costs import cache_dir
 from mlx_dflash.settings import remove_stale_temps
 
-from .errors import _line
+from .errors import error_line
 from .app import create_app
 from .connections import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES, with_head_timeout
-from .worker import ManagerCatalog
+from .catalog import ManagerCatalog
 
 KEY_ENV = "MLX_DFLASH_API_KEY"
 CALIBRATION_TEMP = re.compile(r"^.+\.\d+\.tmp$")  # calibrate._write's NAME.PID.tmp
@@ -100,7 +100,7 @@ def run(args) -> int:
     catalog = ManagerCatalog(store)
     model = None
     if args.model is not None:  # an id or a model folder; fail now, in one line, if neither
-        from mlx_dflash.manager import resolve
+        from mlx_dflash.model_names import resolve
 
         entry = resolve(args.model, store)
         if entry.kind != "target":
@@ -108,12 +108,12 @@ def run(args) -> int:
                              "pick a target from `mlx-dflash models list`")
         model = entry.id
     else:
-        from mlx_dflash.manager import resolve
+        from mlx_dflash.model_names import resolve
 
         try:
             resolve(None, store)
         except ValueError as e:  # still useful: requests can name any listed model
-            sys.stderr.write(f"mlx-dflash: no default model ({_line(e)}); "
+            sys.stderr.write(f"mlx-dflash: no default model ({error_line(e)}); "
                              "requests must name a model\n")
     try:  # a clear message instead of uvicorn's log line when the port is taken
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -45,10 +45,10 @@ def scrub_paths(text: str) -> str:
     return _PATH.sub(short, text)
 
 
-def _line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else ""
 
 
-def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, param, code)
 

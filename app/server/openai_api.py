@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .relay import report
 from .schemas import ChatRequest, CompletionRequest
 from .tools import call_id
-from .worker import Job
+from .catalog import Job
 
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .errors import APIError
-from .worker import Job
+from .catalog import Job
 
 
 class ClientGone(Exception):

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from .relay import ClientGone, Result, collect, events, start, stats_fields
-from .errors import APIError, _bad
+from .errors import APIError, bad_request
 from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, reasoning_item,
                               to_messages, tool_choice)
 from .schemas import Schema, effort_thinks, thinking_kwargs, unsupported
@@ -133,7 +133,7 @@ def register(app, ctx) -> None:
         items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
         history += to_messages(items)
         if not history:
-            raise _bad("input is empty", "input")
+            raise bad_request("input is empty", "input")
         msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
         tools = Tools.parse(req.tools)
         choice = tool_choice(req.tool_choice, tools)

@@ -18,8 +18,8 @@ from typing import List, Literal, Optional
 
 from pydantic import Field, ValidationError
 
-from .errors import _bad
-from .schemas import Schema, _validation_message, ignored
+from .errors import bad_request
+from .schemas import Schema, validation_error, ignored
 from .tools import arguments_dict, call_id, check_tool_choice
 
 
@@ -58,7 +58,7 @@ class Tools:
         t = cls()
         for i, d in enumerate(raw or []):
             if not isinstance(d, dict):
-                raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
+                raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
             t._add(d, f"tools[{i}]")
             t.echo.append(d)
         if t.not_offered:
@@ -89,7 +89,7 @@ class Tools:
                 self.not_offered.append(str(kind))
                 return
         except ValidationError as e:
-            err = _validation_message(e)
+            err = validation_error(e)
             err.message, err.param = f"{where}: {err.message}", where
             raise err from None
         if namespace:
@@ -119,13 +119,13 @@ def _text_of(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of parts", where)
+        raise bad_request(f"{where}.content must be a string or a list of parts", where)
     out = []
     for j, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(p.get("text"), str):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise _bad(f"{where}.content[{j}]: content type '{kind}' is not supported (text only)", where)
+            raise bad_request(f"{where}.content[{j}]: content type '{kind}' is not supported (text only)", where)
         out.append(p["text"])
     return "".join(out)
 
@@ -143,24 +143,24 @@ def to_messages(items: List[dict]) -> List[dict]:
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
-            raise _bad(f"{where} must be an object", where)
+            raise bad_request(f"{where} must be an object", where)
         t = it.get("type", "message")
         if t == "message":
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _bad(f"{where}.role must be user, system, developer or assistant", where)
+                raise bad_request(f"{where}.role must be user, system, developer or assistant", where)
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(it.get("content"), where)})
         elif t in ("function_call", "custom_tool_call"):
             key = "arguments" if t == "function_call" else "input"
             if not all(isinstance(it.get(k), str) for k in ("call_id", "name", key)):
-                raise _bad(f"{where}: a {t} needs call_id, name and {key} (strings)", where)
+                raise bad_request(f"{where}: a {t} needs call_id, name and {key} (strings)", where)
             args = arguments_dict(it[key]) if t == "function_call" else {"input": it[key]}
             _add_call(msgs, {"id": it["call_id"], "type": "function",
                              "function": {"name": it["name"], "arguments": args}})
         elif t in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
-                raise _bad(f"{where}: a {t} needs call_id", where)
+                raise bad_request(f"{where}: a {t} needs call_id", where)
             out = it.get("output")
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
                          "content": out if isinstance(out, str) else _text_of(out, where)})

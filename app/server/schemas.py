@@ -10,7 +10,7 @@ from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import APIError, _bad
+from .errors import APIError, bad_request
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -288,13 +288,13 @@ class CompletionRequest(_Common):
 _TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _validation_message(e: ValidationError) -> APIError:
+def validation_error(e: ValidationError) -> APIError:
     errs = e.errors()
     err = max(errs, key=lambda x: len(x.get("loc", ())))  # the most specific (unions report each branch)
     # drop pydantic's union-branch labels ("str", "list[TextPart]") from the path
     loc = ".".join(str(x) for x in err.get("loc", ()) if not (isinstance(x, str) and ("[" in x or x in _TYPES)))
     if err.get("type") == "missing":
-        return _bad(f"missing required field '{loc}'", loc)
+        return bad_request(f"missing required field '{loc}'", loc)
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    return _bad(f"{loc}: {msg}" if loc else msg, loc or None)
+    return bad_request(f"{loc}: {msg}" if loc else msg, loc or None)
 

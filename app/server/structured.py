@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import _bad
+from .errors import bad_request
 
 # compact JSON: no whitespace between tokens, "," and ":" as separators. Every token
 # goes to the object itself (a pretty-printed object of 3 fields took 62 tokens and could
@@ -51,20 +51,20 @@ def parse_format(kind: Optional[str], schema, param: str) -> Optional[Format]:
         return None
     llg = _llguidance()
     if llg is None:
-        raise _bad(f"{param} '{kind}' needs constrained decoding, which needs the llguidance package "
+        raise bad_request(f"{param} '{kind}' needs constrained decoding, which needs the llguidance package "
                    "(pip install llguidance); it is not installed on this server", param, "unsupported_parameter")
     if kind == "json_object":
         schema = {"type": "object"}
     elif not isinstance(schema, dict):
-        raise _bad(f"{param}: json_schema needs a 'schema' object", param)
+        raise bad_request(f"{param}: json_schema needs a 'schema' object", param)
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=COMPACT)
     except Exception as e:  # the compiler's one-line complaint about the schema
-        raise _bad(f"{param}: the schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}",
+        raise bad_request(f"{param}: the schema cannot be compiled: {str(e).splitlines()[0] if str(e) else e}",
                    param) from None
     err = llg.LLMatcher.validate_grammar(grammar)
     if err:
-        raise _bad(f"{param}: the schema cannot be compiled: {err.splitlines()[0]}", param)
+        raise bad_request(f"{param}: the schema cannot be compiled: {err.splitlines()[0]}", param)
     return Format(kind, grammar, param)
 
 

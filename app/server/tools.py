@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from .errors import _bad
+from .errors import bad_request
 
 
 @dataclass
@@ -62,10 +62,10 @@ def check_tool_choice(tools: Optional[list], choice, param: str = "tool_choice")
     if choice in (None, "auto", "none"):
         return
     if not names:
-        raise _bad(f"{param} '{forced_name(choice) or choice}' needs tools", param)
+        raise bad_request(f"{param} '{forced_name(choice) or choice}' needs tools", param)
     name = forced_name(choice)
     if name is not None and name not in names:
-        raise _bad(f"{param} names function '{name}', which is not in tools", param)
+        raise bad_request(f"{param} names function '{name}', which is not in tools", param)
 
 
 def template_tools(req: GenRequest) -> Optional[List[dict]]:

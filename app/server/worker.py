@@ -21,8 +21,8 @@ from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.prompt_store import PromptStore
 from mlx_dflash.target import Target
 
-from .catalog import Counters, Job, ManagerCatalog, _budget, _context_limit  # noqa: F401 (app, cli import them here)
-from .errors import APIError, _bad, _line
+from .catalog import Counters, Job, store_budget, context_limit
+from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .reasoning import ThinkStream, opens_thinking
 from .render import render
@@ -138,11 +138,11 @@ class Worker:
             except APIError as e:
                 self._fail(job, e)
             except ValueError as e:  # the engine's one-line complaint about a request
-                self._fail(job, _bad(_line(e) or "invalid request"))
+                self._fail(job, bad_request(error_line(e) or "invalid request"))
             except BaseException as e:  # a bug (or a native panic): report it, keep serving
                 traceback.print_exc(file=sys.stderr)
                 self._clear_store()  # a KV cache may be half-written
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {_line(e)}"))
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
             finally:
                 self.current = None
 
@@ -161,11 +161,11 @@ class Worker:
                 self._fail(job, e)
                 continue
             except ValueError as e:
-                self._fail(job, _bad(_line(e) or "invalid request"))
+                self._fail(job, bad_request(error_line(e) or "invalid request"))
                 continue
             except Exception as e:  # a bug: report it, keep serving
                 traceback.print_exc(file=sys.stderr)
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {_line(e)}"))
+                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
                 continue
             while not job.cancel.is_set():
                 if self.closing:
@@ -196,7 +196,7 @@ class Worker:
                 try:
                     check(self.lm.id, self.catalog.settings(self.lm.id))
                 except ValueError as e:
-                    err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {_line(e)}; fix them "
+                    err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {error_line(e)}; fix them "
                                         "(mlx-dflash settings); the model stays loaded as it was", "model",
                                    "settings_invalid")
                     if self.refused != err.message:
@@ -214,7 +214,7 @@ class Worker:
         try:
             self.lm = self.catalog.load(model_id)
         except Exception as e:  # HubError / SettingsError / DrafterError, or corrupt files (any error)
-            why = _line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_line(e)}"
+            why = error_line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {error_line(e)}"
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
         self.lm_key, self.refused = model_id, None
@@ -250,7 +250,7 @@ class Worker:
         if job.kind == "count":
             job.send("count", len(ids))
             return
-        ctx = _context_limit(lm.model)
+        ctx = context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
             raise _too_long(f"{len(ids)}", ctx, job)
         max_tokens = req.limit()
@@ -271,7 +271,7 @@ class Worker:
             gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
         else:
             if self.store is None:
-                self.store = PromptStore(_budget(self.catalog))
+                self.store = PromptStore(store_budget(self.catalog))
             target = Target(lm.model)
             mc = cfg.max_context
             with_drafter = lm.drafter is not None and cfg.verify_mode != "off" and not (mc and len(ids) > mc)
@@ -367,7 +367,7 @@ class Worker:
         try:
             return self.catalog.settings(lm.id)
         except ValueError as e:
-            sys.stderr.write(f"mlx-dflash: {_line(e)}; using the settings {lm.id} was loaded with\n")
+            sys.stderr.write(f"mlx-dflash: {error_line(e)}; using the settings {lm.id} was loaded with\n")
             return lm.settings
 
     def _prompt_ids(self, job: Job, lm, settings):
@@ -379,14 +379,14 @@ class Worker:
         prefix = ""
         if job.kind in ("chat", "count"):
             if not getattr(tok, "chat_template", None):
-                raise _bad(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
+                raise bad_request(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
             msgs = [dict(m) for m in req.messages]
             system = settings.system_prompt
             if system and not (msgs and msgs[0]["role"] == "system"):
                 msgs.insert(0, {"role": "system", "content": system})
             tools = template_tools(req)
             if tools and not getattr(tok, "has_tool_calling", False):
-                raise _bad(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
+                raise bad_request(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
                            "chat template); send the request without tools", "tools", "tools_unsupported")
             kw = dict(req.template_kwargs)
             if req.response_format is not None:  # the grammar allows no thinking: the template's off switch
@@ -396,7 +396,7 @@ class Worker:
             try:
                 text = render(tok, msgs, **kw)  # system messages anywhere: in place or merged
             except Exception as e:  # jinja raise_exception(): e.g. roles that must alternate
-                raise _bad(f"the chat template rejected these messages: {_line(e)}",
+                raise bad_request(f"the chat template rejected these messages: {error_line(e)}",
                            "messages") from None
             if tools:
                 prefix = forced_prefix(req, tok)
@@ -408,12 +408,12 @@ class Worker:
             ids = list(req.prompt)
             bad = [t for t in ids if vocab is not None and t >= vocab]
             if bad:
-                raise _bad(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
         if not ids:
-            raise _bad("the prompt is empty", "prompt")
+            raise bad_request("the prompt is empty", "prompt")
         for k in (req.logit_bias or {}):
             if vocab is not None and int(k) >= vocab:
-                raise _bad(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
+                raise bad_request(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
         return ids, prefix
 
 
@@ -428,11 +428,11 @@ def _vocab_size(lm) -> Optional[int]:
 
 def _limit(job: Job, lm) -> Optional[int]:
     """The most prompt tokens `job` may have (None: any, e.g. a token count)."""
-    return None if job.kind == "count" else _context_limit(lm.model)
+    return None if job.kind == "count" else context_limit(lm.model)
 
 
 def _too_long(tokens: str, ctx: int, job: Job) -> APIError:
-    return _bad(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
+    return bad_request(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
                 "messages" if job.kind in ("chat", "count") else "prompt", "context_length_exceeded")
 
 
@@ -489,17 +489,17 @@ def _encode(tok, text: str, limit: Optional[int] = None) -> List[int]:
         if limit is not None and len(text) > CHUNK_CHARS:
             least = len(text) // (max_token_chars(tok) * NORMALIZER_SLACK)
             if least >= limit:
-                raise _bad(f"the prompt has at least {least} tokens ({len(text)} characters); this model's "
+                raise bad_request(f"the prompt has at least {least} tokens ({len(text)} characters); this model's "
                            f"context is {limit} tokens", "prompt", "context_length_exceeded")
             counted = 0
             for piece in _pieces(text, CHUNK_CHARS):
                 counted += len(tok.encode(piece, add_special_tokens=False))
                 if counted > limit * COUNT_SLACK:
-                    raise _bad(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's context "
+                    raise bad_request(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's context "
                                f"is {limit} tokens", "prompt", "context_length_exceeded")
         return tok.encode(text, add_special_tokens=add)
     except (TypeError, ValueError) as e:
-        raise _bad(f"the tokenizer cannot encode this text: {_line(e)}", "prompt") from None
+        raise bad_request(f"the tokenizer cannot encode this text: {error_line(e)}", "prompt") from None
 
 
 def _pieces(text: str, size: int):
