@@ -19,10 +19,12 @@ every cache kind mlx-lm uses, alone or mixed per layer (CacheList included).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -138,9 +140,16 @@ def _copy(v):
 # -- recurrent state -------------------------------------------------------------------
 @dataclass
 class Call:
-    module: Any
+    """One recorded call of a recurrent mixer: its arguments and, per child
+    module (projections, conv, norms), the outputs it gave, in call order."""
+
+    mixer: "Mixer"
     args: tuple
     kwargs: dict
+    outs: Dict[int, list] = field(default_factory=dict)  # id(Tape) -> outputs
+    keep: Optional[int] = None  # set while the call is played back on the kept rows
+    length: int = 0
+    used: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,7 +175,7 @@ def _restore(rec: Record) -> None:
 
 
 def _cut(x, length: int, keep: int):
-    """Slice a recorded argument to the first `keep` sequence rows."""
+    """Slice a recorded array to the first `keep` sequence rows."""
     if isinstance(x, mx.array) and x.ndim >= 2 and x.shape[1] == length:
         return x[:, :keep]
     return x
@@ -181,8 +190,9 @@ def caches_in(args, kwargs) -> List[Any]:
 
 
 def replay(rec: Record, n: int) -> None:
-    """Restore the recurrent states of `rec` and re-run only the recorded
-    sub-modules on the first length-n rows."""
+    """Restore the recurrent states of `rec` and run the recorded mixers again
+    on the first length-n rows, their projections and convolutions handed back
+    from the verify (a selection of recorded rows), so only the scan runs."""
     keep = rec.length - n
     _restore(rec)
     if keep <= 0:
@@ -191,40 +201,74 @@ def replay(rec: Record, n: int) -> None:
         for c in caches_in(call.args, call.kwargs):  # a row cache the call also fills
             if isinstance(c, ROW_CACHES):
                 row_trim(c, keep)
-        args = tuple(_cut(a, rec.length, keep) for a in call.args)
-        kwargs = {k: _cut(v, rec.length, keep) for k, v in call.kwargs.items()}
-        call.module(*args, **kwargs)
+        call.mixer.play(call, rec.length, keep)
 
 
-class Spy:
-    """Stands in for a decoder layer's sub-module on the loaded instance during
-    one forward (set in the instance __dict__, never on a class) and records the
-    calls that carry a recurrent state."""
+class Tape:
+    """Stands in for one child module of a recurrent mixer (in a session's copy
+    of that mixer): while a call is recorded it keeps the child's output; while
+    the call is played back it hands back that output's first kept rows instead
+    of computing it again (the rows of a causal projection or convolution over
+    a prefix are the prefix of its rows)."""
 
-    def __init__(self, module, on_call):
-        self._module = module
-        self._on_call = on_call
+    def __init__(self, module, mixer: "Mixer"):
+        self._module, self._mixer = module, mixer
 
     def __call__(self, *args, **kwargs):
-        if any(isinstance(c, ArraysCache) for c in caches_in(args, kwargs)):
-            self._on_call(self._module, args, kwargs)
-        return self._module(*args, **kwargs)
+        call = self._mixer.call
+        if call is None:
+            return self._module(*args, **kwargs)
+        outs = call.outs.setdefault(id(self), [])
+        if call.keep is None:
+            y = self._module(*args, **kwargs)
+            outs.append(y)
+            return y
+        k = call.used.get(id(self), 0)
+        call.used[id(self)] = k + 1
+        y = outs[k] if k < len(outs) else None
+        if isinstance(y, mx.array) and y.ndim >= 2 and y.shape[1] == call.length:
+            return y[:, : call.keep]
+        return self._module(*args, **kwargs)  # not row-aligned: computed on the kept rows
 
     def __getattr__(self, name):
         return getattr(self._module, name)
 
 
-def install_spies(layers, names, on_call) -> list:
-    """Shadow `layer.<name>` by a Spy for each (layer index, name); returns the undo list."""
-    done = []
-    for i, name in names:
-        layer = layers[i]
-        mod = getattr(layer, name)
-        layer.__dict__[name] = Spy(mod, on_call)
-        done.append((layer, name))
-    return done
+class Mixer:
+    """Stands in for the sub-module of a decoder layer that owns a recurrent
+    state, in a session's copy of that layer (the loaded instance is never
+    changed): a shallow copy of the mixer whose child modules are Tapes. While
+    `sink` is a list, each call carrying a recurrent state is recorded there."""
 
+    def __init__(self, module):
+        self.module = copy.copy(module)  # same arrays, own dict of children
+        for name, child in module.children().items():
+            if isinstance(child, nn.Module):
+                self.module[name] = Tape(child, self)
+        self.sink: Optional[list] = None
+        self.call: Optional[Call] = None
 
-def remove_spies(done) -> None:
-    for layer, name in done:
-        layer.__dict__.pop(name, None)
+    def __call__(self, *args, **kwargs):
+        if self.sink is None or not any(isinstance(c, ArraysCache) for c in caches_in(args, kwargs)):
+            return self.module(*args, **kwargs)
+        call = Call(self, args, kwargs)
+        self.call = call
+        try:
+            y = self.module(*args, **kwargs)
+        finally:
+            self.call = None
+        self.sink.append(call)
+        return y
+
+    def play(self, call: Call, length: int, keep: int) -> None:
+        """The recorded call again on its first `keep` rows (the output is not used)."""
+        call.length, call.keep, call.used = length, keep, {}
+        self.call = call
+        try:
+            self.module(*(_cut(a, length, keep) for a in call.args),
+                        **{k: _cut(v, length, keep) for k, v in call.kwargs.items()})
+        finally:
+            self.call = None
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
