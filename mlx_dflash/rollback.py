@@ -11,10 +11,17 @@ every cache kind mlx-lm uses, alone or mixed per layer (CacheList included).
   wrapped window has overwritten a row: that trim is refused (`can_trim`).
 - Recurrent state (ArraysCache, MambaCache: gated-delta, Mamba2, short-conv):
   before a forward the state arrays are kept (references: mlx-lm's mixers
-  rebind `cache[i]`, they never write into the old arrays); the call of the
-  sub-module that owns the state (found once per model by a lazy probe) is
-  recorded. Rolling back restores the kept state and replays that sub-module
-  alone on the accepted rows: no other layer and no attention is re-run.
+  rebind `cache[i]`, they never write into the old arrays). During a verify
+  the sub-module that owns the state (found once per model by a lazy probe)
+  runs as a session's copy (`Mixer`) that keeps what restores its state at any
+  accepted row, and rollback is a selection: a conv state is a slice of the
+  conv's input window; a gated-delta state is the one mlx-lm's step produced
+  after that row (kept per row where mlx-lm runs its step-by-step ops, i.e.
+  off Metal); a Mamba2 state is mlx-lm's SSD state of the verify's own scan
+  inputs cut at that row (a few small ops, no projection, no convolution).
+  Where neither applies (the fused Metal gated-delta kernel, masked or padded
+  batches) the mixer runs again on the kept rows with its projections and
+  convolutions handed back from the verify, so only its scan is recomputed.
 """
 
 from __future__ import annotations
@@ -154,7 +161,7 @@ class Call:
     keep: Optional[int] = None  # set while the call is played back on the kept rows
     length: int = 0
     used: Dict[int, int] = field(default_factory=dict)
-    ins: List[mx.array] = field(default_factory=list)  # the children's first inputs (a conv's window)
+    ins: List[Tuple[mx.array, int]] = field(default_factory=list)  # (a conv's input window, its kernel size)
     scans: List[Tuple[mx.array, Callable]] = field(default_factory=list)  # (final state, state after k rows)
     picks: Optional[list] = None  # per state slot: how to select it at any kept length, or None
 
@@ -172,10 +179,9 @@ class Call:
             for final, at in self.scans:
                 if v is final:
                     pick = ("scan", at)
-            for x in self.ins:
+            for x, size in self.ins:  # the slot holds the window's last size-1 rows
                 if (pick is None and isinstance(v, mx.array) and v.ndim == 3 and x.ndim == 3
-                        and x.shape[1] == v.shape[1] + self.length and x.shape[0] == v.shape[0]
-                        and x.shape[2] == v.shape[2]):
+                        and v.shape == (x.shape[0], size - 1, x.shape[2]) and x.shape[1] == size - 1 + self.length):
                     pick = ("window", x)
             if v is not None and pick is None:
                 return
@@ -184,7 +190,7 @@ class Call:
 
     def select(self, keep: int) -> bool:
         """Put the state after the first `keep` rows into the cache, if every
-        slot can be selected (no computation: a reference or a slice)."""
+        slot can be selected (a reference, a slice, or the SSD state's few ops)."""
         if self.picks is None:
             return False
         cache, picks = self.picks
@@ -273,8 +279,8 @@ class Tape:
         if call.keep is None:
             y = self._module(*args, **kwargs)
             outs.append(y)
-            if args and isinstance(args[0], mx.array):
-                call.ins.append(args[0])
+            if isinstance(self._module, nn.Conv1d) and args and isinstance(args[0], mx.array):
+                call.ins.append((args[0], self._module.weight.shape[1]))
             return y
         k = call.used.get(id(self), 0)
         call.used[id(self)] = k + 1

@@ -230,3 +230,17 @@ def test_recurrent_rollback_is_a_selection_with_the_same_bits(family, monkeypatc
         nxt = mx.array([[rng.randrange(4, 512)]])
         la, lb = t(nxt, a)[0], t(nxt, b)[0]
         assert _close(la, lb, 1e-4) and mx.argmax(la, -1).item() == mx.argmax(lb, -1).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "lfm2"])
+def test_replay_where_no_selection_applies(family, monkeypatch):
+    """Where a state cannot be selected (the fused Metal gated-delta kernel, padded
+    batches) the mixer runs again on the kept rows, its projections and conv
+    outputs handed back from the verify: the same states as never having run
+    the rejected rows."""
+    from mlx_dflash.rollback import Call
+
+    monkeypatch.setattr(Call, "select", lambda self, keep: False)
+    model = build(family)
+    t = Target(model)
+    _run_cycles(model, t, t.make_cache, t.make_cache, seed=13)
