@@ -266,7 +266,11 @@ class Target:
     exactly `model(tokens, cache=cache)`; feats concatenate the outputs of the
     decoder layers in `capture` (indices into `model.layers`, any layer kind).
     One Target per session: its forwards run one at a time (its own lock);
-    Targets on the same model are independent."""
+    Targets on the same model are independent. The view is built once: the
+    modules it copies (those on the path to the layer list, the recurrent
+    mixers) keep the arrays they held then, so after changing the loaded
+    model's weights (update, load_weights, quantize) build a new Target (each
+    Decoder session builds its own)."""
 
     def __init__(self, model: nn.Module):
         self.model = model

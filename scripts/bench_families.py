@@ -84,7 +84,7 @@ def oracle_tau(model, tok):
     return ok, n, sum(taus) / len(taus)
 
 
-def _eval_cache(cache):
+def eval_cache(cache):
     arrs = []
     for c in cache:
         for x in leaves(c):
@@ -101,7 +101,7 @@ def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: in
     t = Target(model)
     cache = t.make_cache()
     t((mx.arange(context)[None] % 500) + 4, cache)
-    _eval_cache(cache)
+    eval_cache(cache)
     block = mx.arange(100, 100 + width)[None]
     ratios, tv = [], []
     for r in range(rounds + 2):
@@ -109,10 +109,10 @@ def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: in
         t0 = time.perf_counter()
         logits, f = t(block, cache, [0])
         mx.eval(logits, f)
-        _eval_cache(cache)
+        eval_cache(cache)
         t1 = time.perf_counter()
         t.trim(cache, width - keep)
-        _eval_cache(cache)
+        eval_cache(cache)
         t2 = time.perf_counter()
         restore()
         if r >= 2:  # warm-up

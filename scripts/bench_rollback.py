@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 import mlx_dflash  # noqa: E402  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from bench_families import MEDIUM, _eval_cache, kinds, rollback_cost  # noqa: E402
+from bench_families import MEDIUM, eval_cache, kinds, rollback_cost  # noqa: E402
 from tiny_families import build  # noqa: E402
 from mlx_dflash.target import Target  # noqa: E402
 
@@ -35,7 +35,7 @@ def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
     t = Target(model)
     cache = t.make_cache()
     t((mx.arange(context)[None] % 500) + 4, cache)
-    _eval_cache(cache)
+    eval_cache(cache)
     block = mx.arange(100, 100 + width)[None]
     ts = []
     for _ in range(rounds):
@@ -43,7 +43,7 @@ def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
         c0 = time.process_time()
         logits, _ = t(block, cache, [0])
         mx.eval(logits)
-        _eval_cache(cache)
+        eval_cache(cache)
         ts.append(time.process_time() - c0)
         restore()
     return sorted(ts)[len(ts) // 2]
