@@ -1,15 +1,22 @@
 """Target adapter: the mlx-lm model's OWN forward (`model(tokens, cache=cache)`,
 whatever it does inside: embedding scales, soft-capping, per-layer masks,
 sliding windows, MoE routing, recurrent layers) plus the outputs of chosen
-decoder layers, captured on the one loaded instance; rollback after a verify
-for every cache kind (rollback.py)."""
+decoder layers; rollback after a verify for every cache kind (rollback.py).
+
+The loaded instance is never changed. Each Target observes through its own
+view: shallow copies of the modules from the model down to the list holding
+the decoder layers (same weight arrays, no copy), whose list holds permanent
+taps around the same layer objects (a recurrent layer: a copy whose mixer
+records its calls). So any number of sessions on one model, in any threads,
+share nothing but read-only weights."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,12 +29,8 @@ class TargetError(ValueError):
     """A model this adapter cannot drive exactly (the reason is in the message)."""
 
 
-# The layer list and sub-modules of the loaded instance are swapped for
-# recorders during one forward and restored right after; one forward at a time.
-_LOCK = threading.RLock()
-_PROBES: dict = {}  # id(model) -> _Probe, dropped with the model
-# Forwards of up to this many tokens (verify blocks) keep the recurrent
-# sub-modules' inputs for a rollback; a long prefill chunk does not hold them.
+# Forwards of up to this many tokens (verify blocks) keep what a rollback
+# selects from; a long prefill chunk does not hold them.
 MAX_REPLAY = 64
 
 
@@ -40,18 +43,74 @@ class _Probe:
     mixers: List[Tuple[int, str]] = field(default_factory=list)  # (layer, child) owning a recurrent state
 
 
-class _Tap:
-    """Stands in for decoder layer i in the instance's layer list during one
-    forward and keeps its output (the first element when a layer returns a tuple)."""
+class _Probes:
+    """Probe results per loaded model, held by weak reference and found by
+    identity (an mlx Module is a dict, so it cannot key a WeakKeyDictionary);
+    an entry goes with its model."""
 
-    def __init__(self, layer, i: int, out: dict, stop_at: Optional[int] = None):
-        self._layer, self._i, self._out, self._stop = layer, i, out, stop_at
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: List[Tuple[weakref.ref, _Probe]] = []
+
+    def get(self, model) -> Optional[_Probe]:
+        with self._lock:
+            self._items = [(r, p) for r, p in self._items if r() is not None]
+            return next((p for r, p in self._items if r() is model), None)
+
+    def put(self, model, probe: _Probe) -> None:
+        with self._lock:
+            self._items.append((weakref.ref(model), probe))
+
+
+PROBES = _Probes()
+
+
+class _Owned:
+    """A shallow copy of `model` in which the modules (and lists) on the paths
+    asked for are copies too, so their entries can be replaced without touching
+    the loaded instance; everything else, weights included, is shared."""
+
+    def __init__(self, model):
+        self.root = copy.copy(model)
+        self._done: Dict[str, object] = {"": self.root}
+
+    def get(self, path: str):
+        """The copy of the module or list at dotted `path` ("" is the root)."""
+        if path in self._done:
+            return self._done[path]
+        up, _, part = path.rpartition(".")
+        parent = self.get(up)
+        key = int(part) if isinstance(parent, list) else part
+        child = parent[key]
+        mine = list(child) if isinstance(child, list) else copy.copy(child)
+        parent[key] = mine
+        self._done[path] = mine
+        return mine
+
+
+class _State:
+    """The per-forward settings the taps of one Target's view read."""
+
+    def __init__(self):
+        self.want: set = set()  # the layers whose outputs this forward keeps
+        self.feats: Optional[dict] = None  # layer index -> output
+        self.stop: Optional[int] = None  # raise _Stop after this layer (training features)
+
+
+class _Tap:
+    """Stands in for decoder layer i in a view's layer list and keeps its output
+    (the first element when a layer returns a tuple) when asked."""
+
+    def __init__(self, layer, i: int, state: _State):
+        self._layer, self._i, self._state = layer, i, state
 
     def __call__(self, *args, **kwargs):
         y = self._layer(*args, **kwargs)
-        self._out[self._i] = y[0] if isinstance(y, tuple) else y
-        if self._i == self._stop:
-            raise _Stop
+        st = self._state
+        if self._i in st.want:
+            st.feats[self._i] = y[0] if isinstance(y, tuple) else y
+            if self._i == st.stop:
+                raise _Stop
         return y
 
     def __getattr__(self, name):
@@ -76,6 +135,21 @@ class _Counting:
         return getattr(self._fn, name)
 
 
+class _Spy:
+    """Stands in for a child of a decoder layer during the probe and reports the
+    caches it is called with."""
+
+    def __init__(self, module, where: Tuple[int, str], on_call):
+        self._module, self._where, self._on_call = module, where, on_call
+
+    def __call__(self, *args, **kwargs):
+        self._on_call(self._where, rb.caches_in(args, kwargs))
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
 def _layers(model) -> list:
     layers = getattr(model, "layers", None)  # every mlx-lm model exposes its decoder list
     if isinstance(layers, (list, tuple)) and layers and all(isinstance(l, nn.Module) for l in layers):
@@ -83,16 +157,17 @@ def _layers(model) -> list:
     raise TargetError(f"model type '{_name(model)}' exposes no decoder layer list (model.layers)")
 
 
-def _layer_list(model, layers) -> Tuple[list, List[int]]:
-    """The list object the forward iterates (`model.layers` may be a slice copy,
-    e.g. pipeline_layers) and each layer's position in it."""
+def _layer_list(model, layers) -> Tuple[str, str, List[int]]:
+    """Where the list the forward iterates lives (`model.layers` may be a slice
+    copy, e.g. pipeline_layers): (dotted path of its module, key, each layer's
+    position in it)."""
     first = layers[0]
-    for _, m in model.named_modules():
-        for v in m.values():
+    for name, m in model.named_modules():
+        for k, v in m.items():
             if isinstance(v, list) and any(x is first for x in v):
-                ids = {id(x): k for k, x in enumerate(v)}
+                ids = {id(x): j for j, x in enumerate(v)}
                 if all(id(l) in ids for l in layers):
-                    return v, [ids[id(l)] for l in layers]
+                    return name, k, [ids[id(l)] for l in layers]
     raise TargetError(f"model type '{_name(model)}': its decoder layers are not held in a list")
 
 
@@ -104,33 +179,28 @@ def _name(model) -> str:
 _EMBED_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings", "embedding")
 
 
-def _embedding(model) -> nn.Module:
-    """The token embedding table: a named input embedding first, else the largest table."""
+def _embedding(model) -> Tuple[str, nn.Module]:
+    """(path, module) of the token embedding table: a named input embedding
+    first, else the largest table."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
     if not found:
         raise TargetError(f"model type '{_name(model)}' has no token embedding")
-    named = [m for n, m in found if n.rsplit(".", 1)[-1] in _EMBED_NAMES]
-    return named[0] if named else max(found, key=lambda nm: nm[1].weight.shape[0])[1]
+    named = [(n, m) for n, m in found if n.rsplit(".", 1)[-1] in _EMBED_NAMES]
+    return named[0] if named else max(found, key=lambda nm: nm[1].weight.shape[0])
 
 
-def _heads(model) -> list:
-    """(parent, attribute) of every sub-module named lm_head."""
-    out = []
-    for n, m in model.named_modules():
-        if n == "lm_head" or n.endswith(".lm_head"):
-            parent = model
-            for part in n.split(".")[:-1]:
-                parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-            out.append((parent, "lm_head"))
-    return out
+def _heads(model) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of every sub-module named lm_head."""
+    return [(n, m) for n, m in model.named_modules() if n == "lm_head" or n.endswith(".lm_head")]
 
 
-def _probe(target: "Target") -> _Probe:
+def _probe(model, layers, where) -> _Probe:
     """One lazy forward over 2 tokens with a fresh cache, never evaluated (only
-    the graph is built): which head the model applies, which decoder sub-module
-    receives each recurrent state, and any cache kind rollback cannot handle."""
-    model = target.model
-    p = _PROBES.get(id(model))
+    the graph is built), through a copy of the model whose head candidates count
+    their calls and whose layers' children report the caches they receive:
+    which head the model applies, which decoder sub-module receives each
+    recurrent state, and any cache kind rollback cannot handle."""
+    p = PROBES.get(model)
     if p is not None:
         return p
     p = _Probe()
@@ -143,42 +213,39 @@ def _probe(target: "Target") -> _Probe:
     if bad:
         p.problem = f"its cache kind {bad} cannot be rolled back after a verify"
         return p
-    states = {id(a): a for a in rb.recurrent(cache)}
-    owner = {}  # id(sub-module) -> (layer index, child name)
-    names = []
+    states = {id(a) for a in rb.recurrent(cache)}
+    seen = {}  # id(state) -> (layer index, child name)
+
+    def on_call(at, caches):
+        for c in caches:
+            if id(c) in states:
+                seen[id(c)] = at
+
+    view = _Owned(model)
+    path, key, pos = where
+    lst = view.get(path)[key] = list(view.get(path)[key])
     if states:
-        for i, layer in enumerate(target.layers):
+        for i, layer in enumerate(layers):
+            mine = copy.copy(layer)
             for n, m in layer.children().items():
                 if isinstance(m, nn.Module):
-                    owner[id(m)] = (i, n)
-                    names.append((i, n))
-    seen = {}
-
-    def on_call(mod, args, kwargs):
-        for c in rb.caches_in(args, kwargs):
-            if id(c) in states:
-                seen[id(c)] = owner[id(mod)]
-
-    heads = [(parent, attr, _Counting(getattr(parent, attr))) for parent, attr in _heads(model)]
-    emb = target.embed_tokens
+                    mine[n] = _Spy(m, (i, n), on_call)
+            lst[pos[i]] = mine
+    heads = []
+    for n, m in _heads(model):
+        up, _, attr = n.rpartition(".")
+        heads.append(_Counting(m))
+        view.get(up)[attr] = heads[-1]
+    epath, emb = _embedding(model)
     tied = _Counting(emb.as_linear)
-    undo = []
+    view.get(epath).__dict__["as_linear"] = tied  # the copy's, not the loaded table's
     try:
-        emb.__dict__["as_linear"] = tied
-        for parent, attr, c in heads:
-            parent.__dict__[attr] = c
-        undo = rb.install_spies(target.layers, names, on_call)
-        model(mx.zeros((1, 2), dtype=mx.int32), cache=cache)
+        view.root(mx.zeros((1, 2), dtype=mx.int32), cache=cache)
     except Exception as e:  # noqa: BLE001 - the model's own forward refused the probe
         msg = str(e).splitlines()[0] if str(e) else ""
         p.problem = f"its forward failed on a probe ({type(e).__name__}: {msg})"
         return p
-    finally:
-        rb.remove_spies(undo)
-        emb.__dict__.pop("as_linear", None)
-        for parent, attr, _ in heads:
-            parent.__dict__.pop(attr, None)
-    fired = [k for k, (_, _, c) in enumerate(heads) if c.n]
+    fired = [k for k, c in enumerate(heads) if c.n]
     if fired:
         p.head = fired[0]
     elif tied.n:
@@ -186,41 +253,67 @@ def _probe(target: "Target") -> _Probe:
     else:
         p.problem = "its output head is neither an lm_head nor the tied embedding"
         return p
-    missing = [k for k in states if k not in seen]
-    if missing:
+    if any(k not in seen for k in states):
         p.problem = "a recurrent state is used outside a decoder layer's sub-modules"
         return p
     p.mixers = sorted(set(seen.values()))
-    _PROBES[id(model)] = p
-    weakref.finalize(model, _PROBES.pop, id(model), None)
+    PROBES.put(model, p)
     return p
 
 
 class Target:
-    """`__call__(tokens[1, L], cache, capture) -> (logits, feats)`: logits are
+    """`__call__(tokens[B, L], cache, capture) -> (logits, feats)`: logits are
     exactly `model(tokens, cache=cache)`; feats concatenate the outputs of the
-    decoder layers in `capture` (indices into `model.layers`, any layer kind)."""
+    decoder layers in `capture` (indices into `model.layers`, any layer kind).
+    One Target per session: its forwards run one at a time (its own lock);
+    Targets on the same model are independent. The view is built once: the
+    modules it copies (those on the path to the layer list, the recurrent
+    mixers) keep the arrays they held then, so after changing the loaded
+    model's weights (update, load_weights, quantize) build a new Target (each
+    Decoder session builds its own)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.layers = _layers(model)
         self.num_layers = len(self.layers)
-        self._list, self._pos = _layer_list(model, self.layers)
-        self.embed_tokens = _embedding(model)
-        with _LOCK:
-            probe = _probe(self)
+        where = _layer_list(model, self.layers)
+        _, self.embed_tokens = _embedding(model)
+        probe = _probe(model, self.layers, where)
         if probe.problem:
             raise TargetError(f"model type '{_name(model)}' is not supported: {probe.problem}")
         self._lm_head = None
         if probe.head != "tied":
-            parent, attr = _heads(model)[probe.head]
-            self._lm_head = getattr(parent, attr)
+            self._lm_head = _heads(model)[probe.head][1]
         self._mixers = probe.mixers
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.hidden_size = self.embed_tokens(mx.array([[0]])).shape[-1]  # shape only, not computed
         args = getattr(model, "args", None)
         self.sliding_window = getattr(args, "sliding_window", None)
         self._rec: Optional[rb.Record] = None  # the last forward's rollback record
+        self._lock = threading.RLock()
+        self._state = _State()
+        self._view, self._recorders = self._build_view(where)
+
+    def _build_view(self, where):
+        """This session's copy of the model: its layer list holds a tap per layer;
+        a layer with a recurrent mixer is a copy whose mixer records its calls."""
+        view = _Owned(self.model)
+        path, key, pos = where
+        holder = view.get(path)
+        lst = holder[key] = list(holder[key])
+        recorders = []
+        mixers: Dict[int, List[str]] = {}
+        for i, n in self._mixers:
+            mixers.setdefault(i, []).append(n)
+        for i, layer in enumerate(self.layers):
+            entry = layer
+            if i in mixers:
+                entry = copy.copy(layer)
+                for n in mixers[i]:
+                    entry[n] = rb.Mixer(layer[n])
+                    recorders.append(entry[n])
+            lst[pos[i]] = _Tap(entry, i, self._state)
+        return view.root, recorders
 
     # -- pieces the drafter borrows ------------------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -276,37 +369,45 @@ class Target:
                 rb.row_trim(x, n)
             elif isinstance(x, rb.RotatingKVCache):
                 rb.rotating_trim(x, n)
-        if self._rec is not None and self._rec.cache is cache:
-            rb.replay(self._rec, n)
-            self._rec = None
+        with self._lock:
+            if self._rec is not None and self._rec.cache is cache:
+                rb.replay(self._rec, n)
+                self._rec = None
 
     # -- the forward -----------------------------------------------------------------
+    def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None):
+        """The model's own forward through this session's view, keeping the
+        outputs of the layers in `want` and recording the recurrent mixers'
+        calls into `sink`."""
+        st = self._state
+        st.feats, st.want, st.stop = {}, set(want), stop
+        for m in self._recorders:
+            m.sink = sink
+        logits = None
+        try:
+            logits = self._view(tokens, cache=cache)
+        except _Stop:
+            pass
+        finally:
+            feats, st.feats, st.want, st.stop = st.feats, None, set(), None
+            for m in self._recorders:
+                m.sink = None
+        return logits, feats
+
     def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
-        """tokens [1, L] -> (logits [1, L, V], features [1, L, len(capture)*H] or None)."""
+        """tokens [B, L] -> (logits [B, L, V], features [B, L, len(capture)*H] or None)."""
         capture = list(capture)
         bad = [i for i in capture if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(f"capture layers {bad} outside the target's {self.num_layers} layers")
         L = tokens.shape[1]
-        rec = rb.snapshot(cache, L) if cache is not None and self._mixers else None
-        if rec is not None and not rec.saved:
-            rec = None
-        feats: dict = {}
-        with _LOCK:
-            undo, taps = [], {}
-            try:
-                if rec is not None and 1 < L <= MAX_REPLAY:
-                    undo = rb.install_spies(self.layers, self._mixers,
-                                            lambda m, a, k: rec.calls.append(rb.Call(m, a, k)))
-                for i in set(capture):
-                    taps[i] = self.layers[i]
-                    self._list[self._pos[i]] = _Tap(taps[i], i, feats)
-                logits = self.model(tokens, cache=cache)
-            finally:
-                for i, layer in taps.items():
-                    self._list[self._pos[i]] = layer
-                rb.remove_spies(undo)
-        self._rec = rec
+        with self._lock:
+            rec = rb.snapshot(cache, L) if cache is not None and self._mixers else None
+            if rec is not None and not rec.saved:
+                rec = None
+            sink = rec.calls if rec is not None and 1 < L <= MAX_REPLAY else None
+            logits, feats = self._run(tokens, cache, capture, sink=sink)
+            self._rec = rec
         if not capture:
             return logits, None
         return logits, mx.concatenate([feats[i] for i in capture], axis=-1)
@@ -314,18 +415,6 @@ class Target:
     def features(self, tokens: mx.array, layer_ids: Sequence[int]) -> mx.array:
         """tokens [S, L] -> tapped layer outputs [S, L, taps*H] through the model's
         own forward, no cache; layers after the last tap are not run (training)."""
-        feats: dict = {}
-        last = max(layer_ids)
-        with _LOCK:
-            taps = {}
-            try:
-                for i in set(layer_ids):
-                    taps[i] = self.layers[i]
-                    self._list[self._pos[i]] = _Tap(taps[i], i, feats, stop_at=last)
-                self.model(tokens)
-            except _Stop:
-                pass
-            finally:
-                for i, layer in taps.items():
-                    self._list[self._pos[i]] = layer
+        with self._lock:
+            _, feats = self._run(tokens, None, layer_ids, stop=max(layer_ids))
         return mx.concatenate([feats[i] for i in layer_ids], axis=-1)

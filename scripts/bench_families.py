@@ -84,7 +84,7 @@ def oracle_tau(model, tok):
     return ok, n, sum(taus) / len(taus)
 
 
-def _eval_cache(cache):
+def eval_cache(cache):
     arrs = []
     for c in cache:
         for x in leaves(c):
@@ -101,7 +101,7 @@ def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: in
     t = Target(model)
     cache = t.make_cache()
     t((mx.arange(context)[None] % 500) + 4, cache)
-    _eval_cache(cache)
+    eval_cache(cache)
     block = mx.arange(100, 100 + width)[None]
     ratios, tv = [], []
     for r in range(rounds + 2):
@@ -109,10 +109,10 @@ def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: in
         t0 = time.perf_counter()
         logits, f = t(block, cache, [0])
         mx.eval(logits, f)
-        _eval_cache(cache)
+        eval_cache(cache)
         t1 = time.perf_counter()
         t.trim(cache, width - keep)
-        _eval_cache(cache)
+        eval_cache(cache)
         t2 = time.perf_counter()
         restore()
         if r >= 2:  # warm-up
@@ -142,12 +142,13 @@ MEDIUM = {  # hidden 512, 8 layers: compute, not Python, dominates (closer to a 
 
 
 NOTE = """
-Reading: KV and sliding-window rollback is an offset or a slice (~0%). Recurrent rollback costs the
-recurrent sub-modules (in_proj, conv, scan) on the kept rows, so it grows with the rows kept and the
-recurrent layers' share of the forward; the mixers' outputs are never computed (only the state is
-evaluated). In the decode loop the replay stays lazy and is evaluated with the next verify forward.
-A rollback free of any replay would need the per-step states of the scan, which mlx-lm's
-`gated_delta_update` / `ssm_update` do not return.
+Reading: KV and sliding-window rollback is an offset or a slice (~0%). Recurrent rollback is a
+selection from what the verify kept (rollback.py): a conv state is a slice of the conv's input
+window, a gated-delta state the one mlx-lm's own step produced after the last kept row (kept per
+row where mlx-lm runs its step-by-step ops, i.e. off Metal), a Mamba2 state mlx-lm's SSD state of
+the verify's own scan inputs cut at that row (a few small ops per Mamba layer: what is left of the
+share at this size). In the decode loop the selection stays lazy and is evaluated with the next
+verify forward. scripts/bench_rollback.py measures the same at more shapes.
 """
 
 
@@ -217,7 +218,8 @@ predicate: 8-bit embedding and head, 4-bit elsewhere, group 32). Per family:
   accepted count, tau and tokens exactly as expected; mean tau over the runs;
 - **rollback % of verify**: median time of dropping 4 of 8 verified rows (evaluated) / the time of that
   8-row verify forward (evaluated), 40 tokens of context. KV caches: an offset; sliding windows: a slice;
-  recurrent state: restore + replay of the recurrent sub-modules alone on the 4 kept rows.
+  recurrent state: a selection from what the verify kept (gated-delta: the state after the last kept row;
+  Mamba2: the SSD state of the kept rows' scan inputs; conv: a slice of the input window).
 
 | family | cache kinds | logits exact | greedy equal | oracle tau exact | rollback % of verify | verify ms |
 |---|---|---|---|---|---|---|
@@ -228,8 +230,8 @@ predicate: 8-bit embedding and head, 4-bit elsewhere, group 32). Per family:
 
 Hidden 512, 8 layers (same layer mixes), 256 tokens of context (sliding windows of 64, wrapped),
 float32, median of {a.rounds} rounds: dropping the rejected rows (evaluated) as a share of the verify
-forward (evaluated). Recurrent layers replay only their own sub-module on the kept rows; the state
-arrays are restored by reference (no copy).
+forward (evaluated). Recurrent states are selected from what the verify kept (no projection,
+convolution or gated-delta scan is run again).
 
 | family | cache kinds | 8 verified, 4 kept | 16 verified, 8 kept | 16 verified, 1 kept |
 |---|---|---|---|---|

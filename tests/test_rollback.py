@@ -194,3 +194,58 @@ def test_features_are_the_captured_layer_outputs(family):
     x = mx.arange(4, 20)[None]
     _, feats = t(x, t.make_cache(), [0, 2])
     assert _close(t.features(x, [0, 2]), feats, 1e-5)
+
+
+RECURRENT = ["qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_recurrent_rollback_is_a_selection_with_the_same_bits(family, monkeypatch):
+    """Gated-delta, Mamba2 and short-conv layers: after a verify the state at any
+    kept length is selected from what the verify kept (no mixer is run again)
+    and is the state of a cache that only ever ran the kept rows (up to the last
+    bits a 1-row and an L-row matmul may differ by), with the same next logits."""
+    from mlx_dflash.rollback import Mixer
+
+    def no_replay(*a, **k):
+        raise AssertionError("a recurrent mixer was run again")
+
+    monkeypatch.setattr(Mixer, "play", no_replay)
+    t = Target(build(family))
+    rng = random.Random(family)
+    a, b = t.make_cache(), t.make_cache()  # first from empty states (a short prompt rolled back)
+    t(mx.arange(4, 10)[None], a)
+    t.trim(a, 2)
+    t(mx.arange(4, 8)[None], b)
+    assert all(_close(x, y, 1e-5) for x, y in zip(_states(a), _states(b)))
+    a, b = t.make_cache(), t.make_cache()
+    prompt = mx.array([[rng.randrange(4, 512) for _ in range(9)]])
+    t(prompt, a)
+    t(prompt, b)
+    for width in (2, 5, 8, 16, 5, 8):
+        block = [rng.randrange(4, 512) for _ in range(width)]
+        keep = rng.randrange(1, width)
+        t(mx.array([block]), a)
+        assert t._rec.calls
+        t.trim(a, width - keep)
+        t(mx.array([block[:keep]]), b)
+        sa, sb = _states(a), _states(b)
+        assert sa and len(sa) == len(sb)
+        assert all(_close(x, y, 1e-5) for x, y in zip(sa, sb)), (family, width, keep)
+        nxt = mx.array([[rng.randrange(4, 512)]])
+        la, lb = t(nxt, a)[0], t(nxt, b)[0]
+        assert _close(la, lb, 1e-4) and mx.argmax(la, -1).item() == mx.argmax(lb, -1).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "lfm2"])
+def test_replay_where_no_selection_applies(family, monkeypatch):
+    """Where a state cannot be selected (the fused Metal gated-delta kernel, padded
+    batches) the mixer runs again on the kept rows, its projections and conv
+    outputs handed back from the verify: the same states as never having run
+    the rejected rows."""
+    from mlx_dflash.rollback import Call
+
+    monkeypatch.setattr(Call, "select", lambda self, keep: False)
+    model = build(family)
+    t = Target(model)
+    _run_cycles(model, t, t.make_cache, t.make_cache, seed=13)

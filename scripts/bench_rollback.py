@@ -1,0 +1,78 @@
+"""Recurrent rollback cost at hidden 512 (issue 23 item 5): dropping the
+rejected rows of a verify (evaluated) as a share of that verify (evaluated),
+for gated-delta, Mamba2 and short-conv hybrids, median of --rounds rounds.
+
+    MLX_DFLASH_BLAS_THREADS=1 python scripts/bench_rollback.py [--rounds 15] [--families a,b] [--verify-cpu]
+
+--verify-cpu: instead, the median CPU time (process_time, less sensitive to a
+shared machine than wall time) of the 8- and 16-row verify forward alone.
+
+Uses bench_families' models (MEDIUM) and timing (rollback_cost)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+import mlx_dflash  # noqa: E402  (fast BLAS before mlx)
+import mlx.core as mx  # noqa: E402
+from bench_families import MEDIUM, eval_cache, kinds, rollback_cost  # noqa: E402
+from tiny_families import build  # noqa: E402
+from mlx_dflash.target import Target  # noqa: E402
+
+SHAPES = [(8, 4), (16, 8), (16, 1), (16, 15)]
+
+
+def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
+    """Median CPU seconds of one evaluated verify forward of `width` rows."""
+    t = Target(model)
+    cache = t.make_cache()
+    t((mx.arange(context)[None] % 500) + 4, cache)
+    eval_cache(cache)
+    block = mx.arange(100, 100 + width)[None]
+    ts = []
+    for _ in range(rounds):
+        restore = t.checkpoint(cache)
+        c0 = time.process_time()
+        logits, _ = t(block, cache, [0])
+        mx.eval(logits)
+        eval_cache(cache)
+        ts.append(time.process_time() - c0)
+        restore()
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--families", default="qwen3_next,nemotron_h,falcon_h1,lfm2")
+    ap.add_argument("--verify-cpu", action="store_true")
+    a = ap.parse_args(argv)
+    print(f"# mlx_dflash from {Path(mlx_dflash.__file__).parent}; mlx {mx.__version__}, {platform.machine()}, "
+          f"{mx.default_device()}")
+    if a.verify_cpu:
+        for fam in a.families.split(","):
+            model = build(fam, **MEDIUM[fam])
+            cells = [f"{w} rows {1e3 * verify_cpu(model, a.rounds, w):.1f} ms" for w in (8, 16)]
+            print(f"{fam} verify CPU: " + ", ".join(cells), flush=True)
+        return
+    print("| family | cache kinds | " + " | ".join(f"{w} verified, {k} kept" for w, k in SHAPES) + " |")
+    print("|---|---|" + "---|" * len(SHAPES))
+    for fam in a.families.split(","):
+        model = build(fam, **MEDIUM[fam])
+        cells = []
+        for w, k in SHAPES:
+            share, tv = rollback_cost(model, a.rounds, w, k, context=256)
+            cells.append(f"{100 * share:.1f}% (verify {tv * 1e3:.1f} ms)")
+        print(f"| {fam} | {kinds(model)} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
