@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from app.bench_realistic import (TARGETS, CostSampler, ReplayDrafter, alpha_for, build_drafter, build_target,
                                  word_tokenizer)
@@ -75,6 +76,31 @@ def prefill(model, tok, prompt, drafter):
     return pc, time.perf_counter() - t0, mx.get_peak_memory() / 1e9
 
 
+def synthetic(model, tok, prompt, drafter, head: int = 64):
+    """A prompt cache as a prefill of `prompt[:-1]` would leave it, without the
+    prefill: `head` tokens prefilled for real, then every attention layer's K/V and
+    the drafter's pending features extended with random rows to the full length
+    (a decode step's cost depends on the shapes, not the values; recurrent layers
+    keep their fixed-size state). For lengths whose prefill this machine cannot
+    afford twice (--synthetic-from)."""
+    pc, _, _ = prefill(model, tok, prompt[:head + 1], drafter)
+    rest = len(prompt) - 1 - head
+    for i, c in enumerate(pc.target):
+        if isinstance(c, KVCache):
+            k, v = c.keys, c.values
+            for j in range(0, rest, 4096):  # in pieces, as a prefill grows it
+                m = min(4096, rest - j)
+                key = mx.random.key(7 * i + j)
+                c.update_and_fetch(mx.random.normal((*k.shape[:2], m, k.shape[3]), key=key).astype(k.dtype),
+                                   mx.random.normal((*v.shape[:2], m, v.shape[3]), key=key).astype(v.dtype))
+            mx.eval(c.keys, c.values)
+    f = pc.pending
+    pc.pending = mx.concatenate([f, mx.random.normal((1, rest, f.shape[2])).astype(f.dtype)], axis=1)
+    pc.tokens = list(prompt[:-1])
+    mx.eval(pc.pending)
+    return pc
+
+
 def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     vocab = inner.config.vocab_size
     widths = sorted({int(x) for x in args.realistic_widths.split(",") if x.strip()})
@@ -82,18 +108,22 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     prompt = [rng.randrange(4, vocab - 1) for _ in range(n)]
     tau = tau_at(args.tau, args.tau_decay, n)
     replay = ReplayDrafter(inner, alpha_for(tau, inner.block_size), vocab)
-    log(f"{name} @ {n}: the prefills, mlx-lm's (time to first token) and the product's (features captured)...")
-    # a short one of each first (first calls allocate), then the two in turn, mlx-lm first at
-    # every other length: a shared machine's load drifts over minutes
-    run_mlx_lm(model, tok, prompt[:64], 1)
-    prefill(model, tok, prompt[:65], replay)
-    if (n // 1024) % 2:
-        ref = run_mlx_lm(model, tok, prompt, 1)
-        pc, t_ours, peak_prefill = prefill(model, tok, prompt, replay)
+    ref = t_ours = peak_prefill = None
+    if args.synthetic_from and n >= args.synthetic_from:
+        log(f"{name} @ {n}: a synthetic context (random K/V rows and features; no prefill timed)...")
+        pc = synthetic(model, tok, prompt, replay)
     else:
+        log(f"{name} @ {n}: the prefills, mlx-lm's (time to first token) and the product's (features captured)...")
+        # a short one of each first (first calls allocate), then the two in turn, mlx-lm first at
+        # every other length: a shared machine's load drifts over minutes
+        run_mlx_lm(model, tok, prompt[:64], 1)
+        prefill(model, tok, prompt[:65], replay)
+        if (n // 1024) % 2:
+            ref = run_mlx_lm(model, tok, prompt, 1)
         pc, t_ours, peak_prefill = prefill(model, tok, prompt, replay)
-        ref = run_mlx_lm(model, tok, prompt, 1)
-    log(f"{name} @ {n}: prefill mlx-lm {ref.ttft:.1f} s, ours {t_ours:.1f} s; plain continuation and costs...")
+        if ref is None:
+            ref = run_mlx_lm(model, tok, prompt, 1)
+        log(f"{name} @ {n}: prefill mlx-lm {ref.ttft:.1f} s, ours {t_ours:.1f} s; plain continuation and costs...")
     layout = DecodeConfig().drafter_layout
     base = run_mlx_lm(model, tok, prompt[-1:], args.max_tokens, prompt_cache=copy.deepcopy(pc.target))
     cont = base.tokens
@@ -138,8 +168,10 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
                               [r.tokens for r in methods[0].runs]))
     first = next(r for r in methods[1].runs)
     return {"context": n, "tau_replayed": tau, "alpha": replay.alpha,
-            "prefill_s": {"mlx-lm": ref.ttft, "ours": t_ours + first.prompt_time},
-            "peak_memory_gb": {"mlx-lm prefill": ref.peak_memory, "ours prefill": peak_prefill,
+            "synthetic_context": ref is None,
+            "prefill_s": {"mlx-lm": ref.ttft, "ours": t_ours + first.prompt_time} if ref is not None else None,
+            "peak_memory_gb": {"mlx-lm prefill": ref.peak_memory if ref is not None else None,
+                               "ours prefill": peak_prefill,
                                "ours decode": max(r["peak_memory_gb"] for r in rows[1:])},
             "drafter_context_rows": sum(layout) if layout[0] else n, "costs": costs.to_json(), "methods": rows}
 
@@ -192,9 +224,10 @@ def markdown(res: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         for L in t["lengths"]:
             p, m = L["prefill_s"], L["peak_memory_gb"]
-            lines.append(f"| {L['context']} | {L['tau_replayed']:.2f} | {1e3 * L['costs']['t1']:.1f} "
-                         f"| {p['mlx-lm']:.2f} | {p['ours']:.2f} | {p['ours'] / p['mlx-lm']:.3f} "
-                         f"| {m['mlx-lm prefill']:.2f} | {m['ours prefill']:.2f} | {m['ours decode']:.2f} |")
+            pre = (f"{p['mlx-lm']:.2f} | {p['ours']:.2f} | {p['ours'] / p['mlx-lm']:.3f}" if p else
+                   "synthetic context | - | -")
+            lines.append(f"| {L['context']} | {L['tau_replayed']:.2f} | {1e3 * L['costs']['t1']:.1f} | {pre} "
+                         f"| {fmt_num(m['mlx-lm prefill'])} | {fmt_num(m['ours prefill'])} | {m['ours decode']:.2f} |")
         lines += ["", "Goals:", ""] + [f"- {g['goal']}: {g['value']} ({'met' if g['met'] else 'NOT met'})"
                                        for g in t["goals"]] + [""]
     for n, msg in (res.get("failed") or {}).items():
@@ -214,6 +247,9 @@ def add_arguments(g) -> None:
     g.add_argument("--contexts", default=None, help="context lengths in tokens (e.g. "
                    f"{','.join(map(str, CONTEXTS))}): the long-context realistic bench (bench_long.py); "
                    f"default targets {DEFAULT_TARGETS}")
+    g.add_argument("--synthetic-from", type=int, default=None, help="with --contexts: from this length on, the "
+                   "context is synthetic (random K/V rows and drafter features, no prefill timed): decode costs at "
+                   "lengths whose prefill a slow machine cannot afford")
     g.add_argument("--tau-decay", type=float, default=1.0, help="with --contexts: the replayed tau - 1 shrinks by "
                    "this factor per doubling of the context past 1k (1: the same tau at every length)")
 
