@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from app import bench_realistic
+from app import bench_long, bench_realistic
 from app.bench_costs import measure
 from app.bench_prompts import load_prompts
 from app.bench_report import KINDS, goals, machine_info, markdown, summarize, write
@@ -60,7 +60,7 @@ def add_parser(sub):
     p.add_argument("--out", default=None, help="output folder (default: bench-<prompts>-<time>, ignored by git)")
     p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, fewer widths (< 3 min)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    bench_realistic.add_arguments(p)
+    bench_long.add_arguments(bench_realistic.add_arguments(p))
 
 
 def _ints(s: str, what: str) -> List[int]:
@@ -262,8 +262,7 @@ def run(args):
         sys.stderr.flush()
 
     if args.realistic:
-
-        return bench_realistic.run(args, log)
+        return (bench_long if args.contexts else bench_realistic).run(args, log)
     res = bench(args, log)
     name = Path(args.prompts).stem if args.prompts.endswith(".jsonl") else args.prompts
     out = Path(args.out or f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -41,27 +41,38 @@ _HYBRID = dict(model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=24
                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
                rope_parameters={"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                 "mrope_section": [11, 11, 10]})
+# the long-context bench's targets (bench_long.py): shapes small enough that a 2-core CPU
+# prefills 32k-64k tokens twice per length in minutes; Qwen3 / Qwen3.5 layouts at hidden 512
+_QWEN3_SMALL = dict(_QWEN3_06B, hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, vocab_size=32768)
+_HYBRID_SMALL = dict(_HYBRID, hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=64, vocab_size=32768, linear_num_value_heads=8,
+                     linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 TARGETS = {  # name -> (config, quantization bits or 0, label)
     "qwen3-0.6b": (_QWEN3_06B, 0, "Qwen3-0.6B shape"),
     "qwen3-0.6b-4bit": (_QWEN3_06B, 4, "Qwen3-0.6B shape, 4-bit (group 64)"),
     "hybrid-0.6b": (_HYBRID, 0, "Qwen3.5-style gated-delta hybrid, 0.6B scale"),
     "qwen3-1.7b": (_QWEN3_17B, 0, "Qwen3-1.7B shape"),
     "qwen3-1.7b-4bit": (_QWEN3_17B, 4, "Qwen3-1.7B shape, 4-bit (group 64)"),
+    "qwen3-small": (_QWEN3_SMALL, 0, "Qwen3 layout at hidden 512, 8 layers (8 heads of 64, 4 KV), vocab 32768"),
+    "hybrid-small": (_HYBRID_SMALL, 0, "Qwen3.5-style gated-delta hybrid (3 : 1) at hidden 512, 8 layers, "
+                                       "vocab 32768"),
 }
 DEFAULT_TARGETS = "qwen3-0.6b,hybrid-0.6b"
 WIDTHS = (5, 8, 16)
 
 
-def add_arguments(p) -> None:
+def add_arguments(p):
     g = p.add_argument_group("realistic regime (--realistic)")
     g.add_argument("--realistic", action="store_true", help="published-shape targets and drafters (random "
                    "weights), replayed acceptance, the product's loop against mlx-lm (bench_realistic.py)")
-    g.add_argument("--targets", default=DEFAULT_TARGETS, help=f"comma list of {', '.join(TARGETS)}")
+    g.add_argument("--targets", default=None, help=f"comma list of {', '.join(TARGETS)} (default {DEFAULT_TARGETS})")
     g.add_argument("--tau", type=float, default=6.5, help="published mean tau at block 16 to replay")
     g.add_argument("--draft-layers", type=int, default=5, help="drafter depth (published DFlash drafters: 5)")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (CPU: float32; mlx-cpu "
                    "runs half-precision matmuls outside BLAS, ~10x slower)")
     g.add_argument("--realistic-widths", default=",".join(map(str, WIDTHS)))
+    return g
 
 
 def alpha_for(tau: float, block: int = 16) -> float:
@@ -113,7 +124,7 @@ class ReplayDrafter:
         return type(prop)(tokens, None, prop.conf)
 
 
-def _tokenizer(vocab: int):
+def word_tokenizer(vocab: int):
     """A word-level tokenizer with `vocab` ids and no EOS: generations run to max_tokens."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -178,16 +189,21 @@ class CostSampler:
     load comes and goes over minutes). Interpolated to every width up to the
     widest: the loop shortens the last cycle to the tokens left."""
 
-    def __init__(self, model, drafter, widths, context: int = 96):
+    def __init__(self, model, drafter, widths, context: int = 96, cache=None, feats=None, layout=(None, 0)):
+        """`cache` and `feats` (the long-context bench): a target cache already
+        holding `context` tokens and their features, for a drafter context of
+        `layout` (window, sink); else `context` tokens are prefilled here."""
         import mlx.core as mx
 
         from mlx_dflash.target import Target
 
         self.mx, self.t, self.drafter = mx, Target(model), drafter
         self.capture = list(drafter.config.target_layer_ids)
-        self.cache, self.dcache = self.t.make_cache(), drafter.make_cache()
-        self.ids = (mx.arange(context) * 7919 + 11) % self.t.vocab_size
-        _, feats = self.t(self.ids[None], self.cache, self.capture)
+        self.cache = cache if cache is not None else self.t.make_cache()
+        self.dcache = drafter.make_cache(*layout)
+        self.ids = (mx.arange(96 if cache is not None else context) * 7919 + 11) % self.t.vocab_size
+        if cache is None:
+            _, feats = self.t(self.ids[None], self.cache, self.capture)
         mx.eval(drafter.propose(self.t, 1, feats, self.dcache, 2).tokens)
         self.restore = self.t.checkpoint(self.cache)
         self.ws, self.context = sorted({1, *widths}), context
@@ -246,7 +262,7 @@ def bench_target(name, args, log) -> dict:
                    for k, v in tree_flatten(model.parameters()) if not (bits and k.endswith((".scales", ".biases"))))
     d_params = sum(v.size for _, v in tree_flatten(inner.parameters()))
     vocab = inner.config.vocab_size
-    tok = _tokenizer(vocab)
+    tok = word_tokenizer(vocab)
     rng = random.Random(1234)
     prompts = [[rng.randrange(4, vocab - 1) for _ in range(64)] for _ in range(args.num_prompts)]
     alpha = alpha_for(args.tau, inner.block_size)
@@ -342,7 +358,7 @@ def markdown(res: dict) -> str:
 def run(args, log) -> int:
     from app.cli import UserError
 
-    names = [x.strip() for x in args.targets.split(",") if x.strip()]
+    names = [x.strip() for x in (args.targets or DEFAULT_TARGETS).split(",") if x.strip()]
     bad = [n for n in names if n not in TARGETS]
     if bad:
         raise UserError(f"unknown realistic target {bad[0]!r}; valid: {', '.join(TARGETS)}")

@@ -60,9 +60,12 @@ def fastest_plain(model, context: int = 64) -> dict:
     return fastblas.fastest_threads(step, apply=True)
 
 
-def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None) -> Run:
+def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None, prompt_cache=None) -> Run:
+    """mlx-lm's stream_generate (`prompt_cache`: mlx-lm's, holding the prompt's start)."""
     mx.reset_peak_memory()
     kw = dict(draft_model=draft, num_draft_tokens=k) if draft is not None else {}
+    if prompt_cache is not None:
+        kw["prompt_cache"] = prompt_cache
     eos = set(tok.eos_token_ids)
     toks, src, first, r = [], [], None, None
     t0 = time.perf_counter()
@@ -91,17 +94,18 @@ def run_mlx_lm(model, tok, prompt, max_tokens, draft=None, k=None) -> Run:
 
 
 def run_ours(model, tok, prompt, drafter, max_tokens, width, mode, costs, guard=None, on_token=None,
-             lookup=True) -> Run:
+             lookup=True, prompt_cache=None) -> Run:
     """mlx_dflash.stream_generate, the product's own loop; `costs` prices each cycle
     (c(w) + d(w), d only for drafter drafts) for the cost-model limit. `on_token(n)`
-    is told the count of tokens received so far (the realistic bench's replay)."""
+    is told the count of tokens received so far (the realistic bench's replay);
+    `prompt_cache`: a PromptCache holding the prompt's start."""
     mx.reset_peak_memory()
     eos = set(tok.eos_token_ids)
     toks, seen, units, r, log = [], None, 0.0, None, []
     t0 = time.perf_counter()
     first = None
     for r in stream_generate(model, tok, prompt, drafter, max_tokens=max_tokens, block_size=width,
-                             verify_mode=mode, guard=guard, lookup=lookup):
+                             verify_mode=mode, guard=guard, lookup=lookup, prompt_cache=prompt_cache):
         if first is None:
             first = time.perf_counter()
         if not (r.finish_reason == "stop" and r.token in eos):

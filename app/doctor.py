@@ -1,6 +1,9 @@
 """`mlx-dflash doctor`: backend, BLAS in use (threads, few-row kernel), kernel
-path, and the measured verify-cost curve c(w) = t(w tokens) / t(1 token) on a
-small (~30M) and a large (~400M-parameter) Qwen3-shaped target."""
+path, the measured verify-cost curve c(w) = t(w tokens) / t(1 token) on a
+small (~30M) and a large (~400M-parameter) Qwen3-shaped target, and the cost
+curves the guard prices a cycle with at each context length (c(w), d(w), t1
+of the default model and its drafter at modes.LONG_CONTEXTS: measured and
+cached now, or with --quick only those already cached)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ import os
 import platform
 import sys
 import time
+
+from mlx_dflash.costs import COST_METHOD, Costs, cache_dir
+from mlx_dflash.modes import GUARD_CALIBRATION, LONG_CONTEXTS, POLICIES, PolicyContext, priced_at
 
 WIDTHS = (1, 2, 4, 8, 16)
 # (label, qwen3 ModelArgs overrides, repetitions): random weights, cost does not depend on them
@@ -21,6 +27,8 @@ PROBES = {
                    num_key_value_heads=8, head_dim=128, vocab_size=32768), 5),
 }
 IMPOSSIBLE = 0.6  # a w-token forward cannot cost much less than a 1-token one
+CONTEXTS = (1024, 4096, 16384)  # guard curves doctor measures by default (65536 on request: a long prefill)
+SHOWN_WIDTHS = (2, 5, 8, 16)  # of a guard curve's widths, the columns shown
 
 
 def add_parser(sub):
@@ -34,6 +42,9 @@ def add_parser(sub):
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the BLAS thread count and the kernel's routing again (cached per machine)")
     p.add_argument("--context", type=int, default=256, help="tokens of context for c(w)")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                   help="context lengths at which to measure the guard's cost curves for the default model "
+                        f"(comma-separated; the guard's lengths are {', '.join(map(str, LONG_CONTEXTS))})")
 
 
 def _progress(msg: str) -> None:
@@ -201,6 +212,66 @@ def compute_dtype_report(quick: bool) -> dict:
             "a model's first load on this machine (doctor without --quick measures the embedded target now)"}
 
 
+def _describe(cfg) -> str:
+    """A model or drafter config (a cost key's) in a few words."""
+    if not isinstance(cfg, dict):
+        return "none"
+    arch = cfg.get("model_type") or "/".join(cfg.get("architectures") or []) or cfg.get("type", "?")
+    h, n = cfg.get("hidden_size"), cfg.get("num_hidden_layers")
+    return f"{arch} hidden {h} x {n} layers" if h and n else str(arch)
+
+
+def _curve_row(context: int, c: Costs) -> dict:
+    return {"context": context, "t1_ms": round(c.t1 * 1e3, 3), "plain_ms": round(c.t_plain * 1e3, 3),
+            "c": {str(w): round(v, 3) for w, v in sorted(c.c.items())},
+            "d": {str(w): round(v, 3) for w, v in sorted(c.d.items())}}
+
+
+def cached_guard_costs() -> list:
+    """The guard's cost curves cached on this machine (by the guard, `bench` or a
+    doctor run), grouped by model + drafter: reads files, measures nothing."""
+    groups = {}
+    for p in sorted((cache_dir() / "calibration").glob("costs-*.json")):
+        try:
+            j = json.loads(p.read_text())
+            key, c = j["key"], Costs.from_json(j["costs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(key, dict) or key.get("method") != COST_METHOD or not c.t_plain:
+            continue  # another measuring method, or not a guard's curve (no plain token)
+        g = groups.setdefault((_describe(key.get("model")), _describe(key.get("drafter"))), [])
+        g.append(_curve_row(int(key.get("context") or c.context), c))
+    return [{"model": m, "drafter": d, "curves": sorted(rows, key=lambda r: r["context"])}
+            for (m, d), rows in groups.items()]
+
+
+def measure_guard_costs(contexts, log) -> dict:
+    """The curves the guard prices a cycle with for the default model and its
+    drafter (the one `chat` loads): at its base length and at the lengths it
+    prices `contexts` at (modes.priced_at), measured as the guard measures them
+    (and cached where it reads them), or read from that cache. {} without a drafter."""
+    from mlx_dflash.calibrate import DEFAULT
+    from mlx_dflash.manager import load_model
+
+    log("loading the default model and its drafter for the guard's cost curves...")
+    lm = load_model(None, dflash=True)
+    if lm.drafter is None:
+        return {}
+    rows = []
+    for n in (0, *sorted({priced_at(n) for n in contexts} - {None})):  # 0: the base curve
+        if n:
+            log(f"  the guard's cost curve at {n} tokens of context (a prefill of {n} tokens, once per machine)...")
+
+        def costs(**kw):
+            return DEFAULT.costs(lm.model, lm.drafter, **kw)
+
+        POLICIES["dflash"](PolicyContext(5, lm.drafter.block_size, n, True, None, True, True, costs=costs,
+                                         prior=lambda: None))
+        c = DEFAULT.book.curve(lm.model, lm.drafter, 0, (), priced_at(n))
+        rows.append(_curve_row(n or GUARD_CALIBRATION["context"], c))
+    return {"model": lm.id, "drafter": lm.drafter_id or "", "curves": rows}
+
+
 def _load():
     try:
         return os.getloadavg()[0]
@@ -243,7 +314,7 @@ def _warnings(out: dict) -> list:
 
 
 def report(quick: bool = False, context: int = 256, size: str = "both", kernel_ab: bool = False,
-           recalibrate: bool = False, log=None) -> dict:
+           recalibrate: bool = False, log=None, contexts=CONTEXTS) -> dict:
     import mlx.core as mx
 
     from mlx_dflash import fastblas
@@ -322,13 +393,26 @@ def report(quick: bool = False, context: int = 256, size: str = "both", kernel_a
         first = next(iter(out["probes"].values()))["runs"]
         cur = first.get("on" if fastblas.STATE["small_gemm"] else "off") or next(iter(first.values()))
         out["verify_cost"], out["verify_ms"] = cur["verify_cost"], cur["verify_ms"]  # the first probe, as before
+    if quick:
+        out["guard_costs"] = cached_guard_costs()
+    else:
+        got = measure_guard_costs(contexts, log)
+        out["guard_costs"] = [got] if got else []
     out["warnings"] = _warnings(out)
     return out
 
 
 def run(args):
     # progress goes to stderr, so that with --json stdout stays one JSON object
-    r = report(args.quick, args.context, args.size, args.kernel_ab, args.recalibrate, _progress)
+    try:
+        contexts = sorted({int(x) for x in args.contexts.split(",") if x.strip()})
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        from .cli import UserError
+
+        raise UserError(f"--contexts: '{args.contexts}' is not a list of positive token counts; e.g. 1024,4096,16384")
+    r = report(args.quick, args.context, args.size, args.kernel_ab, args.recalibrate, _progress, contexts)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -368,4 +452,28 @@ def run(args):
         if st:
             print("  1-token step by kernel threads: " + ", ".join(f"{k} {v:.1f} ms" for k, v in st["ms"].items())
                   + f" (fastest: {st['fastest']})")
+    for line in guard_cost_lines(r.get("guard_costs", []), r.get("probes") is None):
+        print(line)
     return 0
+
+
+def guard_cost_lines(groups: list, quick: bool) -> list:
+    """The guard's cost curves as a table per model + drafter."""
+    if not groups:
+        return ["guard cost by context: " + ("none cached yet (the guard measures them at a model's first "
+                                             "long request; doctor without --quick measures them now)"
+                                             if quick else "the default model has no drafter")]
+    out = []
+    for g in groups:
+        widths = sorted({int(w) for r in g["curves"] for w in r["c"]} & set(SHOWN_WIDTHS)
+                        | {max(int(w) for r in g["curves"] for w in r["c"])})
+        out.append(f"guard cost by context, {g['model']} + drafter {g['drafter']}"
+                   + (" (cached)" if quick else "") + ": c(w) verify, d(w) draft, in 1-token steps t1")
+        out.append("  context   t1 ms  plain ms  " + "  ".join(f"c({w:>2})" for w in widths) + "  "
+                   + "  ".join(f"d({w:>2})" for w in widths))
+        for r in g["curves"]:
+            cell = lambda curve, w: f"{curve[str(w)]:5.2f}" if str(w) in curve else "    -"  # noqa: E731
+            out.append(f"  {r['context']:>7}  {r['t1_ms']:6.2f}  {r['plain_ms']:8.2f}  "
+                       + "  ".join(cell(r["c"], w) for w in widths) + "  "
+                       + "  ".join(cell(r["d"], w) for w in widths))
+    return out

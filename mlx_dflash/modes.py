@@ -24,6 +24,14 @@ LONG_CONTEXTS = (1024, 4096, 16384, 65536)
 LONG_FROM = 512
 
 
+def priced_at(context: int) -> Optional[int]:
+    """The length of the long-context curve a request of `context` tokens is
+    priced with (None: the base curve)."""
+    if context <= LONG_FROM:
+        return None
+    return next((n for n in LONG_CONTEXTS if n >= context), LONG_CONTEXTS[-1])
+
+
 @dataclass
 class PolicyContext:
     """What a policy is built from. `costs(**get_costs_options)` and `prior()`
@@ -50,9 +58,8 @@ def _dflash(ctx: PolicyContext) -> Policy:
         widths = sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
         costs = ctx.costs(widths=widths, enough=(1, ctx.width), **GUARD_CALIBRATION)
         cap = max(x for x in costs.c if x <= cap)
-        long = None
-        if ctx.context > LONG_FROM:
-            at = next((n for n in LONG_CONTEXTS if n >= ctx.context), LONG_CONTEXTS[-1])
+        long, at = None, priced_at(ctx.context)
+        if at is not None:
             long = ctx.costs(widths=sorted(x for x in costs.c if x <= cap), at=at,
                              **{**GUARD_CALIBRATION, "context": at})
         return Guard(cap, costs, ctx.prior(), lookup=ctx.lookup, long=long, context=ctx.context)

@@ -282,3 +282,55 @@ def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
     res = json.loads(cap.out)
     assert res["meta"]["models"]["dflash2"] == str(default_pair()[1])
     assert "the drafter `generate --model embedded/target` uses" in cap.err
+
+
+# -- issue 23: the realistic regime at long context ---------------------------------------------
+
+def test_realistic_long_context_tiny(tmp_path, capsys, monkeypatch):
+    """`bench --realistic --contexts` end to end on a tiny dense and a tiny hybrid
+    target: per length, every row lossless against mlx-lm decoding from the same
+    prefilled cache, the replayed tau decaying with context as asked, both
+    prefills timed, the cost model's columns consistent."""
+    from app import bench_long
+    from app import bench_realistic as br
+
+    small = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512)
+    monkeypatch.setitem(br.TARGETS, "tiny", (dict(br._QWEN3_06B, **small), 0, "tiny Qwen3"))
+    monkeypatch.setitem(br.TARGETS, "tiny-hybrid", (dict(br._HYBRID, **small, linear_num_value_heads=4,
+                                                         linear_num_key_heads=2, linear_key_head_dim=16,
+                                                         linear_value_head_dim=16), 0, "tiny hybrid"))
+    rc = main(["bench", "--realistic", "--contexts", "600,2100", "--tau-decay", "0.5", "--targets",
+               "tiny,tiny-hybrid", "--num-prompts", "1", "--max-tokens", "24", "--draft-layers", "1", "--json",
+               "--out", str(tmp_path / "r")])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert "failed" not in res and [t["target"] for t in res["targets"]] == ["tiny", "tiny-hybrid"]
+    for t in res["targets"]:
+        assert [L["context"] for L in t["lengths"]] == [600, 2100]
+        short, long = t["lengths"]
+        assert short["tau_replayed"] == pytest.approx(6.5)  # no decay below 1k
+        assert long["tau_replayed"] == pytest.approx(bench_long.tau_at(6.5, 0.5, 2100))
+        assert long["tau_replayed"] < 6.5
+        for L in t["lengths"]:
+            rows = {r["method"]: r for r in L["methods"]}
+            assert set(rows) == {"mlx-lm", "default (guard)", "dflash2-w5", "dflash2-w8", "dflash2-w16"}
+            for name, r in rows.items():
+                assert r["mismatches"] == 0, (t["target"], L["context"], name)
+                assert r["efficiency"] == pytest.approx(r["ratio"] / r["limit"])
+            for w in (5, 8, 16):
+                r = rows[f"dflash2-w{w}"]
+                assert 1.0 <= r["tau"] <= w and r["limit"] == pytest.approx(r["tau"] / (r["c"] + r["d"]))
+            assert L["prefill_s"]["mlx-lm"] > 0 and L["prefill_s"]["ours"] > 0
+            assert all(v > 0 for v in L["peak_memory_gb"].values())
+            assert L["drafter_context_rows"] == 1024 + 64
+        assert t["goals"] and all(g["goal"].startswith("efficiency") for g in t["goals"])  # no 1k / 32k pair
+    md = (tmp_path / "r" / "results.md").read_text()
+    assert "tiny hybrid" in md and "| 2100 | dflash2-w5 |" in md
+
+
+def test_long_context_bench_contexts_must_be_token_counts(capsys):
+    rc = main(["bench", "--realistic", "--contexts", "8k"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--contexts" in err[0]

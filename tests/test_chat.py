@@ -4,10 +4,12 @@ the steps; the panels and dialogs: tests/test_chat_screens.py)."""
 
 import asyncio
 import json
+import threading
 
-from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say, start, until
+from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say, start, status_text, until
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
+from app.chat.engine import Prefill
 from app.chat.screens import ConfirmScreen
 from app.chat_history import Chat, HistoryStore
 from app.chat_history import Message as ChatMessage
@@ -314,3 +316,49 @@ def test_snapshot_model_switcher(chat_backend, tmp_path, snap_compare):
                           and screen().query_one("OptionList").has_focus, "the model list")
 
     assert snapshot(chat_backend, tmp_path, snap_compare, steps)
+
+
+def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_path):
+    """A long prompt shows its prefill progress; Esc mid-prefill stops after the
+    chunk in flight, the prompt cache keeps the chunks done (consistent), and the
+    next answer goes on from them to the same text as a fresh generation."""
+    from mlx_dflash import generate
+
+    system = "hello there " * 700  # about 5,600 tokens: three prefill chunks of 2,048
+    chat_backend.store.set_model("target", max_tokens=8, system_prompt=system)
+    gate = threading.Event()
+
+    async def body(app, pilot):
+        post = app.post_message
+
+        def held(m):  # the engine waits after its first progress report until Esc is in
+            out = post(m)
+            if isinstance(m, Prefill):
+                gate.wait(60)
+            return out
+
+        app.post_message = held
+        await pilot.press(*"hi")
+        await pilot.press("enter")
+        await until(pilot, lambda: "prefill 2048/" in status_text(app), "the prefill progress")
+        turn = app.turn
+        await pilot.press("escape")
+        await until(pilot, lambda: turn.cancel.is_set(), "the stop")
+        gate.set()
+        await until(pilot, lambda: app.turn is None, "the stopped turn")
+        assert turn.text == "" and not app.query(AnswerBubble) and app.status == "stopped"
+        lm, pc = app.loaded, app.prompt_cache
+        prompt = build_prompt(lm.tokenizer, system, [{"role": "user", "content": "hi"}])
+        # stopped after the chunk in flight: two chunks kept, the last not done
+        assert pc.tokens == prompt[:4096] and len(prompt) > 4096
+        assert all(c.offset == 4096 for c in pc.target)
+        assert pc.pending.shape[1] == 4096  # the drafter's features of the kept rows
+        app.post_message = post
+        await pilot.press("ctrl+r")  # answer the same question again: from the kept chunks
+        await until(pilot, lambda: app.turn is None and app.chat.messages[-1].role == "assistant", "the answer")
+        answer = app.chat.messages[-1]
+        ref = generate(lm.model, lm.tokenizer, prompt, lm.drafter, **lm.settings.generation_kwargs())
+        assert answer.content == ref.text and answer.stats["reused_tokens"] == 4096
+        assert answer.stats["prompt_tokens"] == len(prompt) and answer.stats["mode"] == "dflash"
+
+    drive(chat_backend, tmp_path, body)

@@ -21,7 +21,7 @@ def tiny_probes(monkeypatch):
 
 
 def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
-    rc = main(["doctor", "--json", "--context", "32", "--kernel-ab"])
+    rc = main(["doctor", "--json", "--context", "32", "--kernel-ab", "--contexts", "700"])
     cap = capsys.readouterr()
     assert rc == 0
     out = json.loads(cap.out)  # stdout is only the JSON: progress went to stderr
@@ -46,6 +46,12 @@ def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
         assert set(st["ms"]) == {"measured", "1 thread", f"{min(doctor._cpus(), 8)} threads"}
         assert st["fastest"] in st["ms"] and all(v > 0 for v in st["ms"].values())
     assert len(out["load_average"]) == 1 + len(runs) * 2 and isinstance(out["warnings"], list)
+    # the guard's curves for the default model: its base length and the long length 700 tokens are priced at
+    (g,) = out["guard_costs"]
+    assert [r["context"] for r in g["curves"]] == [128, 1024]
+    for r in g["curves"]:
+        assert r["c"]["1"] == 1.0 and r["d"]["1"] == 0.0 and r["t1_ms"] > 0 and r["plain_ms"] > 0
+        assert set(r["c"]) == set(r["d"]) and len(r["c"]) > 1
     if fastblas.STATE["shim"]:
         assert out["blas_threads"] >= 1 and out["blas_threads_from"]
     # the compute dtype, and on a CPU backend the measured bf16 / float32 step of the embedded target
@@ -159,3 +165,35 @@ def test_warns_when_the_large_probe_fails_the_check_or_the_threads_are_slow():
     out["probes"]["large"]["step_threads"]["ms"]["measured"] = 135.0  # within 10%: fine
     run["check"] = []
     assert doctor._warnings(out) == []
+
+
+def test_quick_shows_the_guards_cached_cost_curves_by_context(tiny_probes, tmp_path, monkeypatch, capsys):
+    """--quick measures nothing: it lists the guard's curves cached on this machine,
+    one row per context length, as the guard stored them (base length and long ones)."""
+    from mlx_dflash.costs import CostBook, Costs
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    assert main(["doctor", "--quick", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["guard_costs"] == []
+    model = doctor.probe_model("small")
+    book = CostBook()
+    curves = {None: Costs(0.002, {1: 1.0, 2: 1.1, 5: 1.3}, {1: 0.0, 2: 0.4, 5: 0.5}, 128, 1e12, 0.0021),
+              4096: Costs(0.003, {1: 1.0, 2: 1.2, 5: 1.6}, {1: 0.0, 2: 0.5, 5: 0.6}, 4096, 1e12, 0.0032)}
+    for at, c in curves.items():
+        book.keep(model, None, c, context=at)
+    assert main(["doctor", "--quick", "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["guard_costs"]
+    assert group["model"].startswith("qwen3 hidden 64")
+    assert [r["context"] for r in group["curves"]] == [128, 4096]
+    assert [r["c"]["5"] for r in group["curves"]] == [1.3, 1.6] and group["curves"][1]["d"]["2"] == 0.5
+    assert group["curves"][1]["t1_ms"] == 3.0 and group["curves"][1]["plain_ms"] == 3.2
+    assert main(["doctor", "--quick"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.strip().startswith("4096"))
+    assert row.split()[:4] == ["4096", "3.00", "3.20", "1.20"]
+
+
+def test_contexts_must_be_token_counts(capsys):
+    assert main(["doctor", "--quick", "--contexts", "1k"]) != 0
+    err = capsys.readouterr().err
+    assert "--contexts" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

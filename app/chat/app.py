@@ -3,8 +3,9 @@
 All MLX work (loading, generation) runs on one engine thread: MLX streams are
 thread-local, and the engine runs one generation at a time per model. The
 engine thread posts token batches to the UI as messages, so the UI never
-blocks; Esc sets a flag the engine checks after every token and closes the
-generator. One PromptCache is kept for the loaded model: a follow-up turn only
+blocks; Esc sets a flag the engine checks after every token (and after every
+chunk of a long prompt's prefill, whose progress the status bar shows) and
+closes the generator. One PromptCache is kept for the loaded model: a follow-up turn only
 prefills what is new since the last one, and switching chats, regenerating or
 clearing is handled by the engine trimming the cache to the common prefix."""
 
@@ -24,7 +25,7 @@ from textual.widgets import Footer, Static
 
 from ..chat_history import Chat, HistoryStore
 from ..chat_history import Message as ChatMessage
-from .engine import RELOAD_KEYS, Finished, Loaded, ManagerBackend, Tokens, Turn, generate_job, one_line
+from .engine import RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, generate_job, one_line
 from .screens import ConfirmScreen, HelpScreen, ListScreen
 from .settings_panel import SettingsScreen
 from .widgets import AnswerBubble, ChatInput, UserBubble, details_rows, resolved_auto, status_markup
@@ -330,6 +331,10 @@ class ChatApp(App):
         if why:
             self.warned_acceptance = True
             self.notify(why, severity="warning", timeout=12)
+
+    def on_prefill(self, m: Prefill) -> None:
+        if m.turn is self.turn and not m.turn.cancel.is_set():
+            self.set_status(f"prefill {m.done}/{m.total} tokens… (Esc stops)" if m.done < m.total else "generating…")
 
     async def on_tokens(self, m: Tokens) -> None:
         turn = m.turn

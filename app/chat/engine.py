@@ -108,6 +108,18 @@ class Finished(Message):
         self.turn, self.reason, self.stats, self.error = turn, reason, stats, error
 
 
+class Prefill(Message):
+    """Progress of a long prompt's prefill: `done` of `total` tokens."""
+
+    def __init__(self, turn: Turn, done: int, total: int):
+        super().__init__()
+        self.turn, self.done, self.total = turn, done, total
+
+
+class Cancelled(Exception):
+    """Esc during the prefill (raised from its progress callback, between two chunks)."""
+
+
 class Loaded(Message):
     def __init__(self, model_id, loaded=None, error: Optional[str] = None):
         super().__init__()
@@ -123,14 +135,23 @@ def turn_stats(st, turn: Turn) -> dict:
 
 def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) -> None:
     """Runs on the engine thread: stream the answer, posting token batches every
-    `flush_s` seconds, then Finished. Esc sets turn.cancel, checked after each token."""
+    `flush_s` seconds, then Finished. Esc sets turn.cancel, checked after each token
+    and, during the prefill of a long prompt, after each chunk (Prefill messages
+    show its progress)."""
     lm, s = turn.loaded, turn.settings
     reason, pieces, r, err = "stopped", [], None, None
     t0 = last = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        if turn.cancel.is_set():
+            raise Cancelled
+        if total > cfg.prefill_step_size:  # more than one chunk: worth showing
+            post(Prefill(turn, done, total))
+
     try:
         prompt = build_prompt(lm.tokenizer, s.system_prompt, history)
-        gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=prompt_cache,
-                              config=DecodeConfig.from_settings(s, lm.drafter))
+        cfg = DecodeConfig.from_settings(s, lm.drafter, prefill_progress=progress)
+        gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=prompt_cache, config=cfg)
         try:
             while not turn.cancel.is_set():
                 r = next(gen, None)
@@ -149,6 +170,8 @@ def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) 
                     pieces, last = [], now
         finally:
             gen.close()  # stops the engine at once, leaving the prompt cache consistent
+    except Cancelled:  # the prompt cache holds the chunks done: the next turn goes on from them
+        pass
     except Exception as e:  # bad settings for this model and the like: one line in the chat
         reason, err = "error", one_line(e)
         if prompt_cache is not None:  # a failure mid-prefill may leave it half-written

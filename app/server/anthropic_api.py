@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from .relay import ClientGone, collect, count, events, start, stats_fields
+from .relay import ClientGone, collect, count, events, progress_comment, start, stats_fields
 from .errors import APIError, bad_request
 from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
@@ -283,7 +283,10 @@ def register(app, ctx) -> None:
         yield ev("message_start", message=head)
         index, open_block = 0, None  # the kind of the open block: "text" | "reasoning" | None
         try:
-            async for kind, v in events(ctx, job, request, poll=False):
+            async for kind, v in events(ctx, job, request, poll=False, progress=True):
+                if kind == "progress":
+                    yield progress_comment(*v)
+                    continue
                 if open_block is not None and kind != open_block:
                     if open_block == "reasoning":
                         yield ev("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})

@@ -13,7 +13,7 @@ from typing import List, Optional
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .relay import report
+from .relay import progress_comment, report
 from .schemas import ChatRequest, CompletionRequest
 from .tools import call_id
 from .catalog import Job
@@ -74,6 +74,8 @@ def register(app, ctx) -> None:
                     return JSONResponse({}, status_code=499)
                 if ev[0] == "error":
                     return ev[1].response()
+                if ev[0] == "progress":
+                    continue
                 if ev[0] == "think":
                     reasoning.append(ev[1])
                     continue
@@ -138,6 +140,9 @@ def register(app, ctx) -> None:
                     e = ev[1]
                     yield f"data: {json.dumps(json.loads(e.response().body))}\n\n"
                     break
+                if ev[0] == "progress":
+                    yield progress_comment(*ev[1:])
+                    continue
                 if ev[0] == "think":
                     yield chunk(reasoning=ev[1])
                     continue

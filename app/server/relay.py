@@ -42,9 +42,16 @@ async def start(ctx, request, kind: str, req, model: Optional[str]):
     return job, mid, ev
 
 
-async def events(ctx, job, request, poll: bool = True):
-    """The job's remaining events: ("text", s), ("reasoning", s), ("call", c), ("end", info);
-    an in-band error raises APIError. Cancels the job when the consumer stops."""
+def progress_comment(done: int, total: int) -> str:
+    """A long prompt's prefill progress on an SSE stream: a comment line, which
+    every SSE client skips, so the stream is not idle while the prompt is read."""
+    return f": prefill {done}/{total}\n\n"
+
+
+async def events(ctx, job, request, poll: bool = True, progress: bool = False):
+    """The job's remaining events: ("text", s), ("reasoning", s), ("call", c), ("end", info),
+    with `progress` also ("progress", (done, total)) during a long prefill; an in-band
+    error raises APIError. Cancels the job when the consumer stops."""
     try:
         while True:
             ev = await ctx.next_event(job, request, poll=poll)
@@ -59,6 +66,9 @@ async def events(ctx, job, request, poll: bool = True):
                 yield "reasoning", ev[1]
             elif ev[0] == "call":
                 yield "call", ev[1]
+            elif ev[0] == "progress":
+                if progress:
+                    yield "progress", ev[1:]
             elif ev[0] == "end":
                 yield "end", ev[1]
                 return
@@ -101,7 +111,8 @@ def stats_fields(end: dict) -> dict:
             "prompt": end["stats"].prompt_tokens, "completion": end["stats"].generation_tokens}
 
 
-__all__ = ["APIError", "ClientGone", "Result", "start", "events", "collect", "count", "stats_fields"]
+__all__ = ["APIError", "ClientGone", "Result", "start", "events", "collect", "count", "stats_fields",
+           "progress_comment"]
 
 
 def report(stats, end: dict) -> dict:

@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from .relay import ClientGone, Result, collect, events, start, stats_fields
+from .relay import ClientGone, Result, collect, events, progress_comment, start, stats_fields
 from .errors import APIError, bad_request
 from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, reasoning_item,
                               to_messages, tool_choice)
@@ -229,7 +229,10 @@ def register(app, ctx) -> None:
             return parts
 
         try:
-            async for kind, v in events(ctx, job, request, poll=False):
+            async for kind, v in events(ctx, job, request, poll=False, progress=True):
+                if kind == "progress":
+                    yield progress_comment(*v)
+                    continue
                 if kind != "reasoning" and thought is not None:
                     for e in close_thought():
                         yield e

@@ -35,6 +35,10 @@ LOAD_SETTINGS = ("dflash_enabled", "drafter", "drafter_quant_bits", "drafter_qua
                  "drafter_activation_dtype", "dtype")
 
 
+class PrefillCancelled(Exception):
+    """The client left during the prefill (raised between two chunks)."""
+
+
 class Worker:
     """The one thread that loads models and generates."""
 
@@ -137,6 +141,9 @@ class Worker:
                 self._serve(job)
             except APIError as e:
                 self._fail(job, e)
+            except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
+                with self.lock:
+                    self.counters(job.model_id).cancelled += 1
             except ValueError as e:  # the engine's one-line complaint about a request
                 self._fail(job, bad_request(error_line(e) or "invalid request"))
             except BaseException as e:  # a bug (or a native panic): report it, keep serving
@@ -258,12 +265,19 @@ class Worker:
             max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
         fallback = fallback_reason(req)
         n_lp = req.n_logprobs()
+
+        def progress(done: int, total: int) -> None:  # after each prefill chunk
+            if job.cancel.is_set():  # the client left: free the worker now, keep the chunks done
+                raise PrefillCancelled
+            if total > cfg.prefill_step_size:  # a long prompt: streams show it (and stay alive)
+                job.send("progress", done, total)
+
         procs = logits_processors(req, tok, Target(lm.model).vocab_size, len(ids), max_tokens or settings.max_tokens) \
             if fallback else []
         cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
                                          top_k=req.top_k, min_p=req.min_p, max_tokens=max_tokens, seed=req.seed,
                                          stop=req.stops() or None, logits_processors=procs,
-                                         logprobs=n_lp is not None, plain_reason=fallback)
+                                         logprobs=n_lp is not None, plain_reason=fallback, prefill_progress=progress)
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
@@ -316,14 +330,22 @@ class Worker:
                 if calls and not req.parallel_tool_calls and not r.finish_reason:
                     cut = True  # one call asked for: the rest would be dropped, so stop here
                     break
+        except PrefillCancelled:  # the prompt cache holds the chunks done: kept for the next request
+            cancelled = True
         except BaseException:
             pc = None  # may be half-written: not stored
             raise
         finally:
             gen.close()
-            if pc is not None and not (cancelled and r is None):
+            if pc is not None:
                 self.store.put(pc, target)
                 self.cache_summary = (job.model_id, self.store.summary())
+        if r is None:  # cancelled during the prefill
+            with self.lock:
+                self.counters(job.model_id).cancelled += 1
+            if self.closing:
+                job.send("error", _closing("the server is shutting down; the generation was stopped"))
+            return
         s = r.stats
         if extra[0]:  # the engine found them cached, but this request prefilled them (its own report)
             s.reused_tokens -= extra[0]
