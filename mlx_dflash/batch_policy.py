@@ -1,0 +1,111 @@
+"""Width policies for a batch (batch.py): one width per cycle for all rows.
+
+- `FixedBatchWidth`: always w (tests, explicit widths).
+- `BatchGuard`: never slower than plain batched decoding, by prediction. At
+  batch size B a cycle of width w costs k(w, B) plain batched steps (measured
+  once per model, drafter, machine and B: batch_costs.py); the batch emits
+  sum_b tau_b(w) tokens per cycle, tau_b(w) = 1 + sum_k prod_{i<=k} p_b,i from
+  row b's live per-position acceptance p_b. Each cycle takes the w that
+  maximises sum_b tau_b(w) / k(w, B) over B (plain: 1); below break-even the
+  batch decodes plainly and probes again after a while."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+from .policy import Guard, monotone
+
+
+class BatchPolicy:
+    reason: str = ""
+
+    def next(self, rows) -> int:
+        raise NotImplementedError
+
+    def observe(self, rows, drafted: List[int], accepted: List[int]) -> None:
+        """After a cycle: per row, drafts verified and accepted."""
+
+
+class FixedBatchWidth(BatchPolicy):
+    def __init__(self, width: int):
+        self.w = width
+        self.reason = f"batch: fixed width {width}"
+
+    def next(self, rows) -> int:
+        return self.w
+
+
+class BatchGuard(BatchPolicy):
+    """`costs(B) -> {w: k(w, B)}` (k(1, B) = 1: a plain batched step)."""
+
+    MARGIN = 1.1  # a width must predict this much over plain to be drafted
+    PRIOR_P = 0.6  # a new row's per-position acceptance before any evidence
+    ALPHA = 0.15  # running-mean weight of a cycle's evidence
+    BACKOFF0, BACKOFF_MAX = 16, 256  # plain cycles before the next probe
+
+    def __init__(self, costs: Callable[[int], Dict[int, float]], widest: int):
+        self.costs, self.widest = costs, widest
+        self.p: Dict[int, List[float]] = {}  # uid -> per-position acceptance
+        self.wait = 0  # plain cycles before the next probe
+        self.backoff = self.BACKOFF0
+        self.reason = "batch: guard"
+        self._k: Dict[int, Dict[int, float]] = {}
+
+    def _kw(self, B: int) -> Dict[int, float]:
+        if B not in self._k:
+            k = self.costs(B)
+            ws = sorted(x for x in k if x <= self.widest)
+            self._k[B] = dict(zip(ws, monotone([k[x] for x in ws])))
+        return self._k[B]
+
+    def _p(self, row) -> List[float]:
+        return self.p.setdefault(row.uid, [self.PRIOR_P] * (self.widest - 1))
+
+    def predict(self, rows) -> tuple:
+        """(best width, predicted speedup over plain batched decoding)."""
+        kw = self._kw(len(rows))
+        best = (1, 1.0)
+        for w, k in kw.items():
+            if w < 2:
+                continue
+            tok = sum(Guard.expected(self._p(r), min(w, r.cap)) if r.drafts else 1.0 for r in rows)
+            s = tok / len(rows) / k
+            if s > best[1]:
+                best = (w, s)
+        return best
+
+    def next(self, rows) -> int:
+        if not any(r.drafts for r in rows):
+            self.reason = "batch: plain (no row drafts)"
+            return 1
+        w, s = self.predict(rows)
+        if self.wait > 0:
+            self.wait -= 1
+            self.reason = f"batch: plain at {len(rows)} rows; probe in {self.wait}"
+            return 1
+        if w == 1 or s < self.MARGIN:
+            self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.BACKOFF_MAX)
+            self.reason = f"batch: plain at {len(rows)} rows (DFlash {s:.2f}x predicted)"
+            return 1
+        self.backoff = self.BACKOFF0
+        self.reason = f"batch: width {w} at {len(rows)} rows, {s:.2f}x predicted"
+        return w
+
+    def observe(self, rows, drafted: List[int], accepted: List[int]) -> None:
+        for r, n, a in zip(rows, drafted, accepted):
+            if not n:
+                continue
+            p = self._p(r)
+            for i in range(n):  # position i was tried iff all before it were accepted
+                if i > a:
+                    break
+                p[i] += self.ALPHA * ((1.0 if i < a else 0.0) - p[i])
+        live = {r.uid for r in rows}
+        for uid in [u for u in self.p if u not in live]:
+            del self.p[uid]
+
+
+def default_widths(widest: int) -> List[int]:
+    return sorted({1, widest} | {x for x in (2, 3, 4, 5, 6, 8, 12, 16) if x < widest})
+
+
