@@ -240,7 +240,7 @@ class BatchEngine:
         qs = [None] * B
         if w > 1:
             feats = [cat_feats(r.pending) if r.drafts else None for r in rows]
-            caches = [r.dcache if r.drafts else self._scratch() for r in rows]
+            caches = [r.dcache if r.drafts else None for r in rows]
             keys = [r.next_key() if r.drafts else None for r in rows]
             toks, qs = propose_batch(self.drafter, self.target, anchors, feats, caches, w,
                                      [r.sp.temperature for r in rows], keys)
@@ -297,10 +297,6 @@ class BatchEngine:
         self.cycles += 1
         self.occupancy = B
         return events
-
-    def _scratch(self) -> list:
-        """A throwaway drafter context for a row that does not draft this cycle."""
-        return self.drafter.make_cache(1, 0)
 
     def _emit(self, row: Row, token: int, from_draft: bool, cycle: Optional[CycleResult]) -> GenerationResponse:
         text, reason = row.emit.push(token)
