@@ -33,9 +33,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache as bc
 from .batch_draft import propose_batch
-from .batch_policy import BatchPolicy, FixedBatchWidth
+from .batch_costs import BatchCosts
+from .batch_policy import BatchGuard, BatchPolicy, FixedBatchWidth
+from .calibrate import Calibration
 from .decode_config import DecodeConfig
 from .decoder import cat_feats, encode
+from .drafter import Drafter
 from .sampling import SamplingParams, accept_sampled, probs, sample
 from .stats import CycleResult, Emitter, GenerationResponse, GenerationStats
 from .target import Target
@@ -87,13 +90,16 @@ class BatchEngine:
     """Continuous batching over an mlx-lm `model` (+ a DFlash `drafter`).
 
     `max_batch`: rows decoding together (more requests wait, prefilled one at
-    a time as rows leave). `policy`: chooses each cycle's width (default: a
-    FixedBatchWidth at the drafter's default width; batch_policy.BatchGuard
-    chooses from measured costs and live acceptance). Raises BatchError for a
-    target whose cache kinds cannot be batched."""
+    a time as rows leave). `policy`: chooses each cycle's width (default with a
+    DFlash drafter: batch_policy.BatchGuard, from the batched cycle costs
+    measured once per batch size (batch_costs.py, cached through
+    `calibration`) and the rows' live acceptance; a drafter double: its
+    default width). Raises BatchError for a target whose cache kinds cannot
+    be batched."""
 
     def __init__(self, model, tokenizer, drafter=None, *, max_batch: int = 8,
-                 policy: Optional[BatchPolicy] = None, prefill_step_size: int = 2048):
+                 policy: Optional[BatchPolicy] = None, prefill_step_size: int = 2048,
+                 calibration: Optional[Calibration] = None):
         self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
             else TokenizerWrapper(tokenizer)
         self.target = Target(model)
@@ -105,7 +111,15 @@ class BatchEngine:
         self.drafter = drafter
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
-        self.policy = policy or FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
+        if policy is None:
+            if isinstance(drafter, Drafter):
+                cal = calibration or Calibration()
+                obs = cal.prior(model, drafter)  # the single-stream guard's acceptance, if it ran
+                policy = BatchGuard(BatchCosts(model, drafter, cal, drafter.block_size).curve, drafter.block_size,
+                                    prior=obs.p if obs is not None else None)
+            else:
+                policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
+        self.policy = policy
         self.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.rows: List[Row] = []  # decoding, in batch order
         self.waiting: Deque[Row] = deque()  # queued or prefilling (the first one)

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from .policy import Guard, monotone
 
@@ -43,8 +43,11 @@ class BatchGuard(BatchPolicy):
     ALPHA = 0.15  # running-mean weight of a cycle's evidence
     BACKOFF0, BACKOFF_MAX = 16, 256  # plain cycles before the next probe
 
-    def __init__(self, costs: Callable[[int], Dict[int, float]], widest: int):
+    def __init__(self, costs: Callable[[int], Dict[int, float]], widest: int, prior: Optional[List[float]] = None):
         self.costs, self.widest = costs, widest
+        # a new row's per-position acceptance before its own evidence
+        self.prior = [min(0.95, max(0.05, x)) for x in prior[: widest - 1]] if prior else []
+        self.prior += [self.PRIOR_P] * (widest - 1 - len(self.prior))
         self.p: Dict[int, List[float]] = {}  # uid -> per-position acceptance
         self.wait = 0  # plain cycles before the next probe
         self.backoff = self.BACKOFF0
@@ -59,7 +62,7 @@ class BatchGuard(BatchPolicy):
         return self._k[B]
 
     def _p(self, row) -> List[float]:
-        return self.p.setdefault(row.uid, [self.PRIOR_P] * (self.widest - 1))
+        return self.p.setdefault(row.uid, list(self.prior))
 
     def predict(self, rows) -> tuple:
         """(best width, predicted speedup over plain batched decoding)."""
@@ -103,9 +106,3 @@ class BatchGuard(BatchPolicy):
         live = {r.uid for r in rows}
         for uid in [u for u in self.p if u not in live]:
             del self.p[uid]
-
-
-def default_widths(widest: int) -> List[int]:
-    return sorted({1, widest} | {x for x in (2, 3, 4, 5, 6, 8, 12, 16) if x < widest})
-
-
