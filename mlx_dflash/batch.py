@@ -69,6 +69,8 @@ class Row:
     key: Optional[mx.array]  # its own PRNG key (sampled rows): its draws do not depend on the others
     drafts: bool  # it verifies drafts (else one token per cycle)
     cap: int  # its widest verify (its block size)
+    fixed: bool  # it drafts at `cap` in every cycle: an explicit width, or a seeded sampled row (whose
+    # tokens must not depend on the widths the rows around it make the batch choose)
     rest: List[int]  # prompt tokens not prefilled yet
     cache: Optional[list] = None  # its own cache while it prefills
     dcache: Optional[list] = None  # its drafter context
@@ -142,9 +144,12 @@ class BatchEngine:
         sp = cfg.sampling()
         drafts = self.drafter is not None and cfg.verify_mode != "off" and not (
             cfg.max_context is not None and len(ids) > cfg.max_context)
-        cap = 1
+        cap, fixed = 1, False
         if drafts:
-            cap = cfg.block_size if cfg.block_size and not cfg.default_width else self.drafter.block_size
+            explicit = bool(cfg.block_size) and not cfg.default_width and cfg.guard is not True
+            fixed = explicit or (not sp.greedy and cfg.seed is not None)
+            cap = cfg.block_size if explicit else (cfg.width(self.drafter.block_size, "the drafter's block size")
+                                                   if fixed else self.drafter.block_size)
             cap = min(cap, self.drafter.block_size)
             drafts = cap > 1
         key = None
@@ -157,7 +162,7 @@ class BatchEngine:
                 "no drafter" if self.drafter is None else "prompt longer than max_context")
         self._uid += 1
         row = Row(self._uid, cfg, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, key, drafts, cap,
-                  list(ids), t_start=time.perf_counter())
+                  drafts and fixed, list(ids), t_start=time.perf_counter())
         self.waiting.append(row)
         return row.uid
 
@@ -247,7 +252,7 @@ class BatchEngine:
     def _cycle(self) -> List[Tuple[int, GenerationResponse]]:
         rows, t0 = self.rows, time.perf_counter()
         B = len(rows)
-        w = self.policy.next(rows)
+        w = max([self.policy.next(rows)] + [r.cap for r in rows if r.fixed])
         n = [min(w - 1, r.cap - 1, r.emit.left) if r.drafts else 0 for r in rows]  # drafts verified per row
         w = max(n) + 1
         anchors = [r.anchor for r in rows]
