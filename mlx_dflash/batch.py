@@ -177,12 +177,17 @@ class BatchEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> List[Tuple[int, GenerationResponse]]:
-        """One prefill chunk (the next queued request, if a row is free), then one
-        cycle of the running batch. Returns the tokens it produced, in order."""
+        """Prefill chunks of queued requests (while rows are free, up to
+        prefill_step_size tokens: short prompts all join at once, a long one is
+        interleaved with the cycles), then one cycle of the running batch.
+        Returns the tokens it produced, in order."""
         events: List[Tuple[int, GenerationResponse]] = []
         self._drop_cancelled()
-        if self.waiting and len(self.rows) < self.max_batch:
+        budget = self.prefill_step_size
+        while self.waiting and len(self.rows) < self.max_batch and budget > 0:
+            before = len(self.waiting[0].rest)
             ev = self._prefill(self.waiting[0])
+            budget -= max(1, before - (len(self.waiting[0].rest) if ev is None else 0))
             if ev is not None:
                 events.append(ev)
         if self.rows:
