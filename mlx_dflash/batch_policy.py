@@ -36,11 +36,19 @@ class FixedBatchWidth(BatchPolicy):
 
 
 class BatchGuard(BatchPolicy):
-    """`costs(B) -> {w: k(w, B)}` (k(1, B) = 1: a plain batched step)."""
+    """`costs(B) -> {w: k(w, B)}` (k(1, B) = 1: a plain batched step).
+
+    Per row and draft position, acceptance is a running mean that starts from
+    `prior` with PSEUDO pseudo-tries and forgets old evidence at rate FORGET, so
+    a row's first cycles move it fast. Below break-even the batch decodes
+    plainly for `backoff` cycles (doubling), then probes one cycle where a
+    drafter accepting 90% per position could pay."""
 
     MARGIN = 1.1  # a width must predict this much over plain to be drafted
     PRIOR_P = 0.6  # a new row's per-position acceptance before any evidence
-    ALPHA = 0.15  # running-mean weight of a cycle's evidence
+    PSEUDO = 2.0  # weight of the prior, in tries
+    FORGET = 0.1  # share of old evidence forgotten per observation
+    OPTIMIST = 0.9  # a probe is tried only where a drafter this good could pay
     BACKOFF0, BACKOFF_MAX = 16, 256  # plain cycles before the next probe
 
     def __init__(self, costs: Callable[[int], Dict[int, float]], widest: int, prior: Optional[List[float]] = None):
@@ -48,9 +56,10 @@ class BatchGuard(BatchPolicy):
         # a new row's per-position acceptance before its own evidence
         self.prior = [min(0.95, max(0.05, x)) for x in prior[: widest - 1]] if prior else []
         self.prior += [self.PRIOR_P] * (widest - 1 - len(self.prior))
-        self.p: Dict[int, List[float]] = {}  # uid -> per-position acceptance
+        self.ev: Dict[int, List[List[float]]] = {}  # uid -> per position [hits, tries] (decayed)
         self.wait = 0  # plain cycles before the next probe
         self.backoff = self.BACKOFF0
+        self.probing = False
         self.reason = "batch: guard"
         self._k: Dict[int, Dict[int, float]] = {}
 
@@ -61,48 +70,63 @@ class BatchGuard(BatchPolicy):
             self._k[B] = dict(zip(ws, monotone([k[x] for x in ws])))
         return self._k[B]
 
-    def _p(self, row) -> List[float]:
-        return self.p.setdefault(row.uid, list(self.prior))
+    def p(self, row) -> List[float]:
+        ev = self.ev.get(row.uid)
+        if ev is None:
+            return list(self.prior)
+        return [(self.PSEUDO * q + h) / (self.PSEUDO + n) for q, (h, n) in zip(self.prior, ev)]
 
-    def predict(self, rows) -> tuple:
+    def predict(self, rows, optimistic: bool = False) -> tuple:
         """(best width, predicted speedup over plain batched decoding)."""
         kw = self._kw(len(rows))
         best = (1, 1.0)
         for w, k in kw.items():
             if w < 2:
                 continue
-            tok = sum(Guard.expected(self._p(r), min(w, r.cap)) if r.drafts else 1.0 for r in rows)
+            tok = 0.0
+            for r in rows:
+                p = [self.OPTIMIST] * (self.widest - 1) if optimistic else self.p(r)
+                tok += Guard.expected(p, min(w, r.cap)) if r.drafts else 1.0
             s = tok / len(rows) / k
             if s > best[1]:
                 best = (w, s)
         return best
 
     def next(self, rows) -> int:
+        B = len(rows)
         if not any(r.drafts for r in rows):
             self.reason = "batch: plain (no row drafts)"
             return 1
-        w, s = self.predict(rows)
         if self.wait > 0:
             self.wait -= 1
-            self.reason = f"batch: plain at {len(rows)} rows; probe in {self.wait}"
+            self.reason = f"batch: plain at {B} rows; probe in {self.wait}"
             return 1
-        if w == 1 or s < self.MARGIN:
-            self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.BACKOFF_MAX)
-            self.reason = f"batch: plain at {len(rows)} rows (DFlash {s:.2f}x predicted)"
-            return 1
-        self.backoff = self.BACKOFF0
-        self.reason = f"batch: width {w} at {len(rows)} rows, {s:.2f}x predicted"
-        return w
+        w, s = self.predict(rows)
+        if w > 1 and s >= self.MARGIN:
+            self.backoff, self.probing = self.BACKOFF0, False
+            self.reason = f"batch: width {w} at {B} rows, {s:.2f}x predicted"
+            return w
+        if not self.probing:  # the estimates say plain: one probe where a good drafter could pay
+            wo, so = self.predict(rows, optimistic=True)
+            if wo > 1 and so >= self.MARGIN:
+                self.probing = True
+                self.reason = f"batch: probing width {wo} at {B} rows ({s:.2f}x predicted)"
+                return wo
+        self.probing = False
+        self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.BACKOFF_MAX)
+        self.reason = f"batch: plain at {B} rows (DFlash {s:.2f}x predicted)"
+        return 1
 
     def observe(self, rows, drafted: List[int], accepted: List[int]) -> None:
         for r, n, a in zip(rows, drafted, accepted):
             if not n:
                 continue
-            p = self._p(r)
-            for i in range(n):  # position i was tried iff all before it were accepted
+            ev = self.ev.setdefault(r.uid, [[0.0, 0.0] for _ in range(self.widest - 1)])
+            for i in range(min(n, len(ev))):  # position i was tried iff all before it were accepted
                 if i > a:
                     break
-                p[i] += self.ALPHA * ((1.0 if i < a else 0.0) - p[i])
+                h, t = ev[i]
+                ev[i] = [h * (1 - self.FORGET) + (i < a), t * (1 - self.FORGET) + 1]
         live = {r.uid for r in rows}
-        for uid in [u for u in self.p if u not in live]:
-            del self.p[uid]
+        for uid in [u for u in self.ev if u not in live]:
+            del self.ev[uid]

@@ -105,6 +105,48 @@ def run_mlx_lm(model, tok, ps, max_tokens):
     return [times[u] for u in uids], [ids[u] for u in uids], t0, wall
 
 
+def rollback_cost(model, B: int, context: int, w: int, rounds: int = 5) -> dict:
+    """The ragged rollback's price: a [B, w] verify, its rollback and the next
+    1-token step, when every row drops the same count (the caches' own trim)
+    vs when rows drop different counts (rows rolled right by the difference)."""
+    import random
+
+    from mlx_dflash import batch_cache as bc
+    from mlx_dflash.target import Target
+
+    t = Target(model)
+    ids = ((mx.arange(context) * 7919 + 11) % t.vocab_size).tolist()
+    cache = None
+    for _ in range(B):
+        c = t.make_cache()
+        t(mx.array(ids)[None], c)
+        mx.eval([x.state for x in c])
+        cache = bc.join(cache, bc.to_batch(c))
+    rng = random.Random(0)
+
+    def one(ragged):
+        drop = [rng.randrange(w) for _ in range(B)] if ragged else [w // 2] * B
+        t0 = time.perf_counter()
+        logits, _ = t(mx.zeros((B, w), mx.int32), cache)
+        mx.eval(logits)
+        bc.ragged_trim(cache, drop)
+        logits, _ = t(mx.zeros((B, 1), mx.int32), cache)
+        mx.eval(logits)
+        dt = time.perf_counter() - t0
+        bc.ragged_trim(cache, [w - d for d in drop])  # back to the same length (keeps the test stationary)
+        bc.ragged_trim(cache, [1] * B)
+        return dt
+
+    one(False), one(True)
+    same, ragged = [], []
+    for _ in range(rounds):
+        same.append(one(False))
+        ragged.append(one(True))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"B": B, "context": context, "w": w, "uniform_ms": 1000 * med(same), "ragged_ms": 1000 * med(ragged),
+            "slots": bc.size(cache)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -112,8 +154,14 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3, help="runs per system and concurrency; the median run is kept")
     ap.add_argument("--out", default="bench/batch.json")
+    ap.add_argument("--rollback", action="store_true", help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
     a = ap.parse_args()
     model, tok, drafter = load(dtype=a.dtype)
+    if a.rollback:
+        for ctx in (256, 1024, 4096):
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                              for k, v in rollback_cost(model, 8, ctx, 5).items()}), flush=True)
+        return
     all_ps = prompts(tok, max(a.streams))
     # warm-up: shapes, the batch guard's c(w, B) curves (measured once, cached), the serial guard's costs
     for n in a.streams:

@@ -306,3 +306,29 @@ def test_requests_that_run_alone_are_refused_in_one_line(tok):
     assert "alone" in str(e.value)
     with pytest.raises(ValueError):
         eng.submit([], DecodeConfig())
+
+
+def test_guard_drafts_where_drafts_pay(tok):
+    """Drafts that are always right: the guard, starting from a prior that
+    predicts no gain, probes, learns each row's acceptance and drafts; output unchanged."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, 30) for p in PROMPTS[:3]]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS[:3], refs)]
+
+    class Right(RowOracles):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            if new_feats is not None:
+                n = new_feats.shape[1]
+                cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+            plen, cont = self.of[id(cache[0])]
+            pos = cache[0].offset - plen
+            out = [cont[pos + j] if pos + j < len(cont) else 0 for j in range(1, width)]
+            return Proposal(out, None, [1.0] * len(out))
+
+    guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5, prior=[0.3] * 4)
+    eng = BatchEngine(model, tok, Right(plans), max_batch=3, policy=guard)
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=30)) for p in PROMPTS[:3]], join_after=0)
+    assert [out[i] for i in range(3)] == refs
+    for i in last:
+        st = last[i].stats
+        assert st.cycles - st.plain_cycles > st.plain_cycles and st.tau > 2.5, (i, st.cycles, st.plain_cycles)
