@@ -219,7 +219,7 @@ class BatchEngine:
         cap = self.capture if row.drafts else []
         rest = row.rest
         if len(rest) > 1:
-            n = min(self.prefill_step_size, len(rest) - 1)
+            n = min(row.config.prefill_step_size, len(rest) - 1)  # its own chunks: its logits are its own
             _, f = self.target(mx.array(rest[:n])[None], row.cache, cap)
             mx.eval(f if f is not None else [c.state for c in row.cache])
             if f is not None:
