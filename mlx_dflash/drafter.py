@@ -48,7 +48,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def _visible(self, L: int, n: int, offset: int, first: int = 0):
+    def visible(self, L: int, n: int, offset: int, first: int = 0):
         """Context rows kept (from lo) and the boolean mask [L, n - lo + L], or None
         when every row sees everything. Context row j sits at position first + j
         (a bounded cache keeps only the last rows of a window layer), block row i
@@ -73,7 +73,7 @@ class DraftAttention(nn.Module):
         q = self.rope(q, offset=offset)
         k, v = self._kv(x, offset)
         if mask is None:
-            lo, mask = self._visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset, first)
+            lo, mask = self.visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset, first)
             if ctx_k is not None and lo:
                 ctx_k, ctx_v = ctx_k[..., lo:, :], ctx_v[..., lo:, :]
         if ctx_k is not None and ctx_k.shape[2]:
@@ -275,24 +275,17 @@ class Drafter(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out
 
-    def __call__(self, block_emb, new_feats, cache, offset=None):
-        """One parallel draft forward.
-
-        block_emb: the target's (unscaled) embedding of the block `[anchor, MASK, ...]`
-        [1, w, H], multiplied here by the config's input_embedding_scale;
-        new_feats: target features of rows not yet in the context [1, n, taps*H] (or None);
-        cache: per-layer context K/V (grows by n rows). The block sits at positions
-        `offset` (default: the context length, i.e. the anchor's position).
-        Returns the final-normed hidden states [1, w, H] (apply `logits`)."""
+    def feed(self, new_feats, cache) -> list:
+        """Project target features of rows not yet in the context [1, n, taps*H]
+        (or None) into every layer's context cache. Returns per layer the
+        context K/V it holds and the position of its first window row:
+        [(ctx_k, ctx_v, first)] (None, None when empty)."""
         n = new_feats.shape[1] if new_feats is not None else 0
         head, gap = _unseen(cache, n)
         if gap:  # rows no bounded cache keeps: never projected
             new_feats = mx.concatenate([new_feats[:, :head], new_feats[:, head + gap:]], axis=1)
         ctx = self.context(new_feats) if n else None
-        x = block_emb
-        if self.config.input_embedding_scale != 1.0:
-            x = x * self.config.input_embedding_scale
-        w = x.shape[1]
+        out = []
         for layer, c in zip(self.layers, cache):
             if ctx is not None:  # context rows keep their real positions
                 if gap:
@@ -305,11 +298,36 @@ class Drafter(nn.Module):
                 ctx_k, ctx_v = c.update_and_fetch(k, v)
             else:
                 ctx_k, ctx_v = fetch(c)
-            start = c.offset if offset is None else offset
             first = c.offset - (ctx_k.shape[2] if ctx_k is not None else 0)  # (window layers: no sink)
+            out.append((ctx_k, ctx_v, first))
+        return out
+
+    def embed_block(self, target, block: mx.array) -> mx.array:
+        """The block's ids [B, w] as the first layer's input: the target's raw
+        embedding times the config's input_embedding_scale."""
+        x = target.embed(block)
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        return x
+
+    def __call__(self, block_emb, new_feats, cache, offset=None):
+        """One parallel draft forward.
+
+        block_emb: the target's (unscaled) embedding of the block `[anchor, MASK, ...]`
+        [1, w, H], multiplied here by the config's input_embedding_scale;
+        new_feats: target features of rows not yet in the context [1, n, taps*H] (or None);
+        cache: per-layer context K/V (grows by n rows). The block sits at positions
+        `offset` (default: the context length, i.e. the anchor's position).
+        Returns the final-normed hidden states [1, w, H] (apply `logits`)."""
+        ctxs = self.feed(new_feats, cache)
+        x = block_emb
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        w = x.shape[1]
+        for layer, c, (ctx_k, ctx_v, first) in zip(self.layers, cache, ctxs):
+            start = c.offset if offset is None else offset
             x = layer(x, ctx_k, ctx_v, start, w, first=first)
         return self.norm(x)
-
 
     def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0) -> "Proposal":
         """Draft `width - 1` tokens after `anchor` in one parallel forward. All

@@ -55,9 +55,10 @@ def probs(logits: mx.array, sp: SamplingParams) -> mx.array:
     return p / p.sum(axis=-1, keepdims=True)
 
 
-def sample(p: mx.array) -> mx.array:
-    """Draw one token per row of a probability matrix."""
-    return mx.random.categorical(mx.log(p), axis=-1)
+def sample(p: mx.array, key=None) -> mx.array:
+    """Draw one token per row of a probability matrix (`key`: a PRNG key of
+    its own, e.g. one batch row's, instead of the global random state)."""
+    return mx.random.categorical(mx.log(p), axis=-1, key=key)
 
 
 def accept_greedy(logits: mx.array, drafts: mx.array):
@@ -72,7 +73,7 @@ def accept_greedy(logits: mx.array, drafts: mx.array):
     return mx.cumprod(ok).sum().astype(mx.int32), tgt
 
 
-def accept_sampled(p: mx.array, drafts: mx.array, q=None):
+def accept_sampled(p: mx.array, drafts: mx.array, q=None, key=None):
     """Lossless rejection sampling over one verified block, on the device.
 
     p: [n+1, V] target distributions at the anchor and each draft position
@@ -81,10 +82,13 @@ def accept_sampled(p: mx.array, drafts: mx.array, q=None):
     proposal. Draft i is kept with probability min(1, p(x)/q(x)); at the first
     rejection the next token comes from normalize(max(p - q, 0)) (one-hot q:
     p without x), after n acceptances from p[n]. Returns lazy (accepted count a,
-    the next token)."""
+    the next token). `key`: a PRNG key of its own (else the global random state)."""
     n = drafts.shape[0]
+    k_u = k_s = None
+    if key is not None:
+        k_u, k_s = mx.random.split(key)
     if n == 0:
-        return mx.array(0, mx.int32), sample(p[0])
+        return mx.array(0, mx.int32), sample(p[0], k_s)
     d = drafts.astype(mx.int32)[:, None]
     pn = p[:n].astype(mx.float32)
     px = mx.take_along_axis(pn, d, axis=-1)[:, 0]
@@ -95,13 +99,13 @@ def accept_sampled(p: mx.array, drafts: mx.array, q=None):
         q = q.astype(mx.float32)
         qx = mx.take_along_axis(q, d, axis=-1)[:, 0]
         resid = mx.maximum(pn - q, 0.0)
-    u = mx.random.uniform(shape=(n,))
+    u = mx.random.uniform(shape=(n,), key=k_u)
     ok = (qx > 0) & (u * qx < px)  # u < min(1, px / qx) without dividing by zero
     a = mx.cumprod(ok.astype(mx.int32)).sum().astype(mx.int32)
     s = resid.sum(axis=-1, keepdims=True)
     resid = mx.where(s > 0, resid / mx.where(s > 0, s, 1.0), pn)  # p == q exactly: any draw from p is right
     rows = mx.concatenate([resid, p[n:n + 1].astype(mx.float32)])  # row a: where the block ends
-    return a, sample(mx.take(rows, a[None], axis=0))[0]
+    return a, sample(mx.take(rows, a[None], axis=0), k_s)[0]
 
 
 def accept_speculative(p, drafts, q):

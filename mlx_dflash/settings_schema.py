@@ -77,6 +77,7 @@ class GlobalSettings:
     api_key: Optional[str] = None
     cors_origins: list = field(default_factory=list)
     prompt_cache_mb: int = 2048  # server: memory for cached prompt prefixes across requests (0: none)
+    max_batch: int = 1  # server: requests decoded together (mlx_dflash.batch); 1: one at a time
 
 
 # user-facing key (file, CLI) -> dataclass field
@@ -133,6 +134,7 @@ _TYPES = {  # field -> (type, optional)
     "max_context": (int, False), "dtype": (str, False),
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
+    "max_batch": (int, False),
 }
 _TYPES.update({"drafter_window": (int, True), "drafter_sink": (int, False), "kv_bits": (int, True),
                "kv_group_size": (int, False), "quantized_kv_start": (int, False)})
@@ -252,3 +254,5 @@ def check_global(g: GlobalSettings) -> None:
         raise SettingsError("host cannot be empty")
     if g.prompt_cache_mb < 0:
         raise SettingsError(f"prompt_cache_mb must be >= 0 (0 turns the prompt cache off), got {g.prompt_cache_mb}")
+    if not 1 <= g.max_batch <= 64:
+        raise SettingsError(f"max_batch must be in 1..64 (1: one request at a time), got {g.max_batch}")

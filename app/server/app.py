@@ -56,7 +56,7 @@ class ServerContext:
 
 
 def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
-               model: Optional[str] = None, store=None, allowed_hosts: tuple = (), max_body: int = MAX_BODY,
+               max_batch: int = 1, model: Optional[str] = None, store=None, allowed_hosts: tuple = (), max_body: int = MAX_BODY,
                log: bool = False, strict_models: bool = False) -> FastAPI:
     """The FastAPI app. `catalog` (default: the model manager's) provides
     targets(), default(), find(name, served), settings(id) and load(id) ->
@@ -69,7 +69,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     from contextlib import asynccontextmanager
 
     catalog = catalog or ManagerCatalog(store)
-    worker = Worker(catalog, queue_size)
+    worker = Worker(catalog, queue_size, max_batch)
     names: Dict[str, tuple] = {}  # requested name -> (served id or None if unknown, when resolved)
     request_log = RequestLog(sys.stderr if log else None)
 
@@ -237,6 +237,6 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics():
         return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None,
-                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize}
+                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize, "batch": worker.batch_summary()}
 
     return app

@@ -39,6 +39,8 @@ def add_parser(sub):
                    help="extra names clients may reach the server by (Host header; '*.example.org' for a domain, "
                         "'*' for any); IP addresses, localhost and this machine's name always work")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the worker (default 8)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="requests decoded together, DFlash in the batch (default from settings: 1, one at a time)")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="on Ctrl-C, how long running generations may go on before they are stopped (default 10)")
     p.add_argument("--strict-models", action="store_true",
@@ -90,6 +92,9 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     if args.queue_size < 1:
         raise ValueError(f"--queue-size must be >= 1, got {args.queue_size}")
+    max_batch = args.max_batch if args.max_batch is not None else g.max_batch
+    if not 1 <= max_batch <= 64:
+        raise ValueError(f"--max-batch must be in 1..64, got {max_batch}")
     if not 0 <= args.grace <= 3600:  # also refuses nan
         raise ValueError(f"--grace must be in 0..3600 seconds, got {args.grace}")
     for flag, v in (("--header-timeout", args.header_timeout), ("--keep-alive", args.keep_alive)):
@@ -123,7 +128,7 @@ def run(args) -> int:
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     remove_stale_temps(cache_dir() / "calibration", CALIBRATION_TEMP)  # left by a killed writer
-    app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, model=model,
+    app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, max_batch=max_batch, model=model,
                      allowed_hosts=(*args.allowed_hosts, host), log=not args.quiet,
                      strict_models=args.strict_models)
     sys.stderr.write(f"mlx-dflash: serving on http://{host}:{port}/v1"

@@ -21,6 +21,7 @@ from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.prompt_store import PromptStore
 from mlx_dflash.target import Target
 
+from .batcher import Batcher
 from .catalog import Counters, Job, store_budget, context_limit
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
@@ -42,8 +43,13 @@ class PrefillCancelled(Exception):
 class Worker:
     """The one thread that loads models and generates."""
 
-    def __init__(self, catalog, queue_size: int = 8):
+    def __init__(self, catalog, queue_size: int = 8, max_batch: int = 1):
         self.catalog = catalog
+        # max_batch > 1: requests decode together (batcher.py), each served on a thread of its own
+        self.max_batch = max(1, max_batch)
+        self.batcher: Optional[Batcher] = None
+        self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served by the batch
+        self.slots = threading.Condition()
         self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
@@ -91,6 +97,9 @@ class Worker:
         job = self.current
         if job is not None:
             job.cancel.set()
+        with self.slots:
+            for j in self.inflight.values():
+                j.cancel.set()
 
     def submit(self, job: Job) -> None:
         if self.closing:
@@ -136,22 +145,75 @@ class Worker:
                 with self.lock:
                     self.counters(job.model_id).cancelled += 1
                 continue
+            if self.max_batch > 1:
+                self._admit(job)
+                continue
             self.current = job
             try:
-                self._serve(job)
-            except APIError as e:
-                self._fail(job, e)
-            except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
-                with self.lock:
-                    self.counters(job.model_id).cancelled += 1
-            except ValueError as e:  # the engine's one-line complaint about a request
-                self._fail(job, bad_request(error_line(e) or "invalid request"))
-            except BaseException as e:  # a bug (or a native panic): report it, keep serving
-                traceback.print_exc(file=sys.stderr)
-                self._clear_store()  # a KV cache may be half-written
-                self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
+                self._run(job)
             finally:
                 self.current = None
+
+    def _run(self, job, batch: Optional[Batcher] = None):
+        try:
+            self._serve(job, batch)
+        except APIError as e:
+            self._fail(job, e)
+        except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
+            with self.lock:
+                self.counters(job.model_id).cancelled += 1
+        except ValueError as e:  # the engine's one-line complaint about a request
+            self._fail(job, bad_request(error_line(e) or "invalid request"))
+        except BaseException as e:  # a bug (or a native panic): report it, keep serving
+            traceback.print_exc(file=sys.stderr)
+            self._clear_store()  # a KV cache may be half-written
+            self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
+
+    # -- max_batch > 1: admission to the batch --------------------------------------------
+    def _admit(self, job):
+        """Serve `job` on a thread of its own, its tokens from the batch thread, once
+        fewer than max_batch are served: the worker waits for a free row, so
+        later jobs wait in the queue (429 only past it). A model (or load
+        setting) change waits for the running rows to end first."""
+        lm = self.lm
+        if self.batcher is not None and (job.model_id != self.lm_key or self._load_key(lm.id) != self.lm_load):
+            self._drain()
+        try:
+            lm = self._ensure(job.model_id)
+        except APIError as e:
+            self._fail(job, e)
+            return
+        if self.batcher is None or self.batcher.lm is not lm:
+            self._drain()
+            self.batcher = Batcher(lm, self.max_batch)
+        with self.slots:
+            while len(self.inflight) >= self.max_batch:
+                self.slots.wait()
+            self.inflight[id(job)] = job
+        threading.Thread(target=self._run_batched, args=(job, self.batcher), daemon=True).start()
+
+    def _run_batched(self, job, batch: Batcher):
+        try:
+            self._run(job, batch)
+        finally:
+            with self.slots:
+                self.inflight.pop(id(job), None)
+                self.slots.notify_all()
+
+    def _drain(self):
+        with self.slots:
+            while self.inflight:
+                self.slots.wait()
+
+    def batch_summary(self) -> Optional[dict]:
+        """Batch occupancy for /metrics (None: requests run one at a time)."""
+        b = self.batcher
+        if self.max_batch <= 1:
+            return None
+        out = b.summary() if b is not None else {"max_batch": self.max_batch, "rows": 0}
+        with self.slots:
+            out["serving"] = len(self.inflight)
+        return out
 
     def _tokenize_loop(self):
         """Long prompts are measured and tokenized here, so the jobs queued behind
@@ -243,10 +305,10 @@ class Worker:
     def _clear_store(self):
         self.store = self.cache_summary = None
 
-    def _serve(self, job: Job):
+    def _serve(self, job: Job, batch: Optional[Batcher] = None):
         from .tools import ToolStream, template_tools
 
-        lm = self._ensure(job.model_id)
+        lm = self._ensure(job.model_id) if batch is None else batch.lm
         tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
@@ -281,7 +343,9 @@ class Worker:
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        if fallback:  # one request's own processors: nothing to share through the prompt store
+        if batch is not None:  # decoded in the batch (or alone on its thread): no prompt store
+            gen = batch.stream(ids, cfg)
+        elif fallback:  # one request's own processors: nothing to share through the prompt store
             gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
         else:
             if self.store is None:

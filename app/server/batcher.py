@@ -1,0 +1,157 @@
+"""The server's batch thread (`max_batch` > 1): it alone drives the model,
+stepping mlx_dflash.batch.BatchEngine while rows run, and hands each request's
+responses to the thread serving that request (worker.Worker._serve reads them
+as it reads stream_generate's). A request the batch cannot run (logits
+processors, logprobs, a quantized KV cache, a model whose caches cannot be
+batched) runs alone on this same thread once the running rows are done: never
+two model forwards at once, never a different answer."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+from typing import Dict, List, Optional
+
+from mlx_dflash import stream_generate
+from mlx_dflash.batch import BatchEngine, BatchError, batchable
+
+_END = object()
+
+
+class Batcher:
+    def __init__(self, lm, max_batch: int):
+        self.lm = lm
+        self.max_batch = max_batch
+        try:
+            self.engine: Optional[BatchEngine] = BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=max_batch)
+            self.why_not = None
+        except BatchError as e:  # every request of this model runs alone
+            self.engine, self.why_not = None, str(e)
+            sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
+        self.cv = threading.Condition()
+        self.inbox: List[tuple] = []  # (ids, config, reply queue)
+        self.cancels: List[int] = []
+        self.outs: Dict[int, queue.Queue] = {}
+        self.alone = 0  # requests served alone so far
+        self.peak = 0  # most rows decoding together
+        threading.Thread(target=self._loop, name="mlx-dflash-batch", daemon=True).start()
+
+    # -- the serving threads' side ------------------------------------------------------
+    def stream(self, ids: List[int], config):
+        """The responses of one request, as stream_generate yields them; closing
+        the generator early (a client gone) cancels its row."""
+        q: queue.Queue = queue.Queue()
+        with self.cv:
+            self.inbox.append((ids, config, q))
+            self.cv.notify()
+        uid = q.get()
+        if isinstance(uid, BaseException):
+            raise uid
+        done = False
+        try:
+            while True:
+                r = q.get()
+                if r is _END:
+                    done = True
+                    return
+                if isinstance(r, BaseException):
+                    done = True
+                    raise r
+                yield r
+                if r.finish_reason:
+                    done = True
+                    return
+        finally:
+            if not done:
+                with self.cv:
+                    self.cancels.append(uid)
+                    self.cv.notify()
+
+    def summary(self) -> dict:
+        """Batch occupancy for /metrics."""
+        e = self.engine
+        out = {"max_batch": self.max_batch, "peak_rows": self.peak, "served_alone": self.alone}
+        if e is None:
+            out["batching"] = f"off: {self.why_not}"
+            return out
+        out.update(e.summary(), policy=e.policy.reason)
+        return out
+
+    # -- the batch thread ---------------------------------------------------------------
+    def _loop(self):
+        alone_uid = -1
+        while True:
+            with self.cv:
+                while not (self.inbox or self.cancels or (self.engine is not None and len(self.engine))):
+                    self.cv.wait()
+                inbox, self.inbox = self.inbox, []
+                cancels, self.cancels = self.cancels, []
+            held = []  # a request that must run alone, and every one after it: after the running rows
+            for ids, cfg, q in inbox:
+                if self.engine is None or held or batchable(cfg):
+                    held.append((ids, cfg, q))
+                    continue
+                self._submit(ids, cfg, q)
+            for uid in cancels:
+                if self.engine is not None:
+                    self.engine.cancel(uid)
+                q = self.outs.pop(uid, None)
+                if q is not None:
+                    q.put(_END)
+            if self.engine is not None and len(self.engine):
+                if held:
+                    with self.cv:  # they wait their turn, ahead of later requests
+                        self.inbox = held + self.inbox
+                self._step()
+            elif held:
+                ids, cfg, q = held.pop(0)
+                with self.cv:
+                    self.inbox = held + self.inbox
+                if self.engine is not None and not batchable(cfg):
+                    self._submit(ids, cfg, q)
+                else:
+                    alone_uid -= 1
+                    self._alone(alone_uid, ids, cfg, q)
+
+    def _submit(self, ids, cfg, q) -> None:
+        try:
+            uid = self.engine.submit(ids, cfg)
+        except ValueError as e:
+            q.put(e)
+            return
+        self.outs[uid] = q
+        q.put(uid)
+
+    def _step(self):
+        try:
+            events = self.engine.step()
+        except BaseException as e:  # a bug: every running request gets it, the engine starts over
+            traceback.print_exc(file=sys.stderr)
+            for q in self.outs.values():
+                q.put(e)
+            self.outs.clear()
+            self.engine = BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch)
+            return
+        self.peak = max(self.peak, self.engine.occupancy)
+        for uid, r in events:
+            q = self.outs.get(uid)
+            if q is not None:
+                q.put(r)
+                if r.finish_reason:
+                    del self.outs[uid]
+
+    def _alone(self, uid: int, ids, cfg, q) -> None:
+        self.alone += 1
+        q.put(uid)
+        try:
+            for r in stream_generate(self.lm.model, self.lm.tokenizer, ids, self.lm.drafter, config=cfg):
+                with self.cv:
+                    if uid in self.cancels:
+                        self.cancels.remove(uid)
+                        q.put(_END)
+                        return
+                q.put(r)
+        except BaseException as e:  # the serving thread reports it (ValueError: the request's fault)
+            q.put(e)

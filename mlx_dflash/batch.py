@@ -1,0 +1,336 @@
+"""Continuous batching with DFlash: many generations share one target forward
+per cycle (ENGINE.md: "a batch engine is many rows behind the same methods").
+
+    submit(prompt, config) -> uid          queued; joins at a cycle boundary
+    step() -> [(uid, GenerationResponse)]  one prefill chunk of the next queued
+                                            request (interleaved), then one cycle
+    cancel(uid)                            leaves at the next boundary
+
+A cycle: the width policy (batch_policy.py) picks one width w for the batch
+(1: plain batched decoding); one batched drafter forward proposes w - 1 tokens
+per row (batch_draft.py); one batched verify over [B, w]; each row accepts its
+own count (greedy: the longest prefix equal to the target's argmax; sampled:
+the lossless rule, with the row's own PRNG key); the ragged rollback drops
+each row's rejected tokens (batch_cache.py); each row emits through its own
+Emitter (EOS, stop strings, max tokens) and keeps its own stats. A request is
+prefilled alone, chunk by chunk exactly as the single-stream Decoder does
+(so its first token is that of a request run alone), then joins the batch.
+
+Rows may differ in sampling parameters, seed, stop strings, max tokens, block
+size and verify mode (a row with verify mode off verifies no drafts). What a
+batch cannot do is refused with a one-line reason (`batchable`, `BatchError`):
+the caller runs that request alone (decoder.Decoder), never differently."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from . import batch_cache as bc
+from .batch_draft import propose_batch
+from .batch_costs import BatchCosts
+from .batch_policy import BatchGuard, BatchPolicy, FixedBatchWidth
+from .calibrate import Calibration
+from .decode_config import DecodeConfig
+from .decoder import cat_feats, encode
+from .drafter import Drafter
+from .sampling import SamplingParams, accept_sampled, probs, sample
+from .stats import CycleResult, Emitter, GenerationResponse, GenerationStats
+from .target import Target
+
+
+class BatchError(ValueError):
+    """A model or request the batch engine cannot run (the reason is in the message)."""
+
+
+def batchable(config: DecodeConfig) -> Optional[str]:
+    """Why a request with this config must run alone (None: it can join a batch)."""
+    if config.logits_processors or config.logprobs or config.plain_reason:
+        return "logits processors, logprobs or constrained output run alone"
+    if config.kv_bits is not None:
+        return "a quantized KV cache runs alone (mlx-lm's batch caches are not quantized)"
+    return None
+
+
+@dataclass
+class Row:
+    """One generation in the batch: everything that is per request."""
+
+    uid: int
+    config: DecodeConfig
+    sp: SamplingParams
+    emit: Emitter
+    stats: GenerationStats
+    key: Optional[mx.array]  # its own PRNG key (sampled rows): its draws do not depend on the others
+    drafts: bool  # it verifies drafts (else one token per cycle)
+    cap: int  # its widest verify (its block size)
+    fixed: bool  # it drafts at `cap` in every cycle: an explicit width, or a seeded sampled row (whose
+    # tokens must not depend on the widths the rows around it make the batch choose)
+    rest: List[int]  # prompt tokens not prefilled yet
+    cache: Optional[list] = None  # its own cache while it prefills
+    dcache: Optional[list] = None  # its drafter context
+    pending: List[mx.array] = field(default_factory=list)  # features of its rows the drafter has not seen
+    anchor: int = -1  # the last token emitted (not in the cache yet)
+    done_prompt: int = 0
+    cancelled: bool = False
+    t_start: float = 0.0
+    t_gen: float = 0.0
+
+    def next_key(self):
+        if self.key is None:
+            return None
+        self.key, k = mx.random.split(self.key)
+        return k
+
+
+class BatchEngine:
+    """Continuous batching over an mlx-lm `model` (+ a DFlash `drafter`).
+
+    `max_batch`: rows decoding together (more requests wait, prefilled one at
+    a time as rows leave). `policy`: chooses each cycle's width (default with a
+    DFlash drafter: batch_policy.BatchGuard, from the batched cycle costs
+    measured once per batch size (batch_costs.py, cached through
+    `calibration`) and the rows' live acceptance; a drafter double: its
+    default width). Raises BatchError for a target whose cache kinds cannot
+    be batched."""
+
+    def __init__(self, model, tokenizer, drafter=None, *, max_batch: int = 8,
+                 policy: Optional[BatchPolicy] = None, prefill_step_size: int = 2048,
+                 calibration: Optional[Calibration] = None):
+        self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
+            else TokenizerWrapper(tokenizer)
+        self.target = Target(model)
+        why = bc.unsupported(self.target.make_cache())
+        if why:
+            raise BatchError(f"this model cannot decode in a batch: {why}")
+        if max_batch < 1:
+            raise BatchError(f"max_batch must be >= 1, got {max_batch}")
+        self.drafter = drafter
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
+        if policy is None:
+            if isinstance(drafter, Drafter):
+                cal = calibration or Calibration()
+                obs = cal.prior(model, drafter)  # the single-stream guard's acceptance, if it ran
+                policy = BatchGuard(BatchCosts(model, drafter, cal, drafter.block_size).curve, drafter.block_size,
+                                    prior=obs.p if obs is not None else None)
+            else:
+                policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
+        self.policy = policy
+        self.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
+        self.rows: List[Row] = []  # decoding, in batch order
+        self.waiting: Deque[Row] = deque()  # queued or prefilling (the first one)
+        self.cache: Optional[list] = None  # the batch's target cache
+        self._uid = 0
+        self.cycles = 0
+        self.occupancy = 0  # rows in the last cycle
+
+    # -- requests -----------------------------------------------------------------------
+    def submit(self, prompt, config: Optional[DecodeConfig] = None) -> int:
+        """Queue a request; returns its uid. ValueError (one line) for a request
+        that cannot run here (an empty prompt, or `batchable`'s reason)."""
+        cfg = config or DecodeConfig()
+        why = batchable(cfg)
+        if why:
+            raise BatchError(why)
+        ids = encode(self.tokenizer, prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        sp = cfg.sampling()
+        drafts = self.drafter is not None and cfg.verify_mode != "off" and not (
+            cfg.max_context is not None and len(ids) > cfg.max_context)
+        cap, fixed = 1, False
+        if drafts:
+            explicit = bool(cfg.block_size) and not cfg.default_width and cfg.guard is not True
+            fixed = explicit or (not sp.greedy and cfg.seed is not None)
+            cap = cfg.block_size if explicit else (cfg.width(self.drafter.block_size, "the drafter's block size")
+                                                   if fixed else self.drafter.block_size)
+            cap = min(cap, self.drafter.block_size)
+            drafts = cap > 1
+        key = None
+        if not sp.greedy:
+            seed = cfg.seed if cfg.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+            key = mx.random.key(seed)
+        st = GenerationStats(mode="dflash" if drafts else "off", block_size=cap, prompt_tokens=len(ids))
+        if not drafts:
+            st.fallback = None if cfg.verify_mode == "off" else (
+                "no drafter" if self.drafter is None else "prompt longer than max_context")
+        self._uid += 1
+        row = Row(self._uid, cfg, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, key, drafts, cap,
+                  drafts and fixed, list(ids), t_start=time.perf_counter())
+        self.waiting.append(row)
+        return row.uid
+
+    def cancel(self, uid: int) -> None:
+        """The row leaves at the next cycle boundary; the others go on as if it had never been there."""
+        for r in list(self.rows) + list(self.waiting):
+            if r.uid == uid:
+                r.cancelled = True
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.waiting)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> List[Tuple[int, GenerationResponse]]:
+        """Prefill chunks of queued requests (while rows are free, up to
+        prefill_step_size tokens: short prompts all join at once, a long one is
+        interleaved with the cycles), then one cycle of the running batch.
+        Returns the tokens it produced, in order."""
+        events: List[Tuple[int, GenerationResponse]] = []
+        self._drop_cancelled()
+        budget = self.prefill_step_size
+        while self.waiting and len(self.rows) < self.max_batch and budget > 0:
+            before = len(self.waiting[0].rest)
+            ev = self._prefill(self.waiting[0])
+            budget -= max(1, before - (len(self.waiting[0].rest) if ev is None else 0))
+            if ev is not None:
+                events.append(ev)
+        if self.rows:
+            events += self._cycle()
+        self._retire()
+        return events
+
+    def run(self):
+        """Step until every request is done, yielding (uid, response) events."""
+        while len(self):
+            yield from self.step()
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.cancelled)
+        self._retire()
+
+    def _retire(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not (r.cancelled or r.emit.done)]
+        if len(keep) < len(self.rows):
+            self.cache = bc.keep(self.cache, keep)
+            self.rows = [self.rows[i] for i in keep]
+
+    # -- prefill: alone, chunked as decoder.Decoder.prefill ----------------------------------
+    def _prefill(self, row: Row) -> Optional[Tuple[int, GenerationResponse]]:
+        """One chunk of `row`'s prompt; after the last one, its first token, and
+        the row joins the batch."""
+        if row.cache is None:
+            row.cache = self.target.make_cache()
+        cap = self.capture if row.drafts else []
+        rest = row.rest
+        if len(rest) > 1:
+            n = min(row.config.prefill_step_size, len(rest) - 1)  # its own chunks: its logits are its own
+            _, f = self.target(mx.array(rest[:n])[None], row.cache, cap)
+            mx.eval(f if f is not None else [c.state for c in row.cache])
+            if f is not None:
+                row.pending.append(f)
+            row.rest = rest[n:]
+            return None
+        logits, f = self.target(mx.array(rest)[None], row.cache, cap)
+        if f is not None:
+            row.pending.append(f)
+        row.rest = []
+        tok = self._first(row, logits[0, -1])
+        row.stats.prompt_time = time.perf_counter() - row.t_start
+        row.t_gen = time.perf_counter()
+        self.waiting.popleft()
+        if row.drafts:
+            row.dcache = self.drafter.make_cache(*row.config.drafter_layout)
+            row.pending = [cat_feats(row.pending)]
+        else:
+            row.pending = []
+        row.anchor = tok
+        mx.eval([c.state for c in row.cache])
+        ev = (row.uid, self._emit(row, tok, False, None))
+        if not row.emit.done:
+            self.cache = bc.join(self.cache, bc.to_batch(row.cache))
+            self.rows.append(row)
+        row.cache = None
+        return ev
+
+    def _first(self, row: Row, logits: mx.array) -> int:
+        if row.sp.greedy:
+            return int(mx.argmax(logits, axis=-1).item())
+        return int(sample(probs(logits, row.sp), row.next_key()).item())
+
+    # -- one cycle ---------------------------------------------------------------------------
+    def _cycle(self) -> List[Tuple[int, GenerationResponse]]:
+        rows, t0 = self.rows, time.perf_counter()
+        B = len(rows)
+        w = max([self.policy.next(rows)] + [r.cap for r in rows if r.fixed])
+        n = [min(w - 1, r.cap - 1, r.emit.left) if r.drafts else 0 for r in rows]  # drafts verified per row
+        w = max(n) + 1
+        anchors = [r.anchor for r in rows]
+        qs = [None] * B
+        if w > 1:
+            feats = [cat_feats(r.pending) if r.drafts else None for r in rows]
+            caches = [r.dcache if r.drafts else None for r in rows]
+            keys = [r.next_key() if r.drafts else None for r in rows]
+            toks, qs = propose_batch(self.drafter, self.target, anchors, feats, caches, w,
+                                     [r.sp.temperature for r in rows], keys)
+            for r in rows:
+                r.pending.clear()
+        else:
+            toks = mx.zeros((B, 0), mx.int32)
+        t_draft = time.perf_counter() - t0
+        vin = mx.concatenate([mx.array(anchors, mx.int32)[:, None], toks], axis=1)
+        capture = self.capture if any(r.drafts for r in rows) else []
+        logits, f = self.target(vin, self.cache, capture)
+        tgt = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, w]
+        if w > 1:
+            ok = (toks == tgt[:, :-1]) & (mx.arange(w - 1)[None] < mx.array(n)[:, None])
+            a = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+        else:
+            a = mx.zeros((B,), mx.int32)
+        sampled = {}
+        for b, r in enumerate(rows):
+            if not r.sp.greedy:
+                q = qs[b][: n[b]] if qs[b] is not None else None
+                sampled[b] = accept_sampled(probs(logits[b, : n[b] + 1], r.sp), toks[b, : n[b]], q, r.next_key())
+        mx.eval(a, tgt, toks, [x for s in sampled.values() for x in s])
+        t_wait = time.perf_counter()
+        A, T, D = a.tolist(), tgt.tolist(), toks.tolist()
+        outs = []
+        for b in range(B):
+            if b in sampled:
+                ab, nxt = sampled[b][0].item(), sampled[b][1].item()
+                A[b] = ab
+                outs.append(D[b][:ab] + [nxt])
+            else:
+                outs.append(T[b][: A[b] + 1])
+        bc.ragged_trim(self.cache, [w - 1 - x for x in A])
+        t3 = time.perf_counter()
+        events = []
+        for b, r in enumerate(rows):
+            if f is not None and r.drafts:
+                r.pending.append(f[b: b + 1, : A[b] + 1])
+            cyc = CycleResult(n[b] + 1, A[b], 0, t_draft=t_draft, t_verify=t3 - t0 - t_draft,
+                              source="dflash" if n[b] else "", t_wait=t3 - t_wait)
+            resps = []
+            for i, tok in enumerate(outs[b]):
+                cyc.emitted += 1
+                resps.append(self._emit(r, tok, i < A[b], cyc))
+                if r.emit.done:
+                    break
+            r.stats.add(cyc)
+            r.stats.policy = self.policy.reason
+            r.stats.generation_time = time.perf_counter() - r.t_gen
+            r.anchor = outs[b][-1]
+            events += [(r.uid, x) for x in resps]
+        self.policy.observe(rows, n, A)
+        self.cycles += 1
+        self.occupancy = B
+        return events
+
+    def _emit(self, row: Row, token: int, from_draft: bool, cycle: Optional[CycleResult]) -> GenerationResponse:
+        text, reason = row.emit.push(token)
+        st = row.stats
+        st.generation_tokens = len(row.emit.tokens)
+        if reason:
+            st.peak_memory = mx.get_peak_memory() / 1e9
+        return GenerationResponse(text, token, from_draft, reason, st, cycle)
+
+    def summary(self) -> Dict[str, int]:
+        """What /metrics shows: rows decoding, requests waiting, the batch's slots per row."""
+        return {"rows": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
+                "slots": bc.size(self.cache), "cycles": self.cycles}

@@ -1,0 +1,334 @@
+"""The batch engine (mlx_dflash/batch.py): every stream in a batch is exactly
+the same request run alone.
+
+Greedy token ids of each row equal mlx-lm's own stream_generate of that
+request alone (which the single-stream Decoder equals: test_lossless,
+test_families), for rows of different prompt lengths and max_tokens, joining
+while others run and leaving mid-way, at widths 1, 5 and 8, over KV and
+sliding-window families; with drafts right for a random prefix of each block,
+so every row accepts its own count and the ragged rollback runs at every
+position. A cancelled row leaves the others identical; stop strings act per
+row; seeded sampled rows do not depend on the batch around them; sampled rows
+keep the target's distribution; targets the batch cannot run are refused with
+one line."""
+
+import random
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from drafters import reference_tokens
+from mlx_lm.models.cache import KVCache
+from tiny_families import build
+
+from mlx_dflash import DecodeConfig, generate, load
+from mlx_dflash.batch import BatchEngine, BatchError
+from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
+from mlx_dflash.drafter import Proposal
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:", "Natalia sold clips to 48 of her friends in April",
+    "import os\n", "class Stack:\n    def push(self, x):", "Janet's ducks lay 16 eggs per day. She eats",
+    "for line in open(path):\n    line = line.strip()",
+]
+FAMILIES = ["qwen3", "llama", "gemma3_text", "ministral3", "gpt_oss"]  # KV; KV + sliding windows (all wrap)
+MAXES = [26, 14, 30, 9, 22, 18]  # rows leave at different cycles
+_models = {}
+
+
+def model_of(family):
+    if family not in _models:
+        _models[family] = build(family)
+    return _models[family]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from make_test_pair import write_tokenizer
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, 512)
+    return load_tokenizer(d)
+
+
+class _Cfg:
+    def __init__(self, layer_ids):
+        self.target_layer_ids = list(layer_ids)
+        self.mask_token_id = 0
+
+
+class RowOracles:
+    """One oracle per row (rows take their plans in the order they join): drafts
+    right for a random-length prefix of each block, then wrong, so each row
+    accepts a random 0..w-1 drafts per cycle, independently of the others."""
+
+    version = 1
+
+    def __init__(self, plans, vocab=512, block_size=16, seed=0, layer_ids=(0, 2)):
+        self.plans = list(plans)  # (prompt length, the row's greedy continuation)
+        self.of = {}
+        self.rng = random.Random(seed)
+        self.vocab, self.block_size, self.config = vocab, block_size, _Cfg(layer_ids)
+        self.right = self.tried = 0
+
+    def make_cache(self, window=None, sink=0):
+        c = KVCache()
+        self.of[id(c)] = self.plans.pop(0)
+        return [c]
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        if new_feats is not None:  # the context length, as a real drafter's
+            n = new_feats.shape[1]
+            cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+        plen, cont = self.of[id(cache[0])]
+        pos = cache[0].offset - plen
+        assert cont[pos] == anchor, "oracle out of sync with the batch"
+        k = self.rng.randrange(width)  # drafts right before the first wrong one
+        out = []
+        for j in range(1, width):
+            true = cont[pos + j] if pos + j < len(cont) else 0
+            out.append(true if j - 1 < k else (true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+        self.tried += 1
+        self.right += k
+        return Proposal(out, None, [1.0] * len(out))
+
+
+def run_engine(engine, requests, join_after=3, cancel=None):
+    """Submit the first half now and the rest after `join_after` steps (they join
+    a running batch); `cancel` = (request index, after how many of its tokens).
+    Returns {request index: token ids (EOS excluded)}, {index: last response}."""
+    eos = set(engine.tokenizer.eos_token_ids) if engine.tokenizer is not None else set()
+    half = (len(requests) + 1) // 2
+    uid = {}
+    for i, (p, cfg) in enumerate(requests[:half]):
+        uid[engine.submit(p, cfg)] = i
+    out = {i: [] for i in range(len(requests))}
+    last = {}
+    steps = 0
+    while len(engine) or len(uid) < len(requests):
+        if steps == join_after:
+            for i, (p, cfg) in enumerate(requests[half:], half):
+                uid[engine.submit(p, cfg)] = i
+        for u, r in engine.step():
+            i = uid[u]
+            if not (r.finish_reason == "stop" and r.token in eos):
+                out[i].append(r.token)
+            last[i] = r
+            if cancel is not None and cancel[0] == i and len(out[i]) == cancel[1]:
+                engine.cancel(u)
+        steps += 1
+    return out, last
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("width", [1, 5, 8])
+def test_greedy_rows_equal_each_request_alone(family, width, tok):
+    model = model_of(family)
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
+    oracle = RowOracles(plans, seed=width)
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(width))
+    reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
+    out, last = run_engine(eng, reqs)
+    for i, ref in enumerate(refs):
+        assert out[i] == ref, (family, width, i)
+        assert last[i].finish_reason == "length"
+    if width > 1:  # drafts were verified, accepted in ragged counts
+        assert oracle.tried > 0 and 0 < oracle.right
+        assert any(0 < last[i].stats.accepted < last[i].stats.drafted for i in last)
+
+
+def test_real_dflash2_drafter_rows_equal_alone(pairs):
+    """A real DFlash 2 drafter through the batched drafter forward (padded
+    contexts of different lengths, per-row positions, a bounded context window):
+    every row is mlx-lm's greedy output; the single-stream Decoder agrees."""
+    d = pairs("qwen3", version=2, block_size=8)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    for w in (1, 5, 8):
+        eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(w))
+        reqs = [(p, DecodeConfig(max_tokens=m, drafter_window=8, drafter_sink=2)) for p, m in zip(PROMPTS, MAXES)]
+        out, last = run_engine(eng, reqs, join_after=2)
+        for i, ref in enumerate(refs):
+            assert out[i] == ref, (w, i)
+        if w > 1:
+            assert all(last[i].stats.drafted > 0 for i in last)
+    alone = generate(model, tok, PROMPTS[0], drafter, max_tokens=MAXES[0], block_size=5, guard=False)
+    assert alone.token_ids == refs[0]
+
+
+def test_cancelled_row_leaves_the_others_identical(tok):
+    model = model_of("gemma3_text")
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
+    eng = BatchEngine(model, tok, RowOracles(plans, seed=3), max_batch=4, policy=FixedBatchWidth(5))
+    reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
+    out, last = run_engine(eng, reqs, cancel=(1, 4))
+    assert out[1][:4] == refs[1][:4] and len(out[1]) < len(refs[1])  # it stopped at a cycle boundary
+    for i, ref in enumerate(refs):
+        if i != 1:
+            assert out[i] == ref, i
+    assert len(eng) == 0 and eng.cache is None
+
+
+def test_stop_strings_and_limits_act_per_row(pairs):
+    d = pairs("qwen3", version=1)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    texts = [generate(model, tok, p, None, max_tokens=20, verify_mode="off").text for p in PROMPTS[:4]]
+    stops = [[t[5:8]] if len(t) > 10 else None for t in texts]  # a stop string inside each answer
+    eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(5))
+    uids = [eng.submit(p, DecodeConfig(max_tokens=20, stop=s)) for p, s in zip(PROMPTS[:4], stops)]
+    got = {u: "" for u in uids}
+    fin = {}
+    for u, r in eng.run():
+        got[u] += r.text
+        if r.finish_reason:
+            fin[u] = r.finish_reason
+    for u, p, s in zip(uids, PROMPTS[:4], stops):
+        alone = generate(model, tok, p, None, max_tokens=20, stop=s, verify_mode="off")
+        assert got[u] == alone.text and fin[u] == alone.finish_reason, (p, s)
+    assert any(s is not None for s in stops)
+
+
+def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
+    """A sampled row draws from its own PRNG key: the same seed gives the same
+    tokens alone or beside other rows (greedy and sampled) of any length."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, 24) for p in PROMPTS[:4]]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS[:4], refs)]
+    cfg = DecodeConfig(max_tokens=24, temperature=1.0, top_k=5, seed=7)
+
+    class Own(RowOracles):
+        """The greedy path while the row is on it, else the anchor repeated: a
+        function of the row's own state only."""
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            if new_feats is not None:
+                n = new_feats.shape[1]
+                cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+            plen, cont = self.of[id(cache[0])]
+            pos = cache[0].offset - plen
+            on = 0 <= pos < len(cont) and cont[pos] == anchor
+            out = [cont[pos + j] if on and pos + j < len(cont) else anchor for j in range(1, width)]
+            return Proposal(out, None, [1.0] * len(out))
+
+    def sampled(with_others):
+        eng = BatchEngine(model, tok, Own(list(plans) if with_others else [plans[0]]),
+                          max_batch=4, policy=FixedBatchWidth(4))
+        reqs = [(PROMPTS[0], cfg)]
+        if with_others:
+            reqs += [(p, DecodeConfig(max_tokens=24, temperature=0.8, seed=i)) for i, p in enumerate(PROMPTS[1:4])]
+        out, _ = run_engine(eng, reqs, join_after=0)
+        return out[0]
+
+    # the oracle drafts the greedy path: a sampled row leaves it, its drafts go wrong and
+    # are rejected by the rule; what it emits depends only on its key and its logits
+    assert sampled(False) == sampled(True)
+
+
+def test_sampled_rows_keep_the_target_distribution(pairs):
+    """The joint law of 3 tokens, sampled by rows of a batch (a drafted fixed
+    block, DFlash 2's sampled selector path not involved) vs plain sampling alone."""
+    from scipy.stats import chi2_contingency
+
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt = "def f(x):"
+    greedy = generate(model, tok, prompt, None, max_tokens=3).token_ids
+    n = 320
+
+    class Fixed(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            return [KVCache()]
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            self.tried += 1
+            return Proposal(greedy[1:width], None, [1.0] * (width - 1))
+
+    drafter = Fixed([])
+    eng = BatchEngine(model, tok, drafter, max_batch=8, policy=FixedBatchWidth(3))
+    uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3, seed=50_000 + s))
+            for s in range(n)]
+    got = {u: [] for u in uids}
+    accepted = 0
+    for u, r in eng.run():
+        got[u].append(r.token)
+        if r.finish_reason:
+            accepted += r.stats.accepted
+    spec = Counter(tuple(v) for v in got.values())
+    plain = Counter(tuple(generate(model, tok, prompt, None, seed=s, verify_mode="off", max_tokens=3,
+                                   temperature=1.5, top_k=3).token_ids) for s in range(n))
+    keys = sorted(set(plain) | set(spec))
+    table = np.array([[plain[k] + 0.5 for k in keys], [spec[k] + 0.5 for k in keys]])
+    assert drafter.tried > 0 and accepted > 0 and len(keys) > 3
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
+    """With drafts that are always wrong the guard's prediction falls below
+    break-even and the batch decodes plainly (one token per row and cycle),
+    output unchanged."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, 20) for p in PROMPTS[:3]]
+
+    class Wrong(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            return [KVCache()]
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            self.tried += 1
+            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
+
+    drafter = Wrong([])
+    guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5)
+    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=20)) for p in PROMPTS[:3]], join_after=0)
+    assert [out[i] for i in range(3)] == refs
+    assert drafter.tried > 0  # it probed, then stopped drafting
+    for i in last:
+        st = last[i].stats
+        assert st.plain_cycles > 2 * (st.cycles - st.plain_cycles), (i, st.cycles, st.plain_cycles)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_recurrent_targets_are_refused_in_one_line(family, tok):
+    with pytest.raises(BatchError) as e:
+        BatchEngine(model_of(family), tok, None)
+    assert "\n" not in str(e.value) and "batch" in str(e.value)
+
+
+def test_requests_that_run_alone_are_refused_in_one_line(tok):
+    eng = BatchEngine(model_of("qwen3"), tok, None)
+    with pytest.raises(BatchError) as e:
+        eng.submit("hi", DecodeConfig(logprobs=True))
+    assert "alone" in str(e.value)
+    with pytest.raises(ValueError):
+        eng.submit([], DecodeConfig())
+
+
+def test_guard_drafts_where_drafts_pay(tok):
+    """Drafts that are always right: the guard, starting from a prior that
+    predicts no gain, probes, learns each row's acceptance and drafts; output unchanged."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, 30) for p in PROMPTS[:3]]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS[:3], refs)]
+
+    class Right(RowOracles):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            if new_feats is not None:
+                n = new_feats.shape[1]
+                cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+            plen, cont = self.of[id(cache[0])]
+            pos = cache[0].offset - plen
+            out = [cont[pos + j] if pos + j < len(cont) else 0 for j in range(1, width)]
+            return Proposal(out, None, [1.0] * len(out))
+
+    guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5, prior=[0.3] * 4)
+    eng = BatchEngine(model, tok, Right(plans), max_batch=3, policy=guard)
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=30)) for p in PROMPTS[:3]], join_after=0)
+    assert [out[i] for i in range(3)] == refs
+    for i in last:
+        st = last[i].stats
+        assert st.cycles - st.plain_cycles > st.plain_cycles and st.tau > 2.5, (i, st.cycles, st.plain_cycles)

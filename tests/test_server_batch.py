@@ -1,0 +1,69 @@
+"""`serve --max-batch 4`: requests decode together (app/server/batcher.py) and
+every answer is what the request gets alone. The single-stream server tests
+(test_server.py) run again here against a batching server, except those about
+the prompt store (a batching server does not reuse cached prefixes yet)."""
+
+import threading
+
+import httpx
+import pytest
+from serve_process import Server
+from test_server import (  # noqa: F401  (collected here, against the batching server below)
+    ref,
+    test_bad_requests,
+    test_chat_greedy_equals_engine_and_reports,
+    test_chat_stream_with_usage,
+    test_completion_and_stream_agree,
+    test_disconnect_cancels_generation,
+    test_eight_parallel_streams,
+    test_eos_ends_the_stream,
+    test_logprobs_fall_back_to_plain_decoding_and_say_so,
+    test_penalties_are_applied_not_ignored,
+    test_sampling_with_seed_is_reproducible,
+    test_settings_default_max_tokens,
+    test_sse_wire_format,
+    test_stop_string,
+    test_switching_models,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def server(serve_models):
+    s = Server(serve_models[1], "--queue-size", "8", "--max-batch", "4")
+    yield s
+    s.stop()
+
+
+def test_sixteen_concurrent_clients_each_get_their_own_answer(server, ref):
+    """16 clients at once (4 decode together, the rest wait in the queue of 8 or
+    are told 429): no 5xx; every answer served is the request's text alone;
+    /metrics shows the batch's occupancy."""
+    _, _, run = ref
+    prompts = ["alpha", "beta gamma", "delta", "epsilon zeta eta", "one two", "import os", "def f(x):",
+               "The sea is"]
+    expect = {p: run(p, 12).text for p in prompts}
+    out, codes = {}, []
+    lock = threading.Lock()
+
+    def client(i):
+        p = prompts[i % len(prompts)]
+        r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": p, "max_tokens": 12,
+                                                              "temperature": 0}, timeout=600)
+        with lock:
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                out[i] = (p, r.json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not [c for c in codes if c >= 500]
+    assert all(c in (200, 429) for c in codes) and len(out) >= 12  # 4 rows + 8 queued + 1 admitted
+    for p, text in out.values():
+        assert text == expect[p], p
+    b = server.metrics()["batch"]
+    assert b["max_batch"] == 4 and 2 <= b["peak_rows"] <= 4
