@@ -36,11 +36,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
+import mlx_lm
 
 from .calibrate import Calibration, measure_costs
 from .costs import COST_CONTEXT, Costs, need
 from .decode_config import DecodeConfig
 from .decoder import Decoder
+from .drafter import load_drafter, validate
 from .prompt_cache import PromptCache
 from .stats import GenerationResponse
 from .target import Target, TargetError
@@ -121,6 +123,29 @@ def split_model(model, group, mode: str = "auto", seed: Optional[int] = None) ->
     shared = broadcast_ints([seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1], group)
     mx.random.seed(shared[0])
     return split
+
+
+def load(model_path: str, drafter_path: Optional[str] = None, group=None, mode: str = "auto",
+         seed: Optional[int] = None) -> tuple:
+    """Load this rank's part of the target (mlx-lm, lazily: only the weights of
+    this rank's shard are read) and the whole drafter (replicated). The target
+    keeps its checkpoint dtype on every rank (a dtype chosen by timing one rank
+    could differ between machines). Returns (model, tokenizer, drafter or None, Split)."""
+    group = group or world()
+    if group is None:
+        raise DistributedError("no distributed group: start every rank with mlx.launch")
+    try:
+        model, tok = mlx_lm.load(model_path, lazy=True)
+    except ValueError as e:
+        raise DistributedError(f"mlx-lm cannot load {model_path}: {str(e).splitlines()[0]}") from None
+    split = split_model(model, group, mode, seed)
+    mx.eval(model.parameters())
+    drafter = None
+    if drafter_path is not None:
+        drafter = load_drafter(drafter_path)
+        validate(drafter, ShardedTarget(model, split))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank loaded
+    return model, tok, drafter, split
 
 
 # -- collectives --------------------------------------------------------------------------
@@ -241,18 +266,23 @@ def forward_ops(split: Split) -> int:
     return split.size  # (size - 1) stage hand-overs + the final all_gather
 
 
-def measure_comm(split: Split, hidden: int, dtype, widths: Sequence[int] = (1, 5, 8), reps: int = 20) -> CommCost:
+def measure_comm(split: Split, hidden: int, dtype, widths: Sequence[int] = (1, 5, 8), reps: int = 15) -> CommCost:
     """Time all_sum of [1, L, hidden] on the group, all ranks together (fixed
-    reps); rank 0's numbers on every rank."""
+    reps; the median, after a barrier: a rank arriving late is not counted as
+    communication); rank 0's numbers on every rank."""
     per = []
     for L in widths:
         x = mx.ones((1, L, hidden), dtype)
-        mx.eval(mx.distributed.all_sum(x, group=split.group))  # warm-up
-        t = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=split.group))  # warm-up and barrier
+        ts = []
         for _ in range(reps):
-            x = mx.distributed.all_sum(x * 0.5, group=split.group)
+            x = x * 0.5
             mx.eval(x)
-        per.append((time.perf_counter() - t) / reps)
+            t = time.perf_counter()
+            x = mx.distributed.all_sum(x, group=split.group)
+            mx.eval(x)
+            ts.append(time.perf_counter() - t)
+        per.append(sorted(ts)[len(ts) // 2])
     per = broadcast_floats(per, split.group)
     return CommCost(dict(zip(widths, per)), forward_ops(split), 1 if split.mode == PIPELINE else 0)
 
