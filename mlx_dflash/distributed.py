@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -396,3 +397,63 @@ class Session:
                 ids.append(r.token)
                 src.append(r.from_draft)
         return ids, src, r
+
+
+# -- serving: rank 0 takes requests, the others run each one with it ------------------------
+# DecodeConfig fields that are functions (or per-process), not sent to the other ranks
+LOCAL_FIELDS = ("logits_processors", "prefill_progress")
+
+
+def config_message(cfg: DecodeConfig) -> dict:
+    if cfg.logits_processors:
+        raise DistributedError("logits processors (logit_bias, penalties, structured output) run on one rank "
+                               "only; a split target cannot take them")
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in LOCAL_FIELDS}
+
+
+class Leader:
+    """Rank 0's side of a split target taking requests (a server): each
+    request's prompt ids and decode settings go to the other ranks first (two
+    all_sums), then every rank runs it. Every rank runs a request to its end,
+    so rank 0 does too when its reader stops early (a client that left)."""
+
+    def __init__(self, session: Session):
+        if not session.leader:
+            raise DistributedError("only rank 0 leads; the other ranks call follow()")
+        self.session = session
+        self.lock = threading.Lock()  # one request at a time across the ranks
+
+    def stream(self, ids: List[int], config: DecodeConfig) -> Iterator[GenerationResponse]:
+        msg = {"ids": [int(i) for i in ids], "config": config_message(config)}
+        with self.lock:
+            self.session.channel.share(msg)
+            gen = self.session.stream(ids, config)
+            try:
+                yield from gen
+            finally:
+                for _ in gen:  # (the other ranks are running it to the end)
+                    pass
+
+    def close(self) -> None:
+        """Release the other ranks (their follow() returns)."""
+        with self.lock:
+            self.session.channel.share(None)
+
+
+def follow(session: Session) -> int:
+    """The other ranks' loop: run each request rank 0 shares, until it closes.
+    Returns the number of requests run."""
+    n = 0
+    while True:
+        msg = session.channel.share()
+        if msg is None:
+            return n
+        try:
+            for _ in session.stream(msg["ids"], DecodeConfig(**msg["config"])):
+                pass
+        except RuntimeError as e:
+            if lost_rank(e) is not None:
+                raise
+        except (ValueError, TypeError):  # a request rank 0 refused the same way (its caller answers it)
+            pass
+        n += 1

@@ -267,7 +267,10 @@ class Worker:
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        if fallback:  # one request's own processors: nothing to share through the prompt store
+        split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
+        if split is not None:  # every rank runs it; no prompt store (it would differ between ranks)
+            gen = split.stream(ids, cfg)
+        elif fallback:  # one request's own processors: nothing to share through the prompt store
             gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
         else:
             if self.store is None:
