@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import sys
 
+import mlx.core as mx
+
 from mlx_dflash.decode_config import DecodeConfig
+from mlx_dflash.dtype_choice import cast
 from mlx_dflash.distributed import DistributedError, Session, load, lost_rank
 from mlx_dflash.loader import model_dtype
 from mlx_dflash.manager import model_path, resolve, settings_store
@@ -50,6 +53,10 @@ def _generate(args, group, out, build_prompt, effective_settings) -> int:
     store = settings_store()
     mid, path, did, dpath, saved = _paths(args, store)
     model, tok, drafter, split = load(path, dpath, group, args.split, seed=args.seed)
+    if args.dtype in ("float32", "bfloat16", "float16"):  # the same cast on every rank (auto would time one)
+        for m in (model, drafter):
+            if m is not None:
+                cast(m, getattr(mx, args.dtype))
     s = effective_settings(saved, args)
     if drafter is not None and s.block_size > drafter.block_size:
         raise UserError(f"--block-size: block size {s.block_size} is above the drafter's trained block size "

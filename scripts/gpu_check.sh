@@ -5,7 +5,8 @@
 # shape class the drafters use, fp32 / bf16 / fp16), the lossless test subset,
 # `mlx-dflash doctor`, and the realistic-regime bench at Qwen3-4B and Qwen3-8B
 # shapes in bf16 (c(w), d, speedup, efficiency). Writes bench/gpu/<machine>/ and
-# prints a one-screen summary. Budget: under 8 minutes on an H200.
+# prints a one-screen summary. Budget: under 8 minutes on an H200 (each step has a
+# time limit; a step past it is reported as TIMEOUT and the next one runs).
 #
 #   scripts/gpu_check.sh                  # the whole check (Mac, or Linux + NVIDIA)
 #   scripts/gpu_check.sh --skip-install   # the CUDA backend is installed already
@@ -75,7 +76,7 @@ if [[ $KIND == cuda && $INSTALL == 1 ]]; then
   [[ ${CU:-12} -ge 13 ]] && CU=13 || CU=12
   VER=$("$PY" -c 'import importlib.metadata as m; print(m.version("mlx"))')
   # (mlx-cpu's CPU-only library would shadow the CUDA one); `timeout` runs commands, not functions
-  step install 240 bash -c "'$PY' -m pip uninstall -y mlx-cpu >/dev/null 2>&1;
+  step install 150 bash -c "'$PY' -m pip uninstall -y mlx-cpu >/dev/null 2>&1;
     '$PY' -m pip install 'mlx[cuda$CU]==$VER' || '$PY' -m pip install 'mlx-cuda-$CU==$VER'"
 fi
 
@@ -84,7 +85,7 @@ case $KIND in
   metal) want='mx.metal.is_available()' ;;
   *) want='True' ;;
 esac
-if ! step backend 60 "$PY" -c "import mlx_dflash, mlx.core as mx; from mlx_dflash.conv import kernel_backend
+if ! step backend 30 "$PY" -c "import mlx_dflash, mlx.core as mx; from mlx_dflash.conv import kernel_backend
 assert $want, 'the $KIND backend is not available'
 print('mlx', mx.__version__, mx.default_device(), 'conv kernel:', kernel_backend())"; then
   printf '%s\n' "${ROWS[@]}"
@@ -93,21 +94,24 @@ print('mlx', mx.__version__, mx.default_device(), 'conv kernel:', kernel_backend
 fi
 
 # 1. the conv kernel against the ops path on this device (tests/test_conv.py's CPU-path assertion excluded)
-step conv 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_conv_gpu.py tests/test_conv.py \
+step conv 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_conv_gpu.py tests/test_conv.py \
   -k "not ops_path_is_the_cpu_path"
 # 2. lossless: greedy token for token with mlx-lm, rejection sampling's distribution
-step lossless 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_lossless.py tests/test_sampling.py \
-  tests/test_decoder.py
-# 3. doctor
-step doctor 120 "$PY" -m app.cli doctor --json
-cp "$OUT/doctor.log" "$OUT/doctor.json" 2>/dev/null
+if [[ $KIND == cpu ]]; then  # (a CPU is slow at this: the plumbing, not the GPU paths)
+  step lossless 900 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_lossless.py
+  step doctor 300 bash -c "'$PY' -m app.cli doctor --json --quick >'$OUT/doctor.json'"
+else
+  step lossless 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_lossless.py tests/test_sampling.py
+  # 3. doctor
+  step doctor 60 bash -c "'$PY' -m app.cli doctor --json >'$OUT/doctor.json'"
+fi
 # 4. the realistic regime at published shapes
 if [[ $KIND == cpu ]]; then
-  step bench 300 "$PY" -m app.cli bench --realistic --targets qwen3-0.6b --dtype float32 --quick \
-    --realistic-widths 5,8 --out "$OUT/realistic"
+  step bench 900 "$PY" -m app.cli bench --realistic --targets qwen3-0.6b --dtype float32 --quick \
+    --realistic-widths 5 --out "$OUT/realistic"
 else
-  step bench 300 "$PY" -m app.cli bench --realistic --targets qwen3-4b,qwen3-8b --dtype bfloat16 \
-    --num-prompts 3 --max-tokens 96 --realistic-widths 5,8,16 --out "$OUT/realistic"
+  step bench 210 "$PY" -m app.cli bench --realistic --targets qwen3-4b,qwen3-8b --dtype bfloat16 \
+    --num-prompts 2 --max-tokens 96 --realistic-widths 5,8,16 --out "$OUT/realistic"
 fi
 
 TOTAL=$(( $(date +%s) - START ))

@@ -26,7 +26,7 @@ from tiny_families import config, build  # noqa: E402
 
 from mlx_dflash.decode_config import DecodeConfig  # noqa: E402
 from mlx_dflash.decoder import Decoder  # noqa: E402
-from mlx_dflash.distributed import Session, lost_rank, split_model, world  # noqa: E402
+from mlx_dflash.distributed import Leader, Session, follow, lost_rank, split_model, world  # noqa: E402
 from mlx_dflash.drafter import Proposal  # noqa: E402
 from mlx_dflash.prompt_cache import PromptCache  # noqa: E402
 from mlx_dflash.calibrate import Calibration  # noqa: E402
@@ -130,7 +130,34 @@ def lossless(out: Path, group):
                                                                    temperature=0.9), split)
         res[f"{family}/{how}/sampled"] = dict(split=t2, split_src=s2, unseeded=t3, unseeded_src=s3,
                                               split_log=sess.drafter.log, info=info)
+        res[f"{family}/{how}/served"] = served(sess, d, ref_model, group)
     (out / f"rank{group.rank()}.json").write_text(json.dumps(res))
+
+
+def served(sess, d, ref_model, group) -> dict:
+    """Requests as a server takes them: rank 0 leads (its reader stops one
+    request early), the others follow; then every rank decodes one more prompt
+    directly, which only works if the ranks are still in step."""
+    a, b = prompts(ref_model.args.vocab_size)
+    plain = {i: run_one(ref_model, None, p, DecodeConfig(max_tokens=MAX_TOKENS, verify_mode="off"))[0]
+             for i, p in enumerate((a, b))}
+    sess.drafter = d
+    cfg = DecodeConfig(max_tokens=MAX_TOKENS, block_size=5, guard=False)
+    out = {"plain": plain[1]}
+    if group.rank() == 0:
+        lead = Leader(sess)
+        early = []
+        for r in lead.stream(a, cfg):
+            early.append(r.token)
+            if len(early) == 3:
+                break  # a client that left: rank 0 still runs the rest with the others
+        out["early"] = early
+        out["served"] = [r.token for r in lead.stream(b, cfg)]
+        lead.close()
+    else:
+        out["followed"] = follow(sess)
+    out["after"] = sess.generate(b, cfg)[0]
+    return out
 
 
 def kill(out: Path, group):

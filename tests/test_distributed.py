@@ -106,6 +106,17 @@ def test_sampled_same_on_every_rank(lossless):
         assert len(r0[k]["split"]) == 20
 
 
+def test_served_requests_keep_the_ranks_in_step(lossless):
+    """Rank 0 leads two requests (its reader leaves the first after 3 tokens), the
+    other rank follows both; then both decode in step, still lossless."""
+    r0, r1 = lossless
+    for k in ("qwen3/tensor/served", "qwen2/pipeline/served"):
+        a, b = r0[k], r1[k]
+        assert len(a["early"]) == 3 and a["served"] == a["plain"], k
+        assert b["followed"] == 2, k
+        assert a["after"] == b["after"] == a["plain"], k
+
+
 def test_lost_rank_is_one_line(tmp_path):
     """Rank 1 is killed mid-generation; rank 0 exits with one line of its own.
     The ranks are started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
@@ -130,3 +141,26 @@ def test_lost_rank_is_one_line(tmp_path):
     ours = [line for line in err0.splitlines() if line.startswith("mlx-dflash")]
     assert len(ours) == 1 and "rank 0: lost contact with another rank" in ours[0], err0[-2000:]
     assert "Traceback" not in err0
+
+
+def test_generate_command_under_mlx_launch(tmp_path):
+    """`mlx-dflash generate --json` on two ranks (the embedded pair, float32):
+    rank 0 prints the single-process plain decoding's token ids, with the split's stats."""
+    if LAUNCH is None:
+        pytest.skip("mlx.launch is not installed")
+    args = ["-m", "app.cli", "generate", "--prompt", "Write a haiku about the sea", "--max-tokens", "16",
+            "--dtype", "float32", "--json"]
+    env = dict(os.environ, MLX_DFLASH_HOME=str(tmp_path))
+    one = subprocess.run([sys.executable, *args, "--verify-mode", "off"], capture_output=True, text=True,
+                         timeout=600, cwd=HERE.parent, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python",
+                          sys.executable, *args], capture_output=True, text=True, timeout=900, cwd=HERE.parent,
+                         env=env)
+    assert two.returncode == 0, two.stderr[-2000:]
+    lines = [json.loads(x) for x in two.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    ref = json.loads(one.stdout.strip().splitlines()[-1])
+    assert lines[0]["token_ids"] == ref["token_ids"]
+    d = lines[0]["stats"]["distributed"]
+    assert d["ranks"] == 2 and d["split"] == "tensor" and d["collectives"] > 0
