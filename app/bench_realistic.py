@@ -33,6 +33,8 @@ _QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, in
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                   tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)
 _QWEN3_17B = dict(_QWEN3_06B, hidden_size=2048, intermediate_size=6144)
+_QWEN3_4B = dict(_QWEN3_06B, hidden_size=2560, num_hidden_layers=36, intermediate_size=9728, num_attention_heads=32)
+_QWEN3_8B = dict(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 # a Qwen3.5 / Qwen3-Next style hybrid (gated delta net 3 : 1 full attention), dense, at 0.6B scale
 _HYBRID = dict(model_type="qwen3_5_text", hidden_size=1024, num_hidden_layers=24, intermediate_size=3072,
                num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=151936,
@@ -57,6 +59,8 @@ TARGETS = {  # name -> (config, quantization bits or 0, label)
     "qwen3-small": (_QWEN3_SMALL, 0, "Qwen3 layout at hidden 512, 8 layers (8 heads of 64, 4 KV), vocab 32768"),
     "hybrid-small": (_HYBRID_SMALL, 0, "Qwen3.5-style gated-delta hybrid (3 : 1) at hidden 512, 8 layers, "
                                        "vocab 32768"),
+    "qwen3-4b": (_QWEN3_4B, 0, "Qwen3-4B shape"),  # (GPU sizes: scripts/gpu_check.sh)
+    "qwen3-8b": (_QWEN3_8B, 0, "Qwen3-8B shape"),
 }
 DEFAULT_TARGETS = "qwen3-0.6b,hybrid-0.6b"
 WIDTHS = (5, 8, 16)

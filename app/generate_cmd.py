@@ -45,6 +45,9 @@ def add_parser(sub):
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system prompt (chat template only; default from settings)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--split", default="auto", choices=("auto", "tensor", "pipeline"),
+                   help="under mlx.launch: how the target is split over the ranks (default auto: tensor "
+                        "parallelism where mlx-lm has it for the family, else pipeline)")
 
 
 def build_prompt(tokenizer, text: str, raw: bool, system=None):
@@ -110,6 +113,13 @@ class _Pipe:
 
 
 def run(args):
+    from mlx_dflash.distributed import world
+
+    group = world()
+    if group is not None:  # started by mlx.launch: the target split over the ranks
+        from .distributed_cmd import generate
+
+        return generate(args, group, build_prompt, effective_settings)
     from mlx_dflash import DecodeConfig, stream_generate
     from mlx_dflash.manager import acceptance_warning, load_model
     from mlx_dflash.settings_checks import settings_store

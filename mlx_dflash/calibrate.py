@@ -37,14 +37,15 @@ def _median(xs):
 
 def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
                   budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25,
-                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8) -> Costs:
+                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, session=None) -> Costs:
     """Time, over `context` cached tokens and capturing the drafter's tapped
     layers as the loop does: verifies of 1..max_width rows (the session's
     verify and its one readback), drafts of 2..max_width positions, and a run of
-    `plain_steps` tokens of the session's pipelined plain decoding."""
+    `plain_steps` tokens of the session's pipelined plain decoding. `session`:
+    what builds the session (default Decoder; a split target's on every rank)."""
     real = isinstance(drafter, Drafter)  # test doubles have no cost worth measuring
     pc = PromptCache()
-    s = Decoder(model, None, drafter, DecodeConfig(verify_mode="off"), pc)
+    s = (session or Decoder)(model, None, drafter, DecodeConfig(verify_mode="off"), pc)
     target = s.target
     s.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
     pc.target = target.make_cache()

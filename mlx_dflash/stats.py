@@ -46,6 +46,7 @@ class GenerationStats:
     adaptive: Optional[dict] = None  # the width policy's state (AdaptiveWidth / Guard summary)
     policy: str = ""  # what decides the width and why, in a few words ("plain: DFlash 0.8x predicted ...")
     lookup_cycles: int = 0  # cycles whose drafts came from prompt lookup
+    distributed: Optional[dict] = None  # a split target: ranks, split, collectives and their time (distributed.py)
 
     @property
     def tau(self) -> float:

@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_dflash.costs import cache_dir
+from mlx_dflash.distributed import world
 from mlx_dflash.settings import remove_stale_temps
 
 from .errors import error_line
 from .app import create_app
 from .connections import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES, with_head_timeout
 from .catalog import ManagerCatalog
+from .split import SplitServer
 
 KEY_ENV = "MLX_DFLASH_API_KEY"
 CALIBRATION_TEMP = re.compile(r"^.+\.\d+\.tmp$")  # calibrate._write's NAME.PID.tmp
@@ -53,6 +55,9 @@ def add_parser(sub):
                    help=f"close a connection idle this long between requests (default {KEEP_ALIVE_S:g})")
     p.add_argument("--quiet", action="store_true", help="no log line per request")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--split", default="auto", choices=("auto", "tensor", "pipeline"),
+                   help="under mlx.launch: how the target is split over the ranks (default auto: tensor "
+                        "parallelism where mlx-lm has it for the family, else pipeline); rank 0 serves")
 
 
 def api_key(args, settings_key: Optional[str]) -> Optional[str]:
@@ -103,8 +108,14 @@ def run(args) -> int:
     key = api_key(args, g.api_key)
     cors = tuple(args.cors if args.cors is not None else g.cors_origins)
     catalog = ManagerCatalog(store)
-    model = None
-    if args.model is not None:  # an id or a model folder; fail now, in one line, if neither
+    model = split = None
+    group = world()
+    if group is not None:  # started by mlx.launch: the target split over the ranks, rank 0 serves
+        split = SplitServer(args.model, store, group, args.split)
+        if split.leader is None:
+            return split.follow()
+        catalog, model = split.catalog, split.lm.id
+    elif args.model is not None:  # an id or a model folder; fail now, in one line, if neither
         from mlx_dflash.model_names import resolve
 
         entry = resolve(args.model, store)
@@ -136,7 +147,11 @@ def run(args) -> int:
     if not key and not _loopback(host):
         sys.stderr.write(f"mlx-dflash: warning: {host} is reachable from other machines and no API key is set "
                          f"(set {KEY_ENV} or use --api-key-file)\n")
-    return _serve(app, host, port, args)
+    try:
+        return _serve(app, host, port, args)
+    finally:
+        if split is not None:
+            split.close()  # the other ranks' follow() returns
 
 
 def _loopback(host: str) -> bool:

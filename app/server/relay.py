@@ -135,5 +135,6 @@ def report(stats, end: dict) -> dict:
                    "fallback": s.fallback, "policy": s.policy, "lookup_cycles": s.lookup_cycles,
                    "acceptance_rate": s.acceptance_rate,
                    "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
-                   "queue_ms": end["queue_ms"]},
+                   "queue_ms": end["queue_ms"],
+                   **({"distributed": s.distributed} if getattr(s, "distributed", None) else {})},  # split target
     }

@@ -343,7 +343,10 @@ class Worker:
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        if batch is not None:  # decoded in the batch (or alone on its thread): no prompt store
+        split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
+        if split is not None:  # every rank runs it; no prompt store (it would differ between ranks)
+            gen = split.stream(ids, cfg)
+        elif batch is not None:  # decoded in the batch (or alone on its thread): no prompt store
             gen = batch.stream(ids, cfg)
         elif fallback:  # one request's own processors: nothing to share through the prompt store
             gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
