@@ -13,7 +13,8 @@ from mlx_dflash.decode_config import DecodeConfig
 from mlx_dflash.dtype_choice import cast
 from mlx_dflash.distributed import DistributedError, Session, load, lost_rank
 from mlx_dflash.loader import model_dtype
-from mlx_dflash.manager import model_path, resolve, settings_store
+from mlx_dflash.settings_checks import settings_store
+from mlx_dflash.model_names import model_path, resolve
 
 from .cli import UserError
 

@@ -13,7 +13,8 @@ from dataclasses import replace
 from typing import List, Optional
 
 from mlx_dflash.distributed import DistributedError, Leader, Session, follow, load, lost_rank
-from mlx_dflash.manager import LoadedModel, model_path, resolve
+from mlx_dflash.manager import LoadedModel
+from mlx_dflash.model_names import model_path, resolve
 
 from .catalog import ManagerCatalog
 
