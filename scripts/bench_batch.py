@@ -154,7 +154,8 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3, help="runs per system and concurrency; the median run is kept")
     ap.add_argument("--out", default="bench/batch.json")
-    ap.add_argument("--rollback", action="store_true", help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
+    ap.add_argument("--rollback", action="store_true",
+                    help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
     a = ap.parse_args()
     model, tok, drafter = load(dtype=a.dtype)
     if a.rollback:
