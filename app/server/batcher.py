@@ -126,7 +126,7 @@ class Batcher:
 
     def _step(self):
         try:
-            events = self.engine.step()
+            self.engine.step(self._deliver)
         except BaseException as e:  # a bug: every running request gets it, the engine starts over
             traceback.print_exc(file=sys.stderr)
             for q in self.outs.values():
@@ -135,12 +135,13 @@ class Batcher:
             self.engine = BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch)
             return
         self.peak = max(self.peak, self.engine.occupancy)
-        for uid, r in events:
-            q = self.outs.get(uid)
-            if q is not None:
-                q.put(r)
-                if r.finish_reason:
-                    del self.outs[uid]
+
+    def _deliver(self, uid: int, r) -> None:
+        q = self.outs.get(uid)
+        if q is not None:
+            q.put(r)
+            if r.finish_reason:
+                del self.outs[uid]
 
     def _alone(self, uid: int, ids, cfg, q) -> None:
         self.alone += 1
