@@ -34,6 +34,7 @@ class Batcher:
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
         self.cancels: List[int] = []
         self.outs: Dict[int, queue.Queue] = {}
+        self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
         self.alone = 0  # requests served alone so far
         self.peak = 0  # most rows decoding together
         threading.Thread(target=self._loop, name="mlx-dflash-batch", daemon=True).start()
@@ -69,6 +70,11 @@ class Batcher:
                     self.cancels.append(uid)
                     self.cv.notify()
 
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+
     def summary(self) -> dict:
         """Batch occupancy for /metrics."""
         e = self.engine
@@ -85,6 +91,9 @@ class Batcher:
         while True:
             with self.cv:
                 while not (self.inbox or self.cancels or (self.engine is not None and len(self.engine))):
+                    if self.closed:
+                        self.engine = self.lm = None
+                        return
                     self.cv.wait()
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
