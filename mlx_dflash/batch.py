@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -176,11 +176,13 @@ class BatchEngine:
         return len(self.rows) + len(self.waiting)
 
     # -- the loop ----------------------------------------------------------------------------
-    def step(self) -> List[Tuple[int, GenerationResponse]]:
+    def step(self, emit: Optional[Callable[[int, GenerationResponse], None]] = None
+             ) -> List[Tuple[int, GenerationResponse]]:
         """Prefill chunks of queued requests (while rows are free, up to
         prefill_step_size tokens: short prompts all join at once, a long one is
         interleaved with the cycles), then one cycle of the running batch.
-        Returns the tokens it produced, in order."""
+        Returns the tokens it produced, in order; `emit(uid, response)` gets
+        each one as soon as it exists (a first token before the next prefill)."""
         events: List[Tuple[int, GenerationResponse]] = []
         self._drop_cancelled()
         budget = self.prefill_step_size
@@ -190,8 +192,14 @@ class BatchEngine:
             budget -= max(1, before - (len(self.waiting[0].rest) if ev is None else 0))
             if ev is not None:
                 events.append(ev)
+                if emit is not None:
+                    emit(*ev)
         if self.rows:
-            events += self._cycle()
+            done = self._cycle()
+            events += done
+            if emit is not None:
+                for ev in done:
+                    emit(*ev)
         self._retire()
         return events
 

@@ -62,10 +62,14 @@ def run_engine(model, tok, drafter, ps, max_tokens, policy=None):
     uids = [eng.submit(p, DecodeConfig(max_tokens=max_tokens)) for p in ps]
     times = {u: [] for u in uids}
     ids = {u: [] for u in uids}
-    for u, r in eng.run():
+
+    def got(u, r):  # as each token exists (a first token before the next request's prefill)
         times[u].append(time.perf_counter())
         if not (r.finish_reason == "stop" and r.token in eos):
             ids[u].append(r.token)
+
+    while len(eng):
+        eng.step(got)
     wall = time.perf_counter() - t0
     return [times[u] for u in uids], [ids[u] for u in uids], t0, wall, eng.policy.reason
 
@@ -154,7 +158,8 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3, help="runs per system and concurrency; the median run is kept")
     ap.add_argument("--out", default="bench/batch.json")
-    ap.add_argument("--rollback", action="store_true", help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
+    ap.add_argument("--rollback", action="store_true",
+                    help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
     a = ap.parse_args()
     model, tok, drafter = load(dtype=a.dtype)
     if a.rollback:

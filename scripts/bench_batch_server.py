@@ -39,11 +39,13 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-batch-server-"))
-    s = Server(home, "--max-batch", str(a.max_batch), "--queue-size", str(a.queue_size), "--quiet", model="embedded/target")
+    s = Server(home, "--max-batch", str(a.max_batch), "--queue-size", str(a.queue_size), "--quiet",
+               model="embedded/target")
     try:
         def ask(p, timeout=600):
             return httpx.post(s.url + "/v1/completions", timeout=timeout,
-                              json={"model": "embedded/target", "prompt": p, "max_tokens": a.max_tokens, "temperature": 0})
+                              json={"model": "embedded/target", "prompt": p, "max_tokens": a.max_tokens,
+                                    "temperature": 0})
 
         alone = {p: ask(p).json()["choices"][0]["text"] for p in PROMPTS}  # one at a time: the reference
         codes, wrong, lat = collections.Counter(), [], []

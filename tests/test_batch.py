@@ -32,14 +32,17 @@ PROMPTS = [
     "import os\n", "class Stack:\n    def push(self, x):", "Janet's ducks lay 16 eggs per day. She eats",
     "for line in open(path):\n    line = line.strip()",
 ]
-FAMILIES = ["qwen3", "llama", "gemma3_text", "ministral3", "gpt_oss"]  # KV; KV + sliding windows (all wrap)
+# KV; KV + sliding windows (all wrap); bfloat16 (mlx-cpu's own matmuls, not BLAS); 4-bit weights
+FAMILIES = ["qwen3", "llama", "gemma3_text", "ministral3", "gpt_oss", "qwen3:bf16", "gemma3_text:bf16", "qwen3:q4"]
 MAXES = [26, 14, 30, 9, 22, 18]  # rows leave at different cycles
 _models = {}
 
 
 def model_of(family):
     if family not in _models:
-        _models[family] = build(family)
+        base, _, kind = family.partition(":")
+        _models[family] = build(base, dtype=mx.bfloat16 if kind == "bf16" else None,
+                                bits=4 if kind == "q4" else 0)
     return _models[family]
 
 

@@ -34,6 +34,7 @@ class Batcher:
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
         self.cancels: List[int] = []
         self.outs: Dict[int, queue.Queue] = {}
+        self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
         self.alone = 0  # requests served alone so far
         self.peak = 0  # most rows decoding together
         threading.Thread(target=self._loop, name="mlx-dflash-batch", daemon=True).start()
@@ -69,6 +70,11 @@ class Batcher:
                     self.cancels.append(uid)
                     self.cv.notify()
 
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+
     def summary(self) -> dict:
         """Batch occupancy for /metrics."""
         e = self.engine
@@ -85,6 +91,9 @@ class Batcher:
         while True:
             with self.cv:
                 while not (self.inbox or self.cancels or (self.engine is not None and len(self.engine))):
+                    if self.closed:
+                        self.engine = self.lm = None
+                        return
                     self.cv.wait()
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
@@ -126,7 +135,7 @@ class Batcher:
 
     def _step(self):
         try:
-            events = self.engine.step()
+            self.engine.step(self._deliver)
         except BaseException as e:  # a bug: every running request gets it, the engine starts over
             traceback.print_exc(file=sys.stderr)
             for q in self.outs.values():
@@ -135,12 +144,13 @@ class Batcher:
             self.engine = BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch)
             return
         self.peak = max(self.peak, self.engine.occupancy)
-        for uid, r in events:
-            q = self.outs.get(uid)
-            if q is not None:
-                q.put(r)
-                if r.finish_reason:
-                    del self.outs[uid]
+
+    def _deliver(self, uid: int, r) -> None:
+        q = self.outs.get(uid)
+        if q is not None:
+            q.put(r)
+            if r.finish_reason:
+                del self.outs[uid]
 
     def _alone(self, uid: int, ids, cfg, q) -> None:
         self.alone += 1

@@ -185,6 +185,8 @@ class Worker:
             return
         if self.batcher is None or self.batcher.lm is not lm:
             self._drain()
+            if self.batcher is not None:
+                self.batcher.close()
             self.batcher = Batcher(lm, self.max_batch)
         with self.slots:
             while len(self.inflight) >= self.max_batch:
