@@ -47,7 +47,7 @@ from .decoder import Decoder
 from .drafter import load_drafter, validate
 from .prompt_cache import PromptCache
 from .stats import GenerationResponse
-from .target import Target, TargetError
+from .target import Target, TargetError, forget
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 SPLITS = ("auto", TENSOR, PIPELINE)
@@ -126,6 +126,7 @@ def split_model(model, group, mode: str = "auto", seed: Optional[int] = None) ->
     else:
         model.model.pipeline(group)
         split = Split(group, PIPELINE, n, model.model.start_idx, model.model.end_idx)
+    forget(model)  # a probe taken before the split names layers this rank may not hold
     shared = broadcast_ints([seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1], group)
     mx.random.seed(shared[0])
     return split

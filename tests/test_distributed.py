@@ -179,3 +179,19 @@ def test_generate_command_under_mlx_launch(tmp_path):
     assert lines[0]["token_ids"] == ref["token_ids"]
     d = lines[0]["stats"]["distributed"]
     assert d["ranks"] == 2 and d["split"] == "tensor" and d["collectives"] > 0
+
+
+def test_more_cache_kinds_split(tmp_path):
+    """Rollback of every cache kind on every rank: recurrent state (qwen3_next),
+    wrapping sliding windows (ministral3), both split by pipeline, and sliding
+    windows + MoE split tensor-parallel (gpt_oss); widths 5 and 8, greedy."""
+    if LAUNCH is None:
+        pytest.skip("mlx.launch is not installed")
+    r = launch([LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python", sys.executable,
+                str(RANKS), str(tmp_path), "families"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r0, r1 = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert len(r0) == 6
+    for k, a in r0.items():
+        assert a["split"] == a["plain"] == r1[k]["split"], k
+        assert a["split_src"] == r1[k]["split_src"] and any(a["split_src"]), k
