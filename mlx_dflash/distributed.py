@@ -13,7 +13,8 @@ is taken identically everywhere without a collective of its own:
   every rank (after the layer's all-reduce); under pipeline parallelism a rank
   holds only its own layers, so each rank writes its taps into a zero buffer and
   one all_sum per target forward gives every rank all of them (ordered after the
-  forward's own collectives, so every rank runs them in the same order);
+  forward's own collectives and scheduled at once, so every rank runs every
+  collective in the same order);
 - costs: the guard's calibration runs on all ranks together (a fixed number of
   rounds: a rank that stopped early would leave the others waiting) and rank
   0's numbers are broadcast; the collectives are inside the timed forwards, so
@@ -46,7 +47,7 @@ from .decoder import Decoder
 from .drafter import load_drafter, validate
 from .prompt_cache import PromptCache
 from .stats import GenerationResponse
-from .target import Target, TargetError
+from .target import Target, TargetError, forget
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 SPLITS = ("auto", TENSOR, PIPELINE)
@@ -109,8 +110,12 @@ def split_model(model, group, mode: str = "auto", seed: Optional[int] = None) ->
     name = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
     if not kinds:
         raise DistributedError(f"mlx-lm cannot split model type '{name}' (no tensor or pipeline parallelism)")
+    why = _tensor_problem(model, group.size()) if TENSOR in kinds else None
     if mode == "auto":
-        mode = kinds[0]
+        mode = PIPELINE if why and PIPELINE in kinds else kinds[0]
+    if mode == TENSOR and why:
+        raise DistributedError(f"cannot split '{name}' tensor-parallel over {group.size()} ranks: {why}"
+                               + ("; use --split pipeline" if PIPELINE in kinds else ""))
     if mode not in kinds:
         raise DistributedError(f"mlx-lm has no {mode} parallelism for model type '{name}'; "
                                f"use --split {kinds[0]}")
@@ -121,9 +126,22 @@ def split_model(model, group, mode: str = "auto", seed: Optional[int] = None) ->
     else:
         model.model.pipeline(group)
         split = Split(group, PIPELINE, n, model.model.start_idx, model.model.end_idx)
+    forget(model)  # a probe taken before the split names layers this rank may not hold
     shared = broadcast_ints([seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1], group)
     mx.random.seed(shared[0])
     return split
+
+
+def _tensor_problem(model, ranks: int) -> Optional[str]:
+    """Why mlx-lm's tensor split would not divide this model evenly, if it would not
+    (its shard() divides the head counts without checking)."""
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args
+    for f in ("num_attention_heads", "num_key_value_heads"):
+        v = args.get(f) if isinstance(args, dict) else getattr(args, f, None)
+        if isinstance(v, int) and v % ranks:
+            return f"{f} = {v} is not a multiple of {ranks}"
+    return None
 
 
 def load(model_path: str, drafter_path: Optional[str] = None, group=None, mode: str = "auto",
@@ -251,7 +269,12 @@ class ShardedTarget(Target):
                 parts.append(mx.zeros((tokens.shape[0], L, H), self.dtype))
         buf = mx.depends(mx.concatenate(parts, axis=-1), logits)  # after the forward's own collectives
         self.feature_forwards.append(L * len(capture))
-        return logits, mx.distributed.all_sum(buf, group=s.group)
+        feats = mx.distributed.all_sum(buf, group=s.group)
+        # Scheduled now, in program order on every rank: a stage's hand-over (recv) depends on
+        # no array, so inside a later graph it could run before this all_sum on one rank and
+        # after it on another (a deadlock). Nothing is read back here.
+        mx.async_eval(feats)
+        return logits, feats
 
     def take(self) -> tuple:
         """(forwards' rows, forwards that carried features) since the last take."""
@@ -429,9 +452,10 @@ class Leader:
             self.session.channel.share(msg)
             gen = self.session.stream(ids, config)
             try:
-                yield from gen
+                for r in gen:  # (not `yield from`: closing this generator would close `gen` too)
+                    yield r
             finally:
-                for _ in gen:  # (the other ranks are running it to the end)
+                for _ in gen:  # a reader that stopped early: the other ranks are running it to the end
                     pass
 
     def close(self) -> None:

@@ -261,6 +261,12 @@ def _probe(model, layers, where) -> _Probe:
     return p
 
 
+def forget(model) -> None:
+    """Drop what was learnt about `model` (its probe): for a model whose layers
+    were changed in place since, e.g. split over ranks (distributed.split_model)."""
+    _PROBES.pop(id(model), None)
+
+
 class Target:
     """`__call__(tokens[B, L], cache, capture) -> (logits, feats)`: logits are
     exactly `model(tokens, cache=cache)`; feats concatenate the outputs of the

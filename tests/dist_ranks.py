@@ -5,6 +5,7 @@ each rank writes what it decoded (and the single-process reference, computed
 in the same process before the split) to OUT/rank{R}.json.
 
     python tests/dist_ranks.py OUT lossless
+    python tests/dist_ranks.py OUT families  (more cache kinds: recurrent, sliding windows, MoE)
     python tests/dist_ranks.py OUT kill      (rank 1 dies mid-generation)
 """
 
@@ -73,6 +74,11 @@ class Mixed:
         return Proposal(toks, p.q, p.conf)
 
 
+def progress(group, what):
+    """One line per finished case on stderr (what a timed-out test shows)."""
+    print(f"rank {group.rank()}: {what} done", file=sys.stderr, flush=True)
+
+
 def model_and_drafter(family, over, version):
     cfg = config(family, **over)
     model = build(family, seed=0, dtype=mx.float32, **over)
@@ -115,10 +121,12 @@ def lossless(out: Path, group):
                 t2, s2, info = run_one(sess, many, ids, cfg, split)
                 res[key] = dict(plain=plain, single=t1, single_src=s1, single_log=one.log, split=t2, split_src=s2,
                                 split_log=many.log, info=info)
+                progress(group, key)
             # the guard (default width): costs measured by all ranks together, rank 0's shared
             sess.drafter = Mixed(d, len(ids), plain, seed=1)
             t2, s2, info = run_one(sess, sess.drafter, ids, DecodeConfig(max_tokens=MAX_TOKENS), split)
             res[f"{family}/{how}/p{pi}/guard"] = dict(plain=plain, split=t2, split_src=s2, info=info)
+            progress(group, f"{family}/{how}/p{pi}/guard")
         # sampled, DFlash 2 drafter (its selector samples too): same seed, same tokens on every rank
         _, d2 = model_and_drafter(family, over, version=2)
         sess.drafter = Mixed(d2, 0, None)
@@ -130,7 +138,9 @@ def lossless(out: Path, group):
                                                                    temperature=0.9), split)
         res[f"{family}/{how}/sampled"] = dict(split=t2, split_src=s2, unseeded=t3, unseeded_src=s3,
                                               split_log=sess.drafter.log, info=info)
+        progress(group, f"{family}/{how}/sampled")
         res[f"{family}/{how}/served"] = served(sess, d, ref_model, group)
+        progress(group, f"{family}/{how}/served")
     (out / f"rank{group.rank()}.json").write_text(json.dumps(res))
 
 
@@ -160,6 +170,29 @@ def served(sess, d, ref_model, group) -> dict:
     return out
 
 
+# more cache kinds, split: recurrent state (qwen3_next: gated delta), sliding windows that wrap
+# (ministral3), sliding windows + MoE under tensor parallelism (gpt_oss)
+MORE = [("qwen3_next", "pipeline", {}), ("ministral3", "pipeline", {}),
+        ("gpt_oss", "tensor", dict(num_key_value_heads=2))]
+
+
+def families(out: Path, group):
+    """Greedy DFlash on the split target vs plain decoding in one process, widths 5 and 8."""
+    res = {}
+    for family, how, over in MORE:
+        ref_model, _ = model_and_drafter(family, over, version=1)
+        model, d = model_and_drafter(family, over, version=1)
+        sess = Session(model, None, None, split_model(model, group, how, seed=5), measure=False)
+        ids = prompts(ref_model.args.vocab_size)[1]
+        plain, _, _ = run_one(ref_model, None, ids, DecodeConfig(max_tokens=MAX_TOKENS, verify_mode="off"))
+        for w in (5, 8):
+            sess.drafter = Mixed(d, len(ids), plain, seed=w)
+            t, src, _ = run_one(sess, sess.drafter, ids, DecodeConfig(max_tokens=MAX_TOKENS, block_size=w,
+                                                                      guard=False), sess.split)
+            res[f"{family}/{how}/w{w}"] = dict(plain=plain, split=t, split_src=src)
+    (out / f"rank{group.rank()}.json").write_text(json.dumps(res))
+
+
 def kill(out: Path, group):
     family, how, over = CASES[0]
     model, d = model_and_drafter(family, over, version=1)
@@ -179,7 +212,7 @@ def main():
     if group is None:
         sys.exit("dist_ranks.py: run under mlx.launch with two ranks")
     try:
-        (lossless if what == "lossless" else kill)(out, group)
+        {"lossless": lossless, "families": families, "kill": kill}[what](out, group)
     except RuntimeError as e:
         why = lost_rank(e, group)
         if why is None:

@@ -12,6 +12,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,21 @@ HERE = Path(__file__).resolve().parent
 RANKS = HERE / "dist_ranks.py"
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
 LOST_BOUND_S = 60  # a lost rank is reported well within this (the ring backend gives up after its retries)
+RUN_LIMIT_S = 800  # below pytest's own timeout, so a hang ends here with the ranks' output
+
+
+def launch(cmd, env=None):
+    """Run `cmd` (mlx.launch and its ranks) in its own process group; on a hang
+    the whole group is stopped (the ranks too, not only the launcher)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent,
+                         env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the ranks did not finish in {RUN_LIMIT_S} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _ports(n=2) -> int:
@@ -55,7 +71,7 @@ def lossless(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python", sys.executable,
            str(RANKS), str(out), "lossless"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE.parent)
+    r = launch(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
 
@@ -154,9 +170,8 @@ def test_generate_command_under_mlx_launch(tmp_path):
     one = subprocess.run([sys.executable, *args, "--verify-mode", "off"], capture_output=True, text=True,
                          timeout=600, cwd=HERE.parent, env=env)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python",
-                          sys.executable, *args], capture_output=True, text=True, timeout=900, cwd=HERE.parent,
-                         env=env)
+    two = launch([LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python",
+                  sys.executable, *args], env)
     assert two.returncode == 0, two.stderr[-2000:]
     lines = [json.loads(x) for x in two.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints
@@ -164,3 +179,19 @@ def test_generate_command_under_mlx_launch(tmp_path):
     assert lines[0]["token_ids"] == ref["token_ids"]
     d = lines[0]["stats"]["distributed"]
     assert d["ranks"] == 2 and d["split"] == "tensor" and d["collectives"] > 0
+
+
+def test_more_cache_kinds_split(tmp_path):
+    """Rollback of every cache kind on every rank: recurrent state (qwen3_next),
+    wrapping sliding windows (ministral3), both split by pipeline, and sliding
+    windows + MoE split tensor-parallel (gpt_oss); widths 5 and 8, greedy."""
+    if LAUNCH is None:
+        pytest.skip("mlx.launch is not installed")
+    r = launch([LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ports()), "--python", sys.executable,
+                str(RANKS), str(tmp_path), "families"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r0, r1 = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert len(r0) == 6
+    for k, a in r0.items():
+        assert a["split"] == a["plain"] == r1[k]["split"], k
+        assert a["split_src"] == r1[k]["split_src"] and any(a["split_src"]), k
