@@ -57,6 +57,10 @@ class _Probes:
             self._items = [(r, p) for r, p in self._items if r() is not None]
             return next((p for r, p in self._items if r() is model), None)
 
+    def drop(self, model) -> None:
+        with self._lock:
+            self._items = [(r, p) for r, p in self._items if r() is not None and r() is not model]
+
     def put(self, model, probe: _Probe) -> None:
         with self._lock:
             self._items.append((weakref.ref(model), probe))
@@ -264,7 +268,7 @@ def _probe(model, layers, where) -> _Probe:
 def forget(model) -> None:
     """Drop what was learnt about `model` (its probe): for a model whose layers
     were changed in place since, e.g. split over ranks (distributed.split_model)."""
-    _PROBES.pop(id(model), None)
+    PROBES.drop(model)
 
 
 class Target:
