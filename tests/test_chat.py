@@ -346,7 +346,8 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
         await until(pilot, lambda: turn.cancel.is_set(), "the stop")
         gate.set()
         await until(pilot, lambda: app.turn is None, "the stopped turn")
-        assert turn.text == "" and not app.query(AnswerBubble) and app.status == "stopped"
+        await until(pilot, lambda: not app.query(AnswerBubble), "the empty answer's removal")
+        assert turn.text == "" and app.status == "stopped"
         lm, pc = app.loaded, app.prompt_cache
         prompt = build_prompt(lm.tokenizer, system, [{"role": "user", "content": "hi"}])
         # stopped after the chunk in flight: two chunks kept, the last not done

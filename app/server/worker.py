@@ -162,6 +162,8 @@ class Worker:
         except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
             with self.lock:
                 self.counters(job.model_id).cancelled += 1
+            if self.closing:
+                job.send("error", _closing("the server is shutting down; the generation was stopped"))
         except ValueError as e:  # the engine's one-line complaint about a request
             self._fail(job, bad_request(error_line(e) or "invalid request"))
         except BaseException as e:  # a bug (or a native panic): report it, keep serving
