@@ -29,14 +29,13 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
 
 from app.bench_realistic import (TARGETS, CostSampler, ReplayDrafter, alpha_for, build_drafter, build_target,
                                  word_tokenizer)
 from app.bench_report import fmt_num, machine_info, summarize
 from app.bench_runs import Method, run_mlx_lm, run_ours
 from mlx_dflash import DecodeConfig, PromptCache, stream_generate
-from mlx_dflash.calibrate import DEFAULT
+from mlx_dflash.calibrate import DEFAULT, extend_with_random_rows
 from mlx_dflash.costs import Costs
 from mlx_dflash.modes import priced_at
 
@@ -85,15 +84,7 @@ def synthetic(model, tok, prompt, drafter, head: int = 64):
     afford twice (--synthetic-from)."""
     pc, _, _ = prefill(model, tok, prompt[:head + 1], drafter)
     rest = len(prompt) - 1 - head
-    for i, c in enumerate(pc.target):
-        if isinstance(c, KVCache):
-            k, v = c.keys, c.values
-            for j in range(0, rest, 4096):  # in pieces, as a prefill grows it
-                m = min(4096, rest - j)
-                key = mx.random.key(7 * i + j)
-                c.update_and_fetch(mx.random.normal((*k.shape[:2], m, k.shape[3]), key=key).astype(k.dtype),
-                                   mx.random.normal((*v.shape[:2], m, v.shape[3]), key=key).astype(v.dtype))
-            mx.eval(c.keys, c.values)
+    extend_with_random_rows(pc.target, rest)
     f = pc.pending
     pc.pending = mx.concatenate([f, mx.random.normal((1, rest, f.shape[2])).astype(f.dtype)], axis=1)
     pc.tokens = list(prompt[:-1])

@@ -18,6 +18,7 @@ import time
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .costs import COST_CONTEXT, CostBook, Costs, Observed, need
 from .decode_config import DecodeConfig
@@ -28,6 +29,32 @@ from .prompt_cache import PromptCache
 from .stats import Emitter, GenerationStats
 
 COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
+
+
+# Past this many tokens of context the timed steps run over random K/V rows: a
+# step's cost depends on the shapes, not the values, and a real prefill of the
+# 16k-64k contexts the guard prices would stall a user's first long request for
+# minutes on a slow machine (seen: 20 min for 16k on a busy 2-core CPU).
+SYNTHETIC_FROM = 2048
+
+
+def extend_with_random_rows(cache: list, rows: int, seed: int = 0) -> None:
+    """Grow every attention layer's K/V in `cache` by `rows` random rows, in
+    pieces as a prefill grows it (a sliding-window layer up to its window);
+    recurrent layers keep their fixed-size state. The cache must hold at least
+    one real row (its shapes and dtype are taken from it)."""
+    for i, c in enumerate(cache):
+        if not isinstance(c, (KVCache, RotatingKVCache)) or c.keys is None:
+            continue
+        left = rows if not isinstance(c, RotatingKVCache) else max(0, min(rows, c.max_size - c.offset))
+        k, v = c.keys, c.values
+        while left > 0:
+            m = min(4096, left)
+            key = mx.random.key(seed + 7919 * i + left)
+            c.update_and_fetch(mx.random.normal((*k.shape[:2], m, k.shape[3]), key=key).astype(k.dtype),
+                               mx.random.normal((*v.shape[:2], m, v.shape[3]), key=key).astype(v.dtype))
+            left -= m
+        mx.eval(c.keys, c.values)
 
 
 def _median(xs):
@@ -49,8 +76,14 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
     target = s.target
     s.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
     pc.target = target.make_cache()
-    ids = ((mx.arange(context) * 7919 + 11) % target.vocab_size).tolist()
+    real_rows = context if context <= SYNTHETIC_FROM else SYNTHETIC_FROM // 2
+    ids = ((mx.arange(real_rows) * 7919 + 11) % target.vocab_size).tolist()
     anchor, _, feats = s.prefill(ids)
+    if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
+        extend_with_random_rows(pc.target, context - real_rows)
+        if feats is not None:
+            feats = mx.concatenate([feats, mx.random.normal((1, context - real_rows, feats.shape[2]),
+                                                            key=mx.random.key(1)).astype(feats.dtype)], axis=1)
     mx.eval([c.state for c in pc.target])
     restore = target.checkpoint(pc.target)  # timing steps leave the cache exactly as it was
     if real:

@@ -339,3 +339,36 @@ def test_generate_shows_prefill_progress_for_long_prompts(pairs, tmp_path):
     total = steps[-1][1]
     assert total > 4096 and steps[0] == (2048, total) and steps[-1] == (total, total), steps
     assert "prefill" not in gen("hello there").stderr  # a short prompt: no progress line
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_next"])
+def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatch):
+    """The guard's long-context curves are timed over `context` cached rows, most
+    of them random K/V rows (a step's cost depends on shapes, not values): the
+    session prefills at most SYNTHETIC_FROM tokens, and every attention layer
+    holds the full context (a sliding one its window) when the steps are timed."""
+    from mlx_dflash import calibrate
+    from mlx_dflash.decoder import Decoder
+
+    model, d = model_of(family), _pair(tmp_path, family)
+    fed, seen = [], []
+    real_prefill, real_verify = Decoder.prefill, Decoder.verify
+
+    def prefill(self, rest, pending=None):
+        fed.append(len(rest))
+        return real_prefill(self, rest, pending)
+
+    def verify(self, *a, **k):  # what the timed steps see
+        seen.append([(type(c).__name__, c.offset, getattr(c, "max_size", None)) for c in self.pc.target
+                     if isinstance(c, (KVCache, calibrate.RotatingKVCache))])
+        return real_verify(self, *a, **k)
+
+    monkeypatch.setattr(Decoder, "prefill", prefill)
+    monkeypatch.setattr(Decoder, "verify", verify)
+    context = 3 * calibrate.SYNTHETIC_FROM
+    costs = calibrate.measure_costs(model, d, max_width=3, context=context, widths=(1, 3), min_rounds=1,
+                                    max_rounds=2, budget_s=0.01)
+    assert sum(fed) <= calibrate.SYNTHETIC_FROM and costs.context == context
+    assert costs.t1 > 0 and costs.c[3] > 0 and costs.d[3] > 0
+    assert seen and all(off == context if size is None else off >= min(size, context)
+                        for layers in seen for _, off, size in layers)
