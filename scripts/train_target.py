@@ -336,9 +336,30 @@ def cmd_export(args):
     print(f"exported {out}: {sum(p.stat().st_size for p in out.iterdir())/1e6:.1f} MB")
 
 
+def cmd_interpolate(args):
+    """--out folder's weights := a * --new + (1 - a) * --old (weight-space interpolation towards the
+    starting point, as WiSE-FT); the rows of the tool tokens (prepare-tools) are --new's."""
+    import mlx.core as mx
+
+    a = args.alpha
+    new = mx.load(str(Path(args.new) / "model.safetensors"))
+    old = mx.load(str(Path(args.old) / "model.safetensors"))
+    ids = mx.array([int(i) for i in json.loads((DATA / "tools_stats.json").read_text())["embed_init"]])
+    out = {}
+    for k, v in new.items():
+        w = a * v.astype(mx.float32) + (1 - a) * old[k].astype(mx.float32)
+        if k == "model.embed_tokens.weight":  # the tool tokens' rows have no old meaning
+            w[ids] = v.astype(mx.float32)[ids]
+        out[k] = w.astype(mx.bfloat16)
+    dest = ROOT / (args.out or PRESETS[args.preset]["out"])
+    mx.save_safetensors(str(dest / "model.safetensors"), out, metadata={"format": "mlx"})
+    print(f"{dest}: {a} x {args.new} + {1 - a:g} x {args.old}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "prepare-tools", "bench", "train", "export", "evaluate", "card"])
+    ap.add_argument("cmd", choices=["prepare", "prepare-tools", "bench", "train", "export", "interpolate",
+                                    "evaluate", "card"])
     ap.add_argument("--preset", choices=list(PRESETS), default="target")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=100)
@@ -375,6 +396,9 @@ def main():
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. mlx_dflash_models/target)")
+    ap.add_argument("--alpha", type=float, default=0.8, help="interpolate: the share of --new")
+    ap.add_argument("--new", default=None, help="interpolate: the exported model folder of the last phase")
+    ap.add_argument("--old", default=None, help="interpolate: the exported model folder it started from")
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
     ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
     ap.add_argument("--phase", action="append", default=None,
@@ -382,7 +406,7 @@ def main():
     args = ap.parse_args()
     globals().update(SEQ=args.seq, P_GSM=args.p_gsm, P_TOOLS=args.p_tools)
     {"prepare": cmd_prepare, "prepare-tools": cmd_prepare_tools, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
-     "export": cmd_export, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
+     "export": cmd_export, "interpolate": cmd_interpolate, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
 
 
 if __name__ == "__main__":
