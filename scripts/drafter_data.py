@@ -54,6 +54,30 @@ def function_prefixes(src: str):
     return out
 
 
+def write_tool_prompts(path: Path, train_rows, files, n: int, seed: int, max_chars: int = 6000):
+    """n raw-text prompts: a tool conversation (GSM8K calculator or stdlib read_file /
+    list_files, as the target trained on) rendered up to the start of one of its
+    assistant turns."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok_dir = tt.DATA / "tokenizer"
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    hf.chat_template = json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"]
+    rng = np.random.default_rng(seed + 22)
+    convs = tt.tool_conversations(train_rows, files, rng)
+    k = 0
+    with open(path, "w") as f:
+        for msgs, tools in convs:
+            turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+            cut = turns[int(rng.integers(0, len(turns)))]
+            text = hf.apply_chat_template(msgs[:cut], tools=tools, tokenize=False, add_generation_prompt=True)
+            if len(text) <= max_chars:
+                f.write(json.dumps({"prompt": text}) + "\n")
+                k += 1
+                if k == n:
+                    break
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -62,6 +86,10 @@ def main(argv=None):
     ap.add_argument("--corpus-gsm", type=int, default=300, help="GSM8K chats in the corpus")
     ap.add_argument("--corpus-code", type=int, default=120, help="stdlib windows in the corpus")
     ap.add_argument("--window", type=int, default=2000, help="characters per stdlib window")
+    ap.add_argument("--tools", type=int, default=0,
+                    help="tool-call prompts (prompts_tools.jsonl): tool conversations of the target's "
+                         "training data (train_target_tools.py) cut before an assistant turn; needs "
+                         "the target's tool chat template (runs/data/tokenizer after prepare-tools)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -92,6 +120,8 @@ def main(argv=None):
             src = files[i][1]
             o = int(rng.integers(0, max(1, len(src) - a.window)))
             f.write(json.dumps({"text": src[o: o + a.window]}) + "\n")
+    if a.tools:
+        write_tool_prompts(out / "prompts_tools.jsonl", train_rows, files, a.tools, a.seed)
     print(f"{out}: {len(prompt_rows)} GSM8K prompts, {len(pick)} code prompts (of {len(prefixes)} documented "
           f"functions), corpus {len(corpus_rows)} GSM8K chats + {a.corpus_code} stdlib windows")
 

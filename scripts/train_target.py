@@ -56,6 +56,8 @@ from train_target_data import DATA, cmd_prepare  # noqa: E402
 from train_target_eval import cmd_card, cmd_evaluate  # noqa: E402
 from train_target_loops import unlikelihood_loss, unlikelihood_rows  # noqa: E402
 from train_target_model import PRESETS, VAL_SEQ, build_model, count_params, model_config  # noqa: E402
+from train_target_tools import MAX_CONTEXT, ROPE_SCALING, cmd_prepare_tools  # noqa: E402
+from train_target_tools import conversations as tool_conversations  # noqa: E402,F401
 
 # what tests/ and scripts/drafter_data.py use, importable from here
 from train_target_data import chat_text, gsm8k_split, stdlib_files, write_gsm8k_dev  # noqa: E402,F401
@@ -63,20 +65,35 @@ from train_target_loops import loop_region, repeat_positions, stuck_in_loop  # n
 
 SEQ = 512
 P_GSM = 0.45  # share of training sequences drawn from the GSM8K chat stream
+P_TOOLS = 0.0  # share drawn from the tool-call conversations (prepare-tools)
 
 
 class Sampler:
-    """Random windows of SEQ+1 tokens; a sequence comes from GSM8K chat w.p. P_GSM."""
+    """Random windows of SEQ+1 tokens; a sequence comes from the tool conversations w.p.
+    P_TOOLS (half of them starting at a conversation's start, so the system prompt with
+    the tools is in the window), else from GSM8K chat w.p. P_GSM, else from the stdlib."""
 
     def __init__(self, seed: int):
         self.code = np.load(DATA / "code_train.npy")
         self.gsm = np.load(DATA / "gsm_train.npy")
+        self.tools = np.load(DATA / "tools_train.npy") if P_TOOLS else None
+        if self.tools is not None:
+            ends = np.flatnonzero(self.tools == 0)  # <|endoftext|> closes every conversation
+            starts = np.concatenate([[0], ends + 1])
+            self.tool_starts = starts[starts < self.tools.size - SEQ - 1]
         self.rng = np.random.default_rng(seed)
 
     def batch(self, bs: int):
         out = np.empty((bs, SEQ + 1), dtype=np.int32)
         for i in range(bs):
-            src = self.gsm if self.rng.random() < P_GSM else self.code
+            if self.tools is not None and self.rng.random() < P_TOOLS:
+                src = self.tools
+                if self.rng.random() < 0.5:
+                    o = self.tool_starts[self.rng.integers(0, self.tool_starts.size)]
+                    out[i] = src[o:o + SEQ + 1]
+                    continue
+            else:
+                src = self.gsm if self.rng.random() < P_GSM else self.code
             o = self.rng.integers(0, src.size - SEQ - 1)
             out[i] = src[o:o + SEQ + 1]
         return out
@@ -113,6 +130,22 @@ def _ckpt_save(run: Path, model, opt, step, sampler, tokens, elapsed, phase):
         shutil.rmtree(old)
 
 
+def init_weights(model, folder: Path):
+    """Load an exported model (bfloat16) as float32; embedding rows of tokens that
+    prepare-tools gave new meanings start as the mean of their old spelling's rows."""
+    import mlx.core as mx
+
+    w = {k: v.astype(mx.float32) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    stats = DATA / "tools_stats.json"
+    if stats.exists():
+        emb = np.array(w["model.embed_tokens.weight"])
+        for new, old in json.loads(stats.read_text())["embed_init"].items():
+            emb[int(new)] = emb[old].mean(axis=0)
+        w["model.embed_tokens.weight"] = mx.array(emb)
+    model.load_weights(list(w.items()))
+    print(f"initialized from {folder}", flush=True)
+
+
 def cmd_train(args, bench: bool = False):
     import mlx.core as mx
     import mlx.nn as nn
@@ -124,6 +157,8 @@ def cmd_train(args, bench: bool = False):
     run = ROOT / P["run"]
     run.mkdir(parents=True, exist_ok=True)
     cfg = model_config(args.preset)
+    if args.long_context:  # YaRN to MAX_CONTEXT (train_target_tools.py)
+        cfg.update(max_position_embeddings=MAX_CONTEXT, rope_scaling=dict(ROPE_SCALING))
     mx.random.seed(args.seed)
     model = build_model(cfg)
     total, non_emb = count_params(model)
@@ -164,6 +199,8 @@ def cmd_train(args, bench: bool = False):
                     if l.strip() and json.loads(l)["step"] <= step]
             (run / "train_log.jsonl").write_text("".join(l + "\n" for l in keep))
     else:
+        if args.init_from:  # continued training from exported weights, with a fresh AdamW
+            init_weights(model, Path(args.init_from))
         opt.init(model.trainable_parameters())
         if not bench:
             (run / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -213,6 +250,8 @@ def cmd_train(args, bench: bool = False):
         return loss_fn(model, batch[:, :-1], batch[:, 1:])
 
     vals = {"gsm_dev": val_batches("gsm_dev", 8, 3), "code_val": val_batches("code_val", 8, 3)}
+    if (DATA / "tools_dev.npy").exists():
+        vals["tools_dev"] = val_batches("tools_dev", 8, 3)
 
     def evaluate():
         return {k: float(np.mean([eval_loss(mx.array(b)).item() for b in bl])) for k, bl in vals.items()}
@@ -297,9 +336,30 @@ def cmd_export(args):
     print(f"exported {out}: {sum(p.stat().st_size for p in out.iterdir())/1e6:.1f} MB")
 
 
+def cmd_interpolate(args):
+    """--out folder's weights := a * --new + (1 - a) * --old (weight-space interpolation towards the
+    starting point, as WiSE-FT); the rows of the tool tokens (prepare-tools) are --new's."""
+    import mlx.core as mx
+
+    a = args.alpha
+    new = mx.load(str(Path(args.new) / "model.safetensors"))
+    old = mx.load(str(Path(args.old) / "model.safetensors"))
+    ids = mx.array([int(i) for i in json.loads((DATA / "tools_stats.json").read_text())["embed_init"]])
+    out = {}
+    for k, v in new.items():
+        w = a * v.astype(mx.float32) + (1 - a) * old[k].astype(mx.float32)
+        if k == "model.embed_tokens.weight":  # the tool tokens' rows have no old meaning
+            w[ids] = v.astype(mx.float32)[ids]
+        out[k] = w.astype(mx.bfloat16)
+    dest = ROOT / (args.out or PRESETS[args.preset]["out"])
+    mx.save_safetensors(str(dest / "model.safetensors"), out, metadata={"format": "mlx"})
+    print(f"{dest}: {a} x {args.new} + {1 - a:g} x {args.old}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "bench", "train", "export", "evaluate", "card"])
+    ap.add_argument("cmd", choices=["prepare", "prepare-tools", "bench", "train", "export", "interpolate",
+                                    "evaluate", "card"])
     ap.add_argument("--preset", choices=list(PRESETS), default="target")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=100)
@@ -312,6 +372,12 @@ def main():
                          "(warmup + cosine over --steps / --time-budget counted from the checkpoint)")
     ap.add_argument("--seq", type=int, default=SEQ, help="training sequence length")
     ap.add_argument("--p-gsm", type=float, default=P_GSM, help="share of sequences from GSM8K chat")
+    ap.add_argument("--p-tools", type=float, default=P_TOOLS,
+                    help="share of sequences from the tool-call conversations (prepare-tools)")
+    ap.add_argument("--init-from", default=None,
+                    help="train (not --resume): start from this exported model folder's weights")
+    ap.add_argument("--long-context", action="store_true",
+                    help="train: YaRN RoPE scaling to 32k positions (rope_scaling in config.json)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="minutes of training (all resumes together); the cosine follows the larger "
                          "of step/steps and time/budget, and training stops when either is reached")
@@ -330,14 +396,17 @@ def main():
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. mlx_dflash_models/target)")
+    ap.add_argument("--alpha", type=float, default=0.8, help="interpolate: the share of --new")
+    ap.add_argument("--new", default=None, help="interpolate: the exported model folder of the last phase")
+    ap.add_argument("--old", default=None, help="interpolate: the exported model folder it started from")
     ap.add_argument("--note", default="", help="extra markdown line for the Training section of the card")
     ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
     ap.add_argument("--phase", action="append", default=None,
                     help="card: one training phase as END_STEP,SEQ,P_GSM,PEAK_LR,BATCH (repeat; END_STEP 0: the last step)")
     args = ap.parse_args()
-    globals().update(SEQ=args.seq, P_GSM=args.p_gsm)
-    {"prepare": cmd_prepare, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
-     "export": cmd_export, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
+    globals().update(SEQ=args.seq, P_GSM=args.p_gsm, P_TOOLS=args.p_tools)
+    {"prepare": cmd_prepare, "prepare-tools": cmd_prepare_tools, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
+     "export": cmd_export, "interpolate": cmd_interpolate, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
 
 
 if __name__ == "__main__":
