@@ -250,7 +250,7 @@ def measure_guard_costs(contexts, log) -> dict:
     drafter (the one `chat` loads): at its base length and at the lengths it
     prices `contexts` at (modes.priced_at), measured as the guard measures them
     (and cached where it reads them), or read from that cache. {} without a drafter."""
-    from mlx_dflash.calibrate import DEFAULT
+    from mlx_dflash.calibrate import DEFAULT, SYNTHETIC_FROM
     from mlx_dflash.manager import load_model
 
     log("loading the default model and its drafter for the guard's cost curves...")
@@ -260,7 +260,8 @@ def measure_guard_costs(contexts, log) -> dict:
     rows = []
     for n in (0, *sorted({priced_at(n) for n in contexts} - {None})):  # 0: the base curve
         if n:
-            log(f"  the guard's cost curve at {n} tokens of context (a prefill of {n} tokens, once per machine)...")
+            log(f"  the guard's cost curve at {n} tokens of context (once per machine"
+                + (f"; random K/V rows past {SYNTHETIC_FROM} tokens" if n > SYNTHETIC_FROM else "") + ")...")
 
         def costs(**kw):
             return DEFAULT.costs(lm.model, lm.drafter, **kw)
