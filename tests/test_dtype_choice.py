@@ -55,7 +55,7 @@ def _measured(monkeypatch, ckpt_ms, f32_ms):
         return {dtype_choice.dtype_name(dtypes[0]): ckpt_ms, "float32": f32_ms}
 
     monkeypatch.setattr(dtype_choice, "step_times", fake)
-    monkeypatch.setattr(dtype_choice, "_cpu", lambda: True)
+    monkeypatch.setattr(dtype_choice, "on_cpu", lambda: True)
     return calls
 
 
@@ -90,11 +90,11 @@ def test_auto_keeps_the_checkpoint_where_float32_does_not_fit(bf16_world, no_env
 
 def test_auto_on_metal_keeps_the_checkpoint_and_explicit_settings_win(bf16_world, no_env, monkeypatch):
     calls = _measured(monkeypatch, 10.0, 1.0)
-    monkeypatch.setattr(dtype_choice, "_cpu", lambda: False)
+    monkeypatch.setattr(dtype_choice, "on_cpu", lambda: False)
     lm = load_model("embedded/target", bf16_world["store"])
     assert calls == [] and lm.dtype.name == "bfloat16" and "Metal" in lm.dtype.why
     bf16_world["store"].set_model("embedded/target", dtype="checkpoint")
-    monkeypatch.setattr(dtype_choice, "_cpu", lambda: True)
+    monkeypatch.setattr(dtype_choice, "on_cpu", lambda: True)
     lm = load_model("embedded/target", bf16_world["store"])
     assert calls == [] and model_dtype(lm.model) == "bfloat16" and lm.dtype.setting == "checkpoint"
     lm = load_model("embedded/target", bf16_world["store"], dtype="float32")
@@ -109,7 +109,7 @@ def test_step_times_measures_each_dtype_and_choose_restores_the_checkpoint(no_en
                            rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=1e4, tie_word_embeddings=True)
     m = qwen3.Model(args)
     dtype_choice.cast(m, mx.bfloat16)
-    monkeypatch.setattr(dtype_choice, "_cpu", lambda: True)
+    monkeypatch.setattr(dtype_choice, "on_cpu", lambda: True)
     c = dtype_choice.choose(m, "auto", "setting", path=None)  # no folder: measured, not cached
     assert c.fresh and set(c.measured) == {"checkpoint_ms", "float32_ms"} and all(v > 0 for v in c.measured.values())
     assert c.name in ("bfloat16", "float32") and dtype_choice.param_dtype(m) == mx.bfloat16
@@ -118,8 +118,8 @@ def test_step_times_measures_each_dtype_and_choose_restores_the_checkpoint(no_en
 def test_drafter_quant_bits_auto(monkeypatch):
     from mlx_dflash import drafter_precision
 
-    monkeypatch.setattr(drafter_precision, "_cpu", lambda: True)
+    monkeypatch.setattr(drafter_precision, "on_cpu", lambda: True)
     assert resolve_quant_bits("auto")[0] is None and "mlx-cpu" in resolve_quant_bits("auto")[1]
-    monkeypatch.setattr(drafter_precision, "_cpu", lambda: False)
+    monkeypatch.setattr(drafter_precision, "on_cpu", lambda: False)
     assert resolve_quant_bits("auto")[0] == 4
     assert resolve_quant_bits(8) == (8, "from the setting") and resolve_quant_bits(None)[0] is None
