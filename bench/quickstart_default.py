@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.bench_prompts import load_prompts  # noqa: E402
 from mlx_dflash import generate  # noqa: E402
-from mlx_dflash.manager import load_model, settings_store  # noqa: E402
+from mlx_dflash.manager import load_model  # noqa: E402
+from mlx_dflash.settings_checks import settings_store  # noqa: E402
 
 
 def main():
