@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from app.bench_realistic import (TARGETS, CostSampler, ReplayDrafter, alpha_for, build_drafter, build_target,
                                  word_tokenizer)
-from app.bench_report import fmt_num, machine_info, summarize
+from app.bench_report import fmt_num, machine_info, machine_line, summarize
 from app.bench_runs import Method, run_mlx_lm, run_ours
 from mlx_dflash import DecodeConfig, PromptCache, stream_generate
 from mlx_dflash.calibrate import DEFAULT, extend_with_random_rows
@@ -195,8 +195,7 @@ def markdown(res: dict) -> str:
     meta = res["meta"]
     lines = ["# mlx-dflash bench --realistic --contexts (long context)", "",
              f"{meta['num_prompts']} replay rounds x {meta['max_tokens']} tokens per length, greedy, batch 1; "
-             f"{meta['date_utc']} UTC; {meta['machine']['platform']}, {meta['machine']['cpus']} cores, MLX "
-             f"{meta['machine']['mlx']} ({meta['machine']['device']}), BLAS: {meta['machine']['blas']}.", "",
+             + machine_line(meta), "",
              "```", meta["command"] or "", "```", ""]
     for t in res["targets"]:
         lines += [f"## {t['label']} ({t['target']}, {t['dtype']}): {t['params'] / 1e6:.0f}M parameters", "",

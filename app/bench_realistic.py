@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.bench_report import fmt_num, machine_info, summarize, threads_text
+from app.bench_report import fmt_num, machine_info, machine_line, summarize, threads_text
 from app.bench_runs import Method, fastest_plain, run_mlx_lm, run_ours
 
 # published shapes (config.json of the Hugging Face repos), vocab included
@@ -333,8 +333,7 @@ def markdown(res: dict) -> str:
     meta = res["meta"]
     lines = ["# mlx-dflash bench --realistic", "",
              f"{meta['num_prompts']} prompts x {meta['max_tokens']} tokens (64-token random prompts), greedy, batch 1; "
-             f"{meta['date_utc']} UTC; {meta['machine']['platform']}, {meta['machine']['cpus']} cores, MLX "
-             f"{meta['machine']['mlx']} ({meta['machine']['device']}), BLAS: {meta['machine']['blas']}.", "",
+             + machine_line(meta), "",
              "```", meta["command"] or "", "```", "", meta["note"], "", meta["shared_machine"], ""]
     for t in res["targets"]:
         lines += [f"## {t['label']} ({t['target']}, {t['dtype']}"

@@ -126,6 +126,13 @@ def machine_info() -> dict:
 # -- output ---------------------------------------------------------------------------------
 
 
+def machine_line(meta: dict) -> str:
+    """'2026-12-01 20:05:27 UTC; Linux-..., 2 cores, MLX 0.32.4 (Device(cpu, 0)), BLAS: ...' for a
+    report's header."""
+    m = meta["machine"]
+    return f"{meta['date_utc']} UTC; {m['platform']}, {m['cpus']} cores, MLX {m['mlx']} ({m['device']}), BLAS: {m['blas']}."
+
+
 def threads_text(st: dict) -> str:
     """'1-token step 93.4 ms at the measured kernel threads (1 thread 95.0 ms, 2 threads 131.0 ms)'."""
     if not st:

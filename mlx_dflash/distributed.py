@@ -248,10 +248,7 @@ class ShardedTarget(Target):
         self.feature_forwards: List[int] = []  # rows x taps of each features all_sum
 
     def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
-        capture = list(capture)
-        bad = [i for i in capture if not 0 <= i < self.num_layers]
-        if bad:
-            raise TargetError(f"capture layers {bad} outside the target's {self.num_layers} layers")
+        capture = self.checked_capture(capture)
         L = tokens.shape[1]
         self.forwards.append(L)
         s = self.split

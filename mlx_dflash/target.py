@@ -404,12 +404,17 @@ class Target:
                 m.sink = None
         return logits, feats
 
-    def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
-        """tokens [B, L] -> (logits [B, L, V], features [B, L, len(capture)*H] or None)."""
+    def checked_capture(self, capture: Sequence[int]) -> List[int]:
+        """`capture` as a list, refused when it names a layer the target does not have."""
         capture = list(capture)
         bad = [i for i in capture if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(f"capture layers {bad} outside the target's {self.num_layers} layers")
+        return capture
+
+    def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
+        """tokens [B, L] -> (logits [B, L, V], features [B, L, len(capture)*H] or None)."""
+        capture = self.checked_capture(capture)
         L = tokens.shape[1]
         with self._lock:
             rec = rb.snapshot(cache, L) if cache is not None and self._mixers else None

@@ -22,6 +22,17 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """A byte-level BPE tokenizer of 512 ids, the vocabulary of the tiny family models."""
+    from make_test_pair import write_tokenizer
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, 512)
+    return load_tokenizer(d)
+
+
+@pytest.fixture(scope="session")
 def pairs(tmp_path_factory):
     """Small random target + drafter pairs per family, made by make_test_pair."""
     from make_test_pair import make_drafter, make_target

@@ -46,16 +46,6 @@ def model_of(family):
     return _models[family]
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from make_test_pair import write_tokenizer
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer(d, 512)
-    return load_tokenizer(d)
-
-
 class _Cfg:
     def __init__(self, layer_ids):
         self.target_layer_ids = list(layer_ids)
@@ -81,12 +71,17 @@ class RowOracles:
         self.of[id(c)] = self.plans.pop(0)
         return [c]
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def position(self, new_feats, cache):
+        """(the row's position in its continuation, the continuation), after
+        taking the new rows into its context as a real drafter does."""
         if new_feats is not None:  # the context length, as a real drafter's
             n = new_feats.shape[1]
             cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
         plen, cont = self.of[id(cache[0])]
-        pos = cache[0].offset - plen
+        return cache[0].offset - plen, cont
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        pos, cont = self.position(new_feats, cache)
         assert cont[pos] == anchor, "oracle out of sync with the batch"
         k = self.rng.randrange(width)  # drafts right before the first wrong one
         out = []
@@ -208,11 +203,7 @@ def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
         function of the row's own state only."""
 
         def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            if new_feats is not None:
-                n = new_feats.shape[1]
-                cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
-            plen, cont = self.of[id(cache[0])]
-            pos = cache[0].offset - plen
+            pos, cont = self.position(new_feats, cache)
             on = 0 <= pos < len(cont) and cont[pos] == anchor
             out = [cont[pos + j] if on and pos + j < len(cont) else anchor for j in range(1, width)]
             return Proposal(out, None, [1.0] * len(out))
@@ -320,11 +311,7 @@ def test_guard_drafts_where_drafts_pay(tok):
 
     class Right(RowOracles):
         def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            if new_feats is not None:
-                n = new_feats.shape[1]
-                cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
-            plen, cont = self.of[id(cache[0])]
-            pos = cache[0].offset - plen
+            pos, cont = self.position(new_feats, cache)
             out = [cont[pos + j] if pos + j < len(cont) else 0 for j in range(1, width)]
             return Proposal(out, None, [1.0] * len(out))
 

@@ -34,16 +34,6 @@ def model_of(family):
     return _models[family]
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from make_test_pair import write_tokenizer
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer(d, 512)
-    return load_tokenizer(d)
-
-
 MORE_QUANT = {"gpt_oss:q8": dict(bits=8, group_size=32), "lfm2:mixed": dict(bits="mixed", group_size=32),
               "granitemoehybrid:q8": dict(bits=8, group_size=64)}
 QUANT_ALL = dict(QUANT, **MORE_QUANT)

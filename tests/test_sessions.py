@@ -20,16 +20,6 @@ MAX = 24
 WIDTHS = (3, 5, 8)
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from make_test_pair import write_tokenizer
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer(d, 512)
-    return load_tokenizer(d)
-
-
 def fingerprint(model):
     """Identity of everything a forward could be redirected through: per module,
     its children / arrays / lists (element identities) and its instance attributes."""
