@@ -105,7 +105,7 @@ class BatchEngine:
         self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
             else TokenizerWrapper(tokenizer)
         self.target = Target(model)
-        why = bc.unsupported(self.target.make_cache())
+        why = bc.unsupported(self.target)
         if why:
             raise BatchError(f"this model cannot decode in a batch: {why}")
         if max_batch < 1:
@@ -306,7 +306,7 @@ class BatchEngine:
                 outs.append(D[b][:ab] + [nxt])
             else:
                 outs.append(T[b][: A[b] + 1])
-        bc.ragged_trim(self.cache, [w - 1 - x for x in A])
+        bc.rollback(self.target, self.cache, w, [w - 1 - x for x in A])
         t3 = time.perf_counter()
         events = []
         for b, r in enumerate(rows):

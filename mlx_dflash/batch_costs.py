@@ -47,7 +47,7 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
         t0 = time.perf_counter()
         logits, f = target(mx.zeros((B, w), mx.int32), cache, capture)
         mx.eval(mx.argmax(logits, axis=-1), *([f] if f is not None else []))
-        bc.ragged_trim(cache, [w] * B)
+        bc.rollback(target, cache, w, [w] * B)
         return time.perf_counter() - t0
 
     def draft(w):
