@@ -24,7 +24,10 @@ from tiny_families import build
 
 from mlx_dflash import DecodeConfig, generate, load
 from mlx_dflash import batch_cache as bc
+from mlx_dflash import batch_costs
 from mlx_dflash.batch import BatchEngine, BatchError
+from mlx_dflash.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
+from mlx_dflash.calibrate import Calibration
 from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
 from mlx_dflash.drafter import Proposal
 from mlx_dflash.target import Target
@@ -393,3 +396,43 @@ def test_guard_drafts_where_drafts_pay(tok):
     for i in last:
         st = last[i].stats
         assert st.cycles - st.plain_cycles > st.plain_cycles and st.tau > 2.5, (i, st.cycles, st.plain_cycles)
+
+
+def _asked(times):
+    """A step-time lookup that records which batch sizes were asked for."""
+    asked = []
+
+    def step(B):
+        asked.append(B)
+        return times[B]
+    return step, asked
+
+
+def test_max_batch_auto_picks_the_largest_size_that_still_pays():
+    """`max_batch auto`: the largest B in 1, 2, 4, ..., 16 whose plain batched
+    step raises aggregate throughput >= 10% over B/2 at every doubling, within
+    memory; sizes past the first that does not pay are not measured."""
+    flat = {B: 1.0 + 0.01 * B for B in AUTO_B}  # a step costs about the same at any size: every doubling pays
+    assert pick_max_batch(flat.__getitem__, 1, None)[0] == AUTO_B[-1]
+    linear = {B: float(B) for B in AUTO_B}  # a step at B rows costs B single steps: batching never pays
+    step, asked = _asked(linear)
+    B, why = pick_max_batch(step, 1, None)
+    assert B == 1 and asked == [1, 2] and "\n" not in why and "2 rows" in why
+    knee = {1: 1.0, 2: 1.05, 4: 1.2, 8: 2.3, 16: 2.4}  # 4 -> 8 gains 4%: stop at 4, even if 16 looked good
+    step, asked = _asked(knee)
+    assert pick_max_batch(step, 1, None)[0] == 4 and 16 not in asked
+    just = {1: 1.0, 2: 2 / 1.11, 4: 4 / 1.11 ** 2}  # +11% per doubling still pays
+    assert pick_max_batch(lambda B: just.get(B, 1e9), 1, None)[0] == 4
+    B, why = pick_max_batch(flat.__getitem__, 10, 79)  # 8 rows of 10 bytes do not fit in 79
+    assert B == 4 and "memory" in why
+
+
+def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(tok, monkeypatch):
+    model = model_of("qwen3")
+    cal = Calibration()
+    B, why = auto_max_batch(model, None, cal)
+    assert B in AUTO_B and why and "\n" not in why
+    monkeypatch.setattr(batch_costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert auto_max_batch(model, None, Calibration()) == (B, why)  # a new process: the curves on disk
+    B, why = auto_max_batch(model_of("falcon_h1"), None, cal)
+    assert B == 1 and "batch" in why and "\n" not in why

@@ -3,11 +3,14 @@ every answer is what the request gets alone. The single-stream server tests
 (test_server.py) run again here against a batching server, except those about
 the prompt store (a batching server does not reuse cached prefixes yet)."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
-from serve_process import Server
+from serve_process import ROOT, Server
 from test_server import (  # noqa: F401  (collected here, against the batching server below)
     ref,
     test_bad_requests,
@@ -67,3 +70,33 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, ref):
         assert text == expect[p], p
     b = server.metrics()["batch"]
     assert b["max_batch"] == 4 and 2 <= b["peak_rows"] <= 4
+
+
+def test_max_batch_auto_measures_and_says_what_it_picked(serve_models, ref):
+    """`serve --max-batch auto` (the default): the size is measured for the model
+    at startup, said in one log line and in /metrics; answers are unchanged."""
+    s = Server(serve_models[1], "--max-batch", "auto")
+    try:
+        b = s.metrics()["batch"]
+        for _ in range(600):  # the warm-up job loads, then measures
+            if b.get("auto", "not measured yet") != "not measured yet":
+                break
+            threading.Event().wait(0.5)
+            b = s.metrics()["batch"]
+        size = b["max_batch"]
+        assert size in (1, 2, 4, 8, 16) and b["auto"].startswith(f"{size} (")
+        said = [l for l in s.log.read_text().splitlines() if "max_batch auto" in l]
+        assert len(said) == 1 and f": {size} (" in said[0]
+        r = httpx.post(s.url + "/v1/completions", json={"model": "qwen", "prompt": "alpha", "max_tokens": 8,
+                                                         "temperature": 0}, timeout=600)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[2]("alpha", 8).text
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("value,message", [("many", "auto or an integer"), ("0", "auto or in 1..64")])
+def test_bad_max_batch_is_one_line(serve_models, value, message):
+    env = {**os.environ, "MLX_DFLASH_HOME": str(serve_models[1])}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--max-batch", value], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
