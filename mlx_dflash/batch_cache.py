@@ -65,6 +65,17 @@ def to_batch(cache: list) -> list:
     return out
 
 
+def paddable(target: Target) -> bool:
+    """Whether several new prompts can be prefilled together, left-padded (only
+    plain KV layers: sliding windows and recurrent states are prefilled alone)."""
+    return all(type(c) is KVCache for c in target.make_cache())
+
+
+def padded(target: Target, left_padding: List[int]) -> list:
+    """An empty batch cache for prompts left-padded by `left_padding` (paddable targets)."""
+    return [BatchKVCache(left_padding) for _ in target.make_cache()]
+
+
 def join(batch: Optional[list], rows: list) -> list:
     """`rows` (a batch cache) appended to `batch` (None: none yet); returns the batch."""
     if not batch:

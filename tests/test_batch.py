@@ -436,3 +436,40 @@ def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(to
     assert auto_max_batch(model, None, Calibration()) == (B, why)  # a new process: the curves on disk
     B, why = auto_max_batch(model_of("falcon_h1"), None, cal)
     assert B == 1 and "batch" in why and "\n" not in why
+
+
+def test_new_prompts_prefilled_together_equal_each_alone(tok):
+    """Requests that arrive at once are prefilled in one left-padded batched
+    forward: each row's first token, its whole stream and the target features
+    its drafter first sees equal those of the request prefilled alone."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
+
+    class Seen(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            c = super().make_cache(window, sink)
+            self.first[id(c[0])] = None
+            self.order.append(id(c[0]))
+            return c
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            if self.first[id(cache[0])] is None:
+                self.first[id(cache[0])] = np.array(new_feats)
+            return super().propose(target, anchor, new_feats, cache, width, temperature)
+
+    def run(together):
+        oracle = Seen(list(plans), seed=1)
+        oracle.first, oracle.order = {}, []
+        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedBatchWidth(5))
+        eng.together = together
+        out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)], join_after=0)
+        return out, [oracle.first[k] for k in oracle.order], eng.prefilled_together
+
+    out, feats, n = run(True)
+    alone_out, alone_feats, n_alone = run(False)
+    assert n == len(PROMPTS) and n_alone == 0
+    for i, ref in enumerate(refs):
+        assert out[i] == ref == alone_out[i], i
+    for a, b in zip(feats, alone_feats):
+        assert a.shape == b.shape and np.allclose(a, b, atol=1e-4)

@@ -123,6 +123,8 @@ def run(args) -> int:
         if split.leader is None:
             return split.follow()
         catalog, model = split.catalog, split.lm.id
+        if max_batch == "auto":  # a split target is measured and served one request at a time
+            max_batch = 1
     elif args.model is not None:  # an id or a model folder; fail now, in one line, if neither
         from mlx_dflash.model_names import resolve
 
