@@ -15,9 +15,9 @@ each row's rejected tokens (batch_cache.py); each row emits through its own
 Emitter (EOS, stop strings, max tokens) and keeps its own stats. A request is
 prefilled alone, chunk by chunk exactly as the single-stream Decoder does
 (so its first token is that of a request run alone), then joins the batch;
-requests that arrive together, with short prompts, on a target with only KV
-layers, are prefilled together in the same two forwards, left-padded (time to
-first token at N streams: one batched prefill instead of N in a row).
+optionally (`prefill_together`) requests that arrive together, with short
+prompts, on a target with only KV layers, are prefilled together in the same
+two forwards, left-padded.
 
 Rows may differ in sampling parameters, seed, stop strings, max tokens, block
 size and verify mode (a row with verify mode off verifies no drafts). What a
@@ -100,11 +100,14 @@ class BatchEngine:
     measured once per batch size (batch_costs.py, cached through
     `calibration`) and the rows' live acceptance; a drafter double: its
     default width). Raises BatchError for a target whose cache kinds cannot
-    be batched."""
+    be batched. `prefill_together`: requests that arrive together, with
+    short prompts, on a target with only KV layers, are prefilled in one
+    left-padded batched forward (off by default: on mlx-cpu it was slower than
+    one after another, bench/batch_ttft.md)."""
 
     def __init__(self, model, tokenizer, drafter=None, *, max_batch: int = 8,
                  policy: Optional[BatchPolicy] = None, prefill_step_size: int = 2048,
-                 calibration: Optional[Calibration] = None):
+                 calibration: Optional[Calibration] = None, prefill_together: bool = False):
         self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
             else TokenizerWrapper(tokenizer)
         self.target = Target(model)
@@ -126,7 +129,7 @@ class BatchEngine:
                 policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
         self.policy = policy
         self.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
-        self.together = bc.paddable(self.target)  # new prompts prefilled in one batched forward
+        self.together = prefill_together and bc.paddable(self.target)
         self.prefilled_together = 0  # requests prefilled that way so far
         self.rows: List[Row] = []  # decoding, in batch order
         self.waiting: Deque[Row] = deque()  # queued or prefilling (the first one)

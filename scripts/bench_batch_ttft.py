@@ -1,7 +1,7 @@
 """Time to first token in the batch engine when N requests arrive at once: new
-prompts prefilled together (one left-padded batched forward, the default where
-the target has only KV layers) vs one after another (`together` off), on the
-embedded pair. Same prompts as bench_batch.py; also checks every stream's
+prompts prefilled together (`prefill_together`: one left-padded batched
+forward, for targets with only KV layers) vs one after another (the default),
+on the embedded pair. Same prompts as bench_batch.py; also checks every stream's
 token ids are the same both ways."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from mlx_dflash.loader import load
 
 
 def run(model, tok, drafter, ps, max_tokens, together):
-    eng = BatchEngine(model, tok, drafter, max_batch=len(ps))
-    eng.together = together and eng.together
+    eng = BatchEngine(model, tok, drafter, max_batch=len(ps), prefill_together=together)
     t0 = time.perf_counter()
     uids = [eng.submit(p, DecodeConfig(max_tokens=max_tokens)) for p in ps]
     times = {u: [] for u in uids}

@@ -291,8 +291,8 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
         assert st.plain_cycles > 2 * (st.cycles - st.plain_cycles), (i, st.cycles, st.plain_cycles)
 
 
-# recurrent hybrids: gated-delta (qwen3_next), Mamba2 (nemotron_h), short-conv (lfm2)
-RECURRENT = ["qwen3_next", "nemotron_h", "lfm2"]
+# recurrent hybrids: gated-delta (qwen3_next, qwen3_5), Mamba2 (nemotron_h, granitemoehybrid), short-conv (lfm2)
+RECURRENT = ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "lfm2"]
 
 
 @pytest.mark.parametrize("family", RECURRENT)
@@ -439,8 +439,8 @@ def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(to
 
 
 def test_new_prompts_prefilled_together_equal_each_alone(tok):
-    """Requests that arrive at once are prefilled in one left-padded batched
-    forward: each row's first token, its whole stream and the target features
+    """With prefill_together, requests that arrive at once are prefilled in one
+    left-padded batched forward: each row's first token, its whole stream and the target features
     its drafter first sees equal those of the request prefilled alone."""
     model = model_of("qwen3")
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
@@ -461,8 +461,8 @@ def test_new_prompts_prefilled_together_equal_each_alone(tok):
     def run(together):
         oracle = Seen(list(plans), seed=1)
         oracle.first, oracle.order = {}, []
-        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedBatchWidth(5))
-        eng.together = together
+        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedBatchWidth(5),
+                          prefill_together=together)
         out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)], join_after=0)
         return out, [oracle.first[k] for k in oracle.order], eng.prefilled_together
 
