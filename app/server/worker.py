@@ -47,7 +47,8 @@ class Worker:
     def __init__(self, catalog, queue_size: int = 8, max_batch=1):
         self.catalog = catalog
         # max_batch > 1: requests decode together (batcher.py), each served on a thread of its own;
-        # "auto": the size measured for each model loaded (batch_costs.auto_max_batch)
+        # "auto": the size measured for each model loaded (batch_costs.auto_max_batch), and a request
+        # that arrives alone is served alone (_alone_now)
         self.auto = max_batch == "auto"
         self.max_batch = 1 if self.auto else max(1, max_batch)
         self.picked: Optional[tuple] = None  # auto: (batch size, why) for the model loaded now
@@ -151,12 +152,17 @@ class Worker:
                 with self.lock:
                     self.counters(job.model_id).cancelled += 1
                 continue
-            if self.auto or self.max_batch > 1:
+            if (self.auto and not self._alone_now()) or self.max_batch > 1:
                 self._admit(job)
                 continue
             self.current = job
+            b = self.batcher
             try:
-                self._run(job)
+                if b is not None:  # auto, alone: the batch thread is idle; it stays so meanwhile
+                    with b.running:
+                        self._run(job)
+                else:
+                    self._run(job)
             finally:
                 self.current = None
 
@@ -226,6 +232,13 @@ class Worker:
         with self.slots:
             while self.inflight:
                 self.slots.wait()
+
+    def _alone_now(self) -> bool:
+        """auto: a request that finds nothing decoding in the batch and nothing
+        queued behind it is served alone, with the prompt cache (a batching server
+        has none yet), as without batching; requests that overlap decode together."""
+        with self.slots:
+            return not self.inflight and self.jobs.empty()
 
     def _batch_size(self, lm) -> int:
         """Rows decoding together for `lm`: max_batch, or with auto the size
@@ -314,6 +327,11 @@ class Worker:
             sys.stderr.write(f"mlx-dflash: the settings of '{self.lm.id}' changed; loading it again\n")
         if self.lm is not None:  # one model in memory at a time: drop the old one first
             import mlx.core as mx
+
+            if self.batcher is not None:  # (it holds the old model)
+                self._drain()
+                self.batcher.close()
+                self.batcher = None
 
             self._clear_store()
             self.lm = self.lm_key = self.lm_load = None
