@@ -205,7 +205,6 @@ class Call:
                 cache[j] = x[:, keep: keep + n]
         return True
 
-
     def select_rows(self, keeps: List[int], before: list) -> bool:
         """Per batch row b, the state after its first keeps[b] rows (0: `before`,
         the slots as they were before the call): each distinct count's state,
