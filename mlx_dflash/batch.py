@@ -14,7 +14,10 @@ the lossless rule, with the row's own PRNG key); the ragged rollback drops
 each row's rejected tokens (batch_cache.py); each row emits through its own
 Emitter (EOS, stop strings, max tokens) and keeps its own stats. A request is
 prefilled alone, chunk by chunk exactly as the single-stream Decoder does
-(so its first token is that of a request run alone), then joins the batch.
+(so its first token is that of a request run alone), then joins the batch;
+optionally (`prefill_together`) requests that arrive together, with short
+prompts, on a target with only KV layers, are prefilled together in the same
+two forwards, left-padded.
 
 Rows may differ in sampling parameters, seed, stop strings, max tokens, block
 size and verify mode (a row with verify mode off verifies no drafts). What a
@@ -97,15 +100,18 @@ class BatchEngine:
     measured once per batch size (batch_costs.py, cached through
     `calibration`) and the rows' live acceptance; a drafter double: its
     default width). Raises BatchError for a target whose cache kinds cannot
-    be batched."""
+    be batched. `prefill_together`: requests that arrive together, with
+    short prompts, on a target with only KV layers, are prefilled in one
+    left-padded batched forward (off by default: on mlx-cpu it was slower than
+    one after another, bench/batch_ttft.md)."""
 
     def __init__(self, model, tokenizer, drafter=None, *, max_batch: int = 8,
                  policy: Optional[BatchPolicy] = None, prefill_step_size: int = 2048,
-                 calibration: Optional[Calibration] = None):
+                 calibration: Optional[Calibration] = None, prefill_together: bool = False):
         self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
             else TokenizerWrapper(tokenizer)
         self.target = Target(model)
-        why = bc.unsupported(self.target.make_cache())
+        why = bc.unsupported(self.target)
         if why:
             raise BatchError(f"this model cannot decode in a batch: {why}")
         if max_batch < 1:
@@ -123,6 +129,8 @@ class BatchEngine:
                 policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
         self.policy = policy
         self.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
+        self.together = prefill_together and bc.paddable(self.target)
+        self.prefilled_together = 0  # requests prefilled that way so far
         self.rows: List[Row] = []  # decoding, in batch order
         self.waiting: Deque[Row] = deque()  # queued or prefilling (the first one)
         self.cache: Optional[list] = None  # the batch's target cache
@@ -186,6 +194,13 @@ class BatchEngine:
         events: List[Tuple[int, GenerationResponse]] = []
         self._drop_cancelled()
         budget = self.prefill_step_size
+        group = self._group(budget)
+        if group:
+            budget -= sum(len(r.rest) for r in group)
+            for ev in self._prefill_together(group):
+                events.append(ev)
+                if emit is not None:
+                    emit(*ev)
         while self.waiting and len(self.rows) < self.max_batch and budget > 0:
             before = len(self.waiting[0].rest)
             ev = self._prefill(self.waiting[0])
@@ -256,6 +271,55 @@ class BatchEngine:
         row.cache = None
         return ev
 
+    # -- prefill: several new prompts together ---------------------------------------------
+    def _group(self, budget: int) -> List[Row]:
+        """The queued requests prefilled together now: the first ones in the queue
+        not started yet, each prompt one chunk alone, within the token budget and
+        the free rows; at least two (else the prefill above, alone)."""
+        if not self.together:
+            return []
+        group, total = [], 0
+        for r in self.waiting:
+            n = len(r.rest)
+            if (len(self.rows) + len(group) >= self.max_batch or r.cache is not None
+                    or not 2 <= n <= r.config.prefill_step_size + 1 or total + n > budget):
+                break
+            group.append(r)
+            total += n
+        return group if len(group) > 1 else []
+
+    def _prefill_together(self, group: List[Row]) -> List[Tuple[int, GenerationResponse]]:
+        """The prompts of `group` in the two forwards each would take alone (all
+        but its last token, then its last token), batched with left padding;
+        each row's first token, then the rows join the batch."""
+        self.prefilled_together += len(group)
+        heads = [r.rest[:-1] for r in group]
+        m = max(len(h) for h in heads)
+        pad = [m - len(h) for h in heads]
+        cache = bc.padded(self.target, pad)
+        cap = self.capture if any(r.drafts for r in group) else []
+        _, f = self.target(mx.array([[0] * p + h for p, h in zip(pad, heads)], mx.int32), cache, cap)
+        logits, f2 = self.target(mx.array([[r.rest[-1]] for r in group], mx.int32), cache, cap)
+        mx.eval(logits, [c.state for c in cache], *([f, f2] if f is not None else []))
+        events, keep = [], []
+        for i, row in enumerate(group):
+            self.waiting.popleft()
+            row.rest = []
+            tok = self._first(row, logits[i, -1])
+            row.stats.prompt_time = time.perf_counter() - row.t_start
+            row.t_gen = time.perf_counter()
+            if row.drafts:
+                row.dcache = self.drafter.make_cache(*row.config.drafter_layout)
+                row.pending = [cat_feats([f[i: i + 1, pad[i]:], f2[i: i + 1]])]
+            row.anchor = tok
+            events.append((row.uid, self._emit(row, tok, False, None)))
+            if not row.emit.done:
+                keep.append(i)
+                self.rows.append(row)
+        if keep:
+            self.cache = bc.join(self.cache, bc.keep(cache, keep))
+        return events
+
     def _first(self, row: Row, logits: mx.array) -> int:
         if row.sp.greedy:
             return int(mx.argmax(logits, axis=-1).item())
@@ -306,7 +370,7 @@ class BatchEngine:
                 outs.append(D[b][:ab] + [nxt])
             else:
                 outs.append(T[b][: A[b] + 1])
-        bc.ragged_trim(self.cache, [w - 1 - x for x in A])
+        bc.rollback(self.target, self.cache, w, [w - 1 - x for x in A])
         t3 = time.perf_counter()
         events = []
         for b, r in enumerate(rows):
@@ -341,4 +405,4 @@ class BatchEngine:
     def summary(self) -> Dict[str, int]:
         """What /metrics shows: rows decoding, requests waiting, the batch's slots per row."""
         return {"rows": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
-                "slots": bc.size(self.cache), "cycles": self.cycles}
+                "slots": bc.size(self.cache), "cycles": self.cycles, "prefilled_together": self.prefilled_together}

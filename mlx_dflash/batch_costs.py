@@ -5,12 +5,16 @@ batched verify with feature capture, its ragged rollback, the batched draft).
 
 The unit is one plain batched step at B rows (a [B, 1] verify: what plain
 batched decoding runs per token), so k(w, B) = c(w) + d(w) is a cycle's cost
-in plain batched steps, the number the batch guard divides by."""
+in plain batched steps, the number the batch guard divides by.
+
+`auto_max_batch`: the server's default batch size, from the same measured
+curves: the plain batched step's seconds at 1, 2, 4, 8, 16 rows
+(`pick_max_batch`)."""
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -19,10 +23,14 @@ from .batch_draft import propose_batch
 from .calibrate import Calibration
 from .costs import Costs
 from .drafter import Drafter
-from .target import Target
+from .target import Target, TargetError
 
 BATCH_WIDTHS = (1, 2, 3, 5, 8)  # measured (capped at the drafter's block size); between: interpolated
 MEASURED_B = (1, 2, 4, 8, 16, 32)  # batch sizes measured; between: linear in B
+AUTO_B = (1, 2, 4, 8, 16)  # the sizes `max_batch auto` chooses from
+AUTO_GAIN = 1.10  # doubling the rows must raise aggregate plain throughput this much
+ROW_CONTEXT = 8192  # tokens of cache each row is budgeted for when sizing the batch (a long agent request)
+MEMORY_SHARE = 0.9  # of the device's (recommended) memory, what weights and rows may use
 
 
 def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, rounds: int = 3) -> Costs:
@@ -47,7 +55,7 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
         t0 = time.perf_counter()
         logits, f = target(mx.zeros((B, w), mx.int32), cache, capture)
         mx.eval(mx.argmax(logits, axis=-1), *([f] if f is not None else []))
-        bc.ragged_trim(cache, [w] * B)
+        bc.rollback(target, cache, w, [w] * B)
         return time.perf_counter() - t0
 
     def draft(w):
@@ -86,6 +94,7 @@ class BatchCosts:
         self.model, self.drafter, self.cal = model, drafter, calibration
         self.widths = sorted({w for w in BATCH_WIDTHS if w <= widest} | {widest, 1})
         self._held: Dict[int, Dict[int, float]] = {}
+        self._t1: Dict[int, float] = {}
 
     def curve(self, B: int) -> Dict[int, float]:
         """{w: cost of a cycle at width w in plain batched steps} at B rows."""
@@ -103,4 +112,76 @@ class BatchCosts:
                 got = measure(self.model, self.drafter, B, self.widths)
                 book.keep(self.model, self.drafter, got, context=tag)
             self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
+            self._t1[B] = got.t1
         return self._held[B]
+
+    def step_s(self, B: int) -> float:
+        """Seconds of one plain batched step at B rows (a measured size)."""
+        self._at(B)
+        return self._t1[B]
+
+
+def pick_max_batch(step_s: Callable[[int], float], row_bytes: int, free_bytes: Optional[int]) -> Tuple[int, str]:
+    """The largest B in AUTO_B whose plain batched step (`step_s(B)` seconds at
+    B rows) still raises aggregate throughput by AUTO_GAIN over B/2, every
+    doubling on the way too, and whose rows (`row_bytes` each) fit in
+    `free_bytes` (None: not known). Returns (B, why it stopped there)."""
+    best, why = 1, f"{AUTO_B[-1]} rows is the largest size tried"
+    prev = step_s(1)
+    for B in AUTO_B[1:]:
+        if free_bytes is not None and B * row_bytes > free_bytes:
+            why = f"{B} rows of {ROW_CONTEXT} tokens would not fit in memory"
+            break
+        t = step_s(B)
+        gain = (B / t) / ((B // 2) / prev)
+        if gain < AUTO_GAIN:
+            why = f"{B} rows would raise aggregate plain throughput by {gain - 1:+.0%} over {B // 2} (< 10%)"
+            break
+        best, prev = B, t
+    return best, why
+
+
+def row_bytes(target: Target, context: int = ROW_CONTEXT) -> int:
+    """A row's target cache at `context` tokens, estimated from one short prefill:
+    KV layers grow per token, sliding windows up to their window, recurrent
+    states are fixed."""
+    cache = target.make_cache()
+    n = 16
+    target(mx.zeros((1, n), mx.int32), cache)
+    mx.eval([c.state for c in cache])
+    total = 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if keys is None:  # recurrent: fixed size
+            total += c.nbytes
+            continue
+        per = 2 * keys[..., :1, :].nbytes  # one position, keys and values
+        total += per * min(context, getattr(c, "max_size", None) or context)
+    return total
+
+
+def free_memory() -> Optional[int]:
+    """Bytes the batch's rows may still take (None: this device does not say)."""
+    info = mx.device_info()
+    limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not limit:
+        return None
+    return max(0, int(limit * MEMORY_SHARE) - mx.get_active_memory())
+
+
+def auto_max_batch(model, drafter, calibration: Optional[Calibration] = None) -> Tuple[int, str]:
+    """`max_batch auto` for this model (+ drafter) on this machine: (B, a one-line
+    reason). The plain batched steps come from the batch guard's curves
+    (measured once per model, drafter and machine, then cached); a model that
+    cannot batch gets 1 with the reason."""
+    try:
+        target = Target(model)
+        why = bc.unsupported(target)
+    except TargetError as e:
+        why = str(e)
+    if why:
+        return 1, f"it cannot decode in a batch: {why}"
+    real = drafter if isinstance(drafter, Drafter) else None
+    costs = BatchCosts(model, real, calibration or Calibration(), real.block_size if real is not None else 1)
+    B, why = pick_max_batch(costs.step_s, row_bytes(target), free_memory())
+    return B, why

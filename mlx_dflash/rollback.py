@@ -205,6 +205,33 @@ class Call:
                 cache[j] = x[:, keep: keep + n]
         return True
 
+    def select_rows(self, keeps: List[int], before: list) -> bool:
+        """Per batch row b, the state after its first keeps[b] rows (0: `before`,
+        the slots as they were before the call): each distinct count's state,
+        then one gather over the batch axis; never a replay. False where a slot
+        cannot be selected (then the caller refuses the batch)."""
+        if self.picks is None:
+            return False
+        cache, picks = self.picks
+        B = len(keeps)
+        ks = sorted(set(keeps))
+        pos = mx.array([ks.index(k) for k in keeps], mx.int32)
+        rows = mx.arange(B)
+        for j, pick in enumerate(picks):
+            if pick is None:
+                continue
+            kind, x = pick
+            if kind == "scan":
+                vals = [before[j] if k == 0 else (cache[j] if k == self.length else x(k)) for k in ks]
+                if any(v is None for v in vals):
+                    return False
+                cache[j] = vals[0] if len(vals) == 1 else mx.stack(vals)[pos, rows]
+            else:  # the window's rows keeps[b] .. keeps[b] + n - 1, per row
+                n = x.shape[1] - self.length
+                idx = mx.array(keeps, mx.int32)[:, None] + mx.arange(n)[None]
+                cache[j] = mx.take_along_axis(x, idx[:, :, None], axis=1)
+        return True
+
 
 @dataclass
 class Record:
@@ -259,6 +286,34 @@ def replay(rec: Record, n: int) -> None:
                 row_trim(c, keep)
         if not call.select(keep):
             call.mixer.play(call, rec.length, keep)
+
+
+def selectable(rec: Record) -> bool:
+    """Whether every recurrent state of the last forward can be selected per row
+    (each recorded mixer call explains all its slots); not with the fused Metal
+    gated-delta kernel, or padded / masked calls, which keep no per-row states."""
+    covered = set()
+    for call in rec.calls:
+        if call.picks is None:
+            return False
+        covered.add(id(call.picks[0]))
+    return covered >= set(rec.saved)
+
+
+def select_rows(rec: Record, keeps: List[int]) -> None:
+    """After a batched verify of rec.length rows: batch row b keeps its first
+    keeps[b] rows of every recurrent state (per-row selection, no replay)."""
+    if all(k == rec.length for k in keeps):
+        return
+    if all(k == 0 for k in keeps):
+        _restore(rec)
+        return
+    if not selectable(rec):
+        raise RollbackError("a recurrent state of this batch cannot be selected per row")
+    for call in rec.calls:
+        cache = call.picks[0]
+        if not call.select_rows(keeps, rec.saved[id(cache)][1]):
+            raise RollbackError("a recurrent state of this batch cannot be selected per row")
 
 
 class Tape:

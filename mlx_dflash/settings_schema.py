@@ -77,7 +77,8 @@ class GlobalSettings:
     api_key: Optional[str] = None
     cors_origins: list = field(default_factory=list)
     prompt_cache_mb: int = 2048  # server: memory for cached prompt prefixes across requests (0: none)
-    max_batch: int = 1  # server: requests decoded together (mlx_dflash.batch); 1: one at a time
+    max_batch: object = "auto"  # server: requests decoded together (mlx_dflash.batch), 1..64 (1: one at a
+    # time), or "auto": measured once per model and machine (batch_costs.auto_max_batch)
 
 
 # user-facing key (file, CLI) -> dataclass field
@@ -136,6 +137,7 @@ _TYPES = {  # field -> (type, optional)
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
     "max_batch": (int, False),
 }
+AUTO_FIELDS = ("drafter_quant_bits", "max_batch")  # integer fields that also take "auto"
 _TYPES.update({"drafter_window": (int, True), "drafter_sink": (int, False), "kv_bits": (int, True),
                "kv_group_size": (int, False), "quantized_kv_start": (int, False)})
 
@@ -163,7 +165,7 @@ def parse_value(name: str, text: str):
     t = text.strip()
     if optional and t.lower() in ("none", "null", ""):
         return None
-    if name == "drafter_quant_bits" and t.lower() == "auto":
+    if name in AUTO_FIELDS and t.lower() == "auto":
         return "auto"
     try:
         if typ is bool:
@@ -181,6 +183,8 @@ def parse_value(name: str, text: str):
             return [s.strip() for s in t.split(",") if s.strip()]
     except (KeyError, ValueError):
         want = {bool: "true or false", int: "an integer", float: "a finite number"}[typ]
+        if name == "max_batch":
+            want = "auto or an integer"
         raise SettingsError(f"{FIELD_TO_KEY.get(name, name)} must be {want}, got '{text}'") from None
     return text
 
@@ -193,7 +197,7 @@ def check_type(name: str, v):
         if optional:
             return None
         raise SettingsError(f"{key} cannot be empty")
-    if name == "drafter_quant_bits" and isinstance(v, str) and v.strip().lower() == "auto":
+    if name in AUTO_FIELDS and isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
     if typ is float and isinstance(v, (int, float)) and not isinstance(v, bool):
         try:
@@ -254,5 +258,5 @@ def check_global(g: GlobalSettings) -> None:
         raise SettingsError("host cannot be empty")
     if g.prompt_cache_mb < 0:
         raise SettingsError(f"prompt_cache_mb must be >= 0 (0 turns the prompt cache off), got {g.prompt_cache_mb}")
-    if not 1 <= g.max_batch <= 64:
-        raise SettingsError(f"max_batch must be in 1..64 (1: one request at a time), got {g.max_batch}")
+    if g.max_batch != "auto" and not 1 <= g.max_batch <= 64:
+        raise SettingsError(f"max_batch must be auto or in 1..64 (1: one request at a time), got {g.max_batch}")

@@ -384,6 +384,26 @@ class Target:
                 rb.replay(self._rec, n)
                 self._rec = None
 
+    def select_rows(self, cache: list, keeps: List[int]) -> None:
+        """After a batched forward of L tokens over `cache`: batch row b keeps the
+        recurrent states after its first keeps[b] tokens (row caches are the
+        caller's: batch_cache.py). RollbackError where they cannot be selected."""
+        with self._lock:
+            rec = self._rec
+            if rec is None or rec.cache is not cache:
+                if any(isinstance(x, rb.ArraysCache) for c in cache for x in rb.leaves(c)):
+                    raise rb.RollbackError("no recorded forward over this cache to select rows from")
+                return
+            rb.select_rows(rec, keeps)
+            self._rec = None
+
+    def rows_selectable(self, cache: list) -> bool:
+        """Whether the last forward over `cache` kept per-row recurrent states."""
+        rec = self._rec
+        if rec is None or rec.cache is not cache:
+            return not rb.recurrent(cache)
+        return rb.selectable(rec)
+
     # -- the forward -----------------------------------------------------------------
     def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None):
         """The model's own forward through this session's view, keeping the

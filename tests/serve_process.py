@@ -36,6 +36,8 @@ class Server:
         if key and key_env:  # from the environment: a key on the command line would show in `ps`
             env["MLX_DFLASH_API_KEY"] = key
         cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), *args]
+        if "--max-batch" not in args:  # the single-stream server (prompt cache) unless a test batches
+            cmd += ["--max-batch", "1"]
         if model:
             cmd += ["--model", model]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

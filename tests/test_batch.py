@@ -19,13 +19,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from drafters import reference_tokens
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 from tiny_families import build
 
 from mlx_dflash import DecodeConfig, generate, load
+from mlx_dflash import batch_cache as bc
+from mlx_dflash import batch_costs
 from mlx_dflash.batch import BatchEngine, BatchError
+from mlx_dflash.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
+from mlx_dflash.calibrate import Calibration
 from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
 from mlx_dflash.drafter import Proposal
+from mlx_dflash.target import Target
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:", "Natalia sold clips to 48 of her friends in April",
@@ -286,10 +291,79 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
         assert st.plain_cycles > 2 * (st.cycles - st.plain_cycles), (i, st.cycles, st.plain_cycles)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
-def test_recurrent_targets_are_refused_in_one_line(family, tok):
+# recurrent hybrids: gated-delta (qwen3_next, qwen3_5), Mamba2 (nemotron_h, granitemoehybrid), short-conv (lfm2)
+RECURRENT = ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "lfm2"]
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+@pytest.mark.parametrize("width", [1, 5, 8])
+def test_recurrent_rows_equal_each_request_alone(family, width, tok):
+    """Per-row selection of the recurrent states after a verify: each row keeps
+    the state after its own accepted count (rows of different lengths joining
+    and leaving mid-way), greedy ids equal to mlx-lm alone and to the
+    single-stream Decoder."""
+    test_greedy_rows_equal_each_request_alone(family, width, tok)
+    if width == 5:
+        model = model_of(family)
+        p, m = PROMPTS[3], MAXES[3]
+        alone = generate(model, tok, p, RowOracles([(len(tok.encode(p)), reference_tokens(model, tok, p, m))]),
+                         max_tokens=m, block_size=5, guard=False)
+        assert alone.token_ids == reference_tokens(model, tok, p, m)
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+@pytest.mark.parametrize("width", [2, 5, 8])
+def test_recurrent_states_after_a_ragged_rollback_equal_each_row_alone(family, width):
+    """The recurrent states themselves (tiny models' outputs can hide a wrong
+    conv window): after a [B, w] verify and a rollback of a different count per
+    row, row b's states equal those of its prompt plus its kept tokens run alone."""
+    model = model_of(family)
+    target = Target(model)
+    rng = random.Random(width)
+    prompts = [[rng.randrange(4, 512) for _ in range(n)] for n in (7, 12, 3, 9)]
+    cache = None
+    for p in prompts:
+        c = target.make_cache()
+        target(mx.array(p)[None], c)
+        cache = bc.join(cache, bc.to_batch(c))
+    vin = [[rng.randrange(4, 512) for _ in range(width)] for _ in prompts]
+    keeps = [1, width, 0, rng.randrange(width + 1)]
+    target(mx.array(vin), cache)
+    bc.rollback(target, cache, width, [width - k for k in keeps])
+    for b, (p, k) in enumerate(zip(prompts, keeps)):
+        alone = target.make_cache()
+        target(mx.array(p + vin[b][:k])[None], alone)
+        for layer, (got, want) in enumerate(zip(cache, alone)):
+            if isinstance(want, ArraysCache):
+                for g, x in zip(got.cache, want.cache):
+                    assert np.allclose(np.array(g[b].astype(mx.float32)), np.array(x[0].astype(mx.float32)),
+                                       atol=1e-4), (family, width, b, k, layer)
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_recurrent_cancelled_row_leaves_the_others_identical(family, tok):
+    model = model_of(family)
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
+    eng = BatchEngine(model, tok, RowOracles(plans, seed=5), max_batch=4, policy=FixedBatchWidth(8))
+    reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
+    out, _ = run_engine(eng, reqs, cancel=(2, 5))
+    assert out[2][:5] == refs[2][:5] and len(out[2]) < len(refs[2])
+    for i, ref in enumerate(refs):
+        if i != 2:
+            assert out[i] == ref, i
+    assert len(eng) == 0 and eng.cache is None
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next:nostates"])
+def test_unbatchable_targets_are_refused_in_one_line(family, tok, monkeypatch):
+    """falcon_h1's CacheList layers; mixers that keep no per-row states (as the
+    fused Metal gated-delta kernel: its verify records no per-row state)."""
+    base, _, kind = family.partition(":")
+    if kind == "nostates":
+        monkeypatch.setattr(Target, "rows_selectable", lambda self, cache: False)
     with pytest.raises(BatchError) as e:
-        BatchEngine(model_of(family), tok, None)
+        BatchEngine(model_of(base), tok, None)
     assert "\n" not in str(e.value) and "batch" in str(e.value)
 
 
@@ -322,3 +396,80 @@ def test_guard_drafts_where_drafts_pay(tok):
     for i in last:
         st = last[i].stats
         assert st.cycles - st.plain_cycles > st.plain_cycles and st.tau > 2.5, (i, st.cycles, st.plain_cycles)
+
+
+def _asked(times):
+    """A step-time lookup that records which batch sizes were asked for."""
+    asked = []
+
+    def step(B):
+        asked.append(B)
+        return times[B]
+    return step, asked
+
+
+def test_max_batch_auto_picks_the_largest_size_that_still_pays():
+    """`max_batch auto`: the largest B in 1, 2, 4, ..., 16 whose plain batched
+    step raises aggregate throughput >= 10% over B/2 at every doubling, within
+    memory; sizes past the first that does not pay are not measured."""
+    flat = {B: 1.0 + 0.01 * B for B in AUTO_B}  # a step costs about the same at any size: every doubling pays
+    assert pick_max_batch(flat.__getitem__, 1, None)[0] == AUTO_B[-1]
+    linear = {B: float(B) for B in AUTO_B}  # a step at B rows costs B single steps: batching never pays
+    step, asked = _asked(linear)
+    B, why = pick_max_batch(step, 1, None)
+    assert B == 1 and asked == [1, 2] and "\n" not in why and "2 rows" in why
+    knee = {1: 1.0, 2: 1.05, 4: 1.2, 8: 2.3, 16: 2.4}  # 4 -> 8 gains 4%: stop at 4, even if 16 looked good
+    step, asked = _asked(knee)
+    assert pick_max_batch(step, 1, None)[0] == 4 and 16 not in asked
+    just = {1: 1.0, 2: 2 / 1.11, 4: 4 / 1.11 ** 2}  # +11% per doubling still pays
+    assert pick_max_batch(lambda B: just.get(B, 1e9), 1, None)[0] == 4
+    B, why = pick_max_batch(flat.__getitem__, 10, 79)  # 8 rows of 10 bytes do not fit in 79
+    assert B == 4 and "memory" in why
+
+
+def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(tok, monkeypatch):
+    model = model_of("qwen3")
+    cal = Calibration()
+    B, why = auto_max_batch(model, None, cal)
+    assert B in AUTO_B and why and "\n" not in why
+    monkeypatch.setattr(batch_costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert auto_max_batch(model, None, Calibration()) == (B, why)  # a new process: the curves on disk
+    B, why = auto_max_batch(model_of("falcon_h1"), None, cal)
+    assert B == 1 and "batch" in why and "\n" not in why
+
+
+def test_new_prompts_prefilled_together_equal_each_alone(tok):
+    """With prefill_together, requests that arrive at once are prefilled in one
+    left-padded batched forward: each row's first token, its whole stream and the target features
+    its drafter first sees equal those of the request prefilled alone."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
+
+    class Seen(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            c = super().make_cache(window, sink)
+            self.first[id(c[0])] = None
+            self.order.append(id(c[0]))
+            return c
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            if self.first[id(cache[0])] is None:
+                self.first[id(cache[0])] = np.array(new_feats)
+            return super().propose(target, anchor, new_feats, cache, width, temperature)
+
+    def run(together):
+        oracle = Seen(list(plans), seed=1)
+        oracle.first, oracle.order = {}, []
+        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedBatchWidth(5),
+                          prefill_together=together)
+        out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)], join_after=0)
+        return out, [oracle.first[k] for k in oracle.order], eng.prefilled_together
+
+    out, feats, n = run(True)
+    alone_out, alone_feats, n_alone = run(False)
+    assert n == len(PROMPTS) and n_alone == 0
+    for i, ref in enumerate(refs):
+        assert out[i] == ref == alone_out[i], i
+    for a, b in zip(feats, alone_feats):
+        assert a.shape == b.shape and np.allclose(a, b, atol=1e-4)

@@ -3,11 +3,14 @@ every answer is what the request gets alone. The single-stream server tests
 (test_server.py) run again here against a batching server, except those about
 the prompt store (a batching server does not reuse cached prefixes yet)."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import httpx
 import pytest
-from serve_process import Server
+from serve_process import ROOT, Server
 from test_server import (  # noqa: F401  (collected here, against the batching server below)
     ref,
     test_bad_requests,
@@ -67,3 +70,86 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, ref):
         assert text == expect[p], p
     b = server.metrics()["batch"]
     assert b["max_batch"] == 4 and 2 <= b["peak_rows"] <= 4
+
+
+def test_max_batch_auto_measures_and_says_what_it_picked(serve_models, ref):
+    """`serve --max-batch auto` (the default): the size is measured for the model
+    at startup, said in one log line and in /metrics; a request that arrives
+    alone is served alone with the prompt cache; answers are unchanged."""
+    s = Server(serve_models[1], "--max-batch", "auto")
+    try:
+        b = s.metrics()["batch"]
+        for _ in range(600):  # the warm-up job loads, then measures
+            if b.get("auto", "not measured yet") != "not measured yet":
+                break
+            threading.Event().wait(0.5)
+            b = s.metrics()["batch"]
+        size = b["max_batch"]
+        assert size in (1, 2, 4, 8, 16) and b["auto"].startswith(f"{size} (")
+        said = [l for l in s.log.read_text().splitlines() if "max_batch auto" in l]
+        assert len(said) == 1 and f": {size} (" in said[0]
+        _, _, run = ref
+
+        def ask(p):
+            r = httpx.post(s.url + "/v1/completions", json={"model": "qwen", "prompt": p, "max_tokens": 8,
+                                                             "temperature": 0}, timeout=600)
+            return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else None
+
+        # one request at a time: served alone, with the prompt cache (the second one hits it)
+        assert ask("alpha") == ask("alpha") == (200, run("alpha", 8).text)
+        assert s.metrics()["models"]["qwen"]["prompt_cache"]["hits"] >= 1
+        prompts = ["alpha", "beta gamma", "delta", "epsilon zeta eta", "one two", "import os"]
+        got = {}
+        threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(p))) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p in prompts:  # overlapping requests (batched when the size is > 1): each the request alone
+            assert got[p] == (200, run(p, 8).text), p
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("value,message", [("many", "auto or an integer"), ("0", "auto or in 1..64")])
+def test_bad_max_batch_is_one_line(serve_models, value, message):
+    env = {**os.environ, "MLX_DFLASH_HOME": str(serve_models[1])}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--max-batch", value], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, monkeypatch):
+    """In process, the auto size forced to 4 (the measurement itself is tested
+    above): a request that arrives alone is served alone, reusing the prompt
+    cache; overlapping requests decode together; every answer is the request's
+    own (greedy, as served alone with max_batch 1)."""
+    import openai
+    from scripted import LocalServer
+    from test_prompt_store import PairCatalog
+
+    from app.server import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter: (4, "forced by the test"))
+    qs = ["Tell me about lists.", "Tell me about dicts.", "And sets?", "What is a tuple?", "Explain loops.",
+          "Name a prime."]
+
+    def ask(url, q):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        return c.chat.completions.create(model="pair", temperature=0, max_tokens=12,
+                                         messages=[{"role": "user", "content": q}]).choices[0].message.content
+
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
+        want = {q: ask(srv.url, q) for q in qs}
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch="auto") as srv:
+        assert ask(srv.url, qs[0]) == ask(srv.url, qs[0]) == want[qs[0]]
+        assert srv.worker.store.stats.hits >= 1  # served alone, from the prompt cache
+        got = {}
+        threads = [threading.Thread(target=lambda q=q: got.__setitem__(q, ask(srv.url, q))) for q in qs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == want
+        b = srv.worker.batch_summary()
+        assert b["auto"] == "4 (forced by the test)" and b["max_batch"] == 4

@@ -321,10 +321,22 @@ def test_validation_messages(store, changes, message):
     ({"port": "http"}, "port must be an integer"),
     ({"host": ""}, "host cannot be empty"),
     ({"colour": "red"}, "unknown global setting 'colour'"),
+    ({"max_batch": 0}, "max_batch must be auto or in 1..64"),
+    ({"max_batch": "65"}, "max_batch must be auto or in 1..64"),
+    ({"max_batch": "many"}, "max_batch must be auto or an integer"),
+    ({"max_batch": 2.5}, "max_batch must be int"),
 ])
 def test_global_validation_messages(store, changes, message):
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(".", r"\.")):
         store.set_global(**changes)
+
+
+def test_max_batch_is_auto_by_default_and_takes_auto_or_an_integer(store):
+    assert store.globals().max_batch == "auto"
+    assert store.set_global(max_batch="8").max_batch == 8 and store.globals().max_batch == 8
+    assert store.set_global(max_batch=" Auto ").max_batch == "auto" and store.globals().max_batch == "auto"
+    assert store.set_global(max_batch=64).max_batch == 64
+    assert parse_value("max_batch", "auto") == "auto" and parse_value("max_batch", "1") == 1
 
 
 def test_parse_value():

@@ -56,7 +56,7 @@ class ServerContext:
 
 
 def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
-               max_batch: int = 1, model: Optional[str] = None, store=None, allowed_hosts: tuple = (),
+               max_batch=1, model: Optional[str] = None, store=None, allowed_hosts: tuple = (),
                max_body: int = MAX_BODY,
                log: bool = False, strict_models: bool = False) -> FastAPI:
     """The FastAPI app. `catalog` (default: the model manager's) provides

@@ -31,6 +31,7 @@ class Batcher:
             self.engine, self.why_not = None, str(e)
             sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
         self.cv = threading.Condition()
+        self.running = threading.Lock()  # held while this thread runs the model
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
         self.cancels: List[int] = []
         self.outs: Dict[int, queue.Queue] = {}
@@ -97,32 +98,33 @@ class Batcher:
                     self.cv.wait()
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
-            held = []  # a request that must run alone, and every one after it: after the running rows
-            for ids, cfg, q in inbox:
-                if self.engine is None or held or batchable(cfg):
-                    held.append((ids, cfg, q))
-                    continue
-                self._submit(ids, cfg, q)
-            for uid in cancels:
-                if self.engine is not None:
-                    self.engine.cancel(uid)
-                q = self.outs.pop(uid, None)
-                if q is not None:
-                    q.put(_END)
-            if self.engine is not None and len(self.engine):
-                if held:
-                    with self.cv:  # they wait their turn, ahead of later requests
-                        self.inbox = held + self.inbox
-                self._step()
-            elif held:
-                ids, cfg, q = held.pop(0)
-                with self.cv:
-                    self.inbox = held + self.inbox
-                if self.engine is not None and not batchable(cfg):
+            with self.running:  # (the worker serves a request alone only while it holds this)
+                held = []  # a request that must run alone, and every one after it: after the running rows
+                for ids, cfg, q in inbox:
+                    if self.engine is None or held or batchable(cfg):
+                        held.append((ids, cfg, q))
+                        continue
                     self._submit(ids, cfg, q)
-                else:
-                    alone_uid -= 1
-                    self._alone(alone_uid, ids, cfg, q)
+                for uid in cancels:
+                    if self.engine is not None:
+                        self.engine.cancel(uid)
+                    q = self.outs.pop(uid, None)
+                    if q is not None:
+                        q.put(_END)
+                if self.engine is not None and len(self.engine):
+                    if held:
+                        with self.cv:  # they wait their turn, ahead of later requests
+                            self.inbox = held + self.inbox
+                    self._step()
+                elif held:
+                    ids, cfg, q = held.pop(0)
+                    with self.cv:
+                        self.inbox = held + self.inbox
+                    if self.engine is not None and not batchable(cfg):
+                        self._submit(ids, cfg, q)
+                    else:
+                        alone_uid -= 1
+                        self._alone(alone_uid, ids, cfg, q)
 
     def _submit(self, ids, cfg, q) -> None:
         try:

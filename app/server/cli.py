@@ -7,12 +7,14 @@ import os
 import re
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from mlx_dflash.costs import cache_dir
 from mlx_dflash.distributed import world
 from mlx_dflash.settings import remove_stale_temps
+from mlx_dflash.settings_schema import SettingsError, check_global, check_type
 
 from .errors import error_line
 from .app import create_app
@@ -41,8 +43,10 @@ def add_parser(sub):
                    help="extra names clients may reach the server by (Host header; '*.example.org' for a domain, "
                         "'*' for any); IP addresses, localhost and this machine's name always work")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the worker (default 8)")
-    p.add_argument("--max-batch", type=int, default=None, metavar="N",
-                   help="requests decoded together, DFlash in the batch (default from settings: 1, one at a time)")
+    p.add_argument("--max-batch", default=None, metavar="auto|N",
+                   help="requests decoded together, DFlash in the batch: 1..64 (1: one at a time) or auto, the "
+                        "largest size that still pays on this machine, measured once per model (default from "
+                        "settings: auto)")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="on Ctrl-C, how long running generations may go on before they are stopped (default 10)")
     p.add_argument("--strict-models", action="store_true",
@@ -97,9 +101,13 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     if args.queue_size < 1:
         raise ValueError(f"--queue-size must be >= 1, got {args.queue_size}")
-    max_batch = args.max_batch if args.max_batch is not None else g.max_batch
-    if not 1 <= max_batch <= 64:
-        raise ValueError(f"--max-batch must be in 1..64, got {max_batch}")
+    max_batch = g.max_batch
+    if args.max_batch is not None:
+        try:
+            max_batch = check_type("max_batch", args.max_batch)
+            check_global(replace(g, max_batch=max_batch))
+        except SettingsError as e:
+            raise ValueError(f"--max-batch: {e}") from None
     if not 0 <= args.grace <= 3600:  # also refuses nan
         raise ValueError(f"--grace must be in 0..3600 seconds, got {args.grace}")
     for flag, v in (("--header-timeout", args.header_timeout), ("--keep-alive", args.keep_alive)):
@@ -115,6 +123,8 @@ def run(args) -> int:
         if split.leader is None:
             return split.follow()
         catalog, model = split.catalog, split.lm.id
+        if max_batch == "auto":  # a split target is measured and served one request at a time
+            max_batch = 1
     elif args.model is not None:  # an id or a model folder; fail now, in one line, if neither
         from mlx_dflash.model_names import resolve
 

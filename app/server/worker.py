@@ -18,6 +18,7 @@ import weakref
 from typing import Dict, List, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
+from mlx_dflash.batch_costs import auto_max_batch
 from mlx_dflash.prompt_store import PromptStore
 from mlx_dflash.target import Target
 
@@ -43,10 +44,14 @@ class PrefillCancelled(Exception):
 class Worker:
     """The one thread that loads models and generates."""
 
-    def __init__(self, catalog, queue_size: int = 8, max_batch: int = 1):
+    def __init__(self, catalog, queue_size: int = 8, max_batch=1):
         self.catalog = catalog
-        # max_batch > 1: requests decode together (batcher.py), each served on a thread of its own
-        self.max_batch = max(1, max_batch)
+        # max_batch > 1: requests decode together (batcher.py), each served on a thread of its own;
+        # "auto": the size measured for each model loaded (batch_costs.auto_max_batch), and a request
+        # that arrives alone is served alone (_alone_now)
+        self.auto = max_batch == "auto"
+        self.max_batch = 1 if self.auto else max(1, max_batch)
+        self.picked: Optional[tuple] = None  # auto: (batch size, why) for the model loaded now
         self.batcher: Optional[Batcher] = None
         self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served by the batch
         self.slots = threading.Condition()
@@ -137,7 +142,9 @@ class Worker:
                 continue
             if job.kind == "warm":
                 try:
-                    self._ensure(job.model_id)
+                    lm = self._ensure(job.model_id)
+                    if self.auto:
+                        self._batch_size(lm)
                 except Exception as e:  # the first request will report it to its client
                     sys.stderr.write(f"mlx-dflash: {getattr(e, 'message', e)}\n")
                 continue
@@ -145,12 +152,17 @@ class Worker:
                 with self.lock:
                     self.counters(job.model_id).cancelled += 1
                 continue
-            if self.max_batch > 1:
+            if (self.auto and not self._alone_now()) or self.max_batch > 1:
                 self._admit(job)
                 continue
             self.current = job
+            b = self.batcher
             try:
-                self._run(job)
+                if b is not None:  # auto, alone: the batch thread is idle; it stays so meanwhile
+                    with b.running:
+                        self._run(job)
+                else:
+                    self._run(job)
             finally:
                 self.current = None
 
@@ -185,13 +197,25 @@ class Worker:
         except APIError as e:
             self._fail(job, e)
             return
-        if self.batcher is None or self.batcher.lm is not lm:
+        size = self._batch_size(lm)
+        if size <= 1:  # auto chose one at a time for this model: served here, as without batching
             self._drain()
             if self.batcher is not None:
                 self.batcher.close()
-            self.batcher = Batcher(lm, self.max_batch)
+                self.batcher = None
+            self.current = job
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+            return
+        if self.batcher is None or self.batcher.lm is not lm or self.batcher.max_batch != size:
+            self._drain()
+            if self.batcher is not None:
+                self.batcher.close()
+            self.batcher = Batcher(lm, size)
         with self.slots:
-            while len(self.inflight) >= self.max_batch:
+            while len(self.inflight) >= size:
                 self.slots.wait()
             self.inflight[id(job)] = job
         threading.Thread(target=self._run_batched, args=(job, self.batcher), daemon=True).start()
@@ -209,12 +233,36 @@ class Worker:
             while self.inflight:
                 self.slots.wait()
 
+    def _alone_now(self) -> bool:
+        """auto: a request that finds nothing decoding in the batch and nothing
+        queued behind it is served alone, with the prompt cache (a batching server
+        has none yet), as without batching; requests that overlap decode together."""
+        with self.slots:
+            return not self.inflight and self.jobs.empty()
+
+    def _batch_size(self, lm) -> int:
+        """Rows decoding together for `lm`: max_batch, or with auto the size
+        measured for it (once per load; the measured curves are cached on disk)."""
+        if not self.auto:
+            return self.max_batch
+        if self.picked is None:
+            try:
+                size, why = auto_max_batch(lm.model, lm.drafter)
+            except Exception as e:  # noqa: BLE001 - a model the measurement fails on still serves, alone
+                size, why = 1, f"measuring failed ({type(e).__name__}: {error_line(e)})"
+            self.picked = (size, why)
+            sys.stderr.write(f"mlx-dflash: max_batch auto for '{lm.id}': {size} ({why})\n")
+        return self.picked[0]
+
     def batch_summary(self) -> Optional[dict]:
         """Batch occupancy for /metrics (None: requests run one at a time)."""
         b = self.batcher
-        if self.max_batch <= 1:
+        if not self.auto and self.max_batch <= 1:
             return None
-        out = b.summary() if b is not None else {"max_batch": self.max_batch, "rows": 0}
+        size = self.picked[0] if self.auto and self.picked is not None else self.max_batch
+        out = b.summary() if b is not None else {"max_batch": size, "rows": 0}
+        if self.auto:
+            out["auto"] = f"{self.picked[0]} ({self.picked[1]})" if self.picked is not None else "not measured yet"
         with self.slots:
             out["serving"] = len(self.inflight)
         return out
@@ -280,6 +328,11 @@ class Worker:
         if self.lm is not None:  # one model in memory at a time: drop the old one first
             import mlx.core as mx
 
+            if self.batcher is not None:  # (it holds the old model)
+                self._drain()
+                self.batcher.close()
+                self.batcher = None
+
             self._clear_store()
             self.lm = self.lm_key = self.lm_load = None
             gc.collect()
@@ -291,6 +344,7 @@ class Worker:
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
         self.lm_key, self.refused = model_id, None
+        self.picked = None  # auto: measured again for this model
         self.lm_load = self._load_key(self.lm.id)
         self._clear_store()
         with self.lock:
