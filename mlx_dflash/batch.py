@@ -19,6 +19,14 @@ optionally (`prefill_together`) requests that arrive together, with short
 prompts, on a target with only KV layers, are prefilled together in the same
 two forwards, left-padded.
 
+A request may start from a `prompt_cache` (prompt_cache.PromptCache, as the
+single-stream Decoder takes one: a prompt store's entry): only the prompt past
+its longest reusable prefix is prefilled. When the row leaves (finished or
+cancelled), that PromptCache holds the row's own caches (extracted from the
+batch, its padding removed: the single-stream cache kinds), its drafter
+context and pending features, as the Decoder leaves it; `released()` hands
+those back for the caller to store.
+
 Rows may differ in sampling parameters, seed, stop strings, max tokens, block
 size and verify mode (a row with verify mode off verifies no drafts). What a
 batch cannot do is refused with a one-line reason (`batchable`, `BatchError`):
@@ -42,6 +50,7 @@ from .calibrate import Calibration
 from .decode_config import DecodeConfig
 from .decoder import cat_feats, encode
 from .drafter import Drafter
+from .prompt_cache import PromptCache, reuse
 from .sampling import SamplingParams, accept_sampled, probs, sample
 from .stats import CycleResult, Emitter, GenerationResponse, GenerationStats
 from .target import Target
@@ -80,6 +89,8 @@ class Row:
     pending: List[mx.array] = field(default_factory=list)  # features of its rows the drafter has not seen
     anchor: int = -1  # the last token emitted (not in the cache yet)
     done_prompt: int = 0
+    pc: Optional[PromptCache] = None  # the caller's prompt cache: filled with this row's caches when it leaves
+    tokens: List[int] = field(default_factory=list)  # the tokens in its target cache (with a prompt cache)
     cancelled: bool = False
     t_start: float = 0.0
     t_gen: float = 0.0
@@ -137,11 +148,15 @@ class BatchEngine:
         self._uid = 0
         self.cycles = 0
         self.occupancy = 0  # rows in the last cycle
+        self._released: List[Tuple[int, PromptCache]] = []  # prompt caches of rows that left
 
     # -- requests -----------------------------------------------------------------------
-    def submit(self, prompt, config: Optional[DecodeConfig] = None) -> int:
+    def submit(self, prompt, config: Optional[DecodeConfig] = None,
+               prompt_cache: Optional[PromptCache] = None) -> int:
         """Queue a request; returns its uid. ValueError (one line) for a request
-        that cannot run here (an empty prompt, or `batchable`'s reason)."""
+        that cannot run here (an empty prompt, or `batchable`'s reason). With a
+        `prompt_cache`, its reusable prefix is not prefilled again, and the
+        cache (the caller hands it over) comes back through `released()`."""
         cfg = config or DecodeConfig()
         why = batchable(cfg)
         if why:
@@ -171,8 +186,45 @@ class BatchEngine:
         self._uid += 1
         row = Row(self._uid, cfg, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, key, drafts, cap,
                   drafts and fixed, list(ids), t_start=time.perf_counter())
+        if prompt_cache is not None:
+            self._start_from(row, prompt_cache, ids)
         self.waiting.append(row)
         return row.uid
+
+    def _start_from(self, row: Row, pc: PromptCache, ids: List[int]) -> None:
+        """The row continues `pc`'s longest reusable prefix of `ids`, as the
+        Decoder does (prompt_cache.reuse: the drafter's context must cover it)."""
+        if pc.target is None or [type(c) for c in pc.target] != [type(c) for c in self.target.make_cache()]:
+            pc.target, pc.tokens = self.target.make_cache(), []  # (e.g. a quantized cache from a lone request)
+        common = reuse(self.target, pc, ids, self.drafter if row.drafts else None, row.config.drafter_layout)
+        row.pc, row.cache, row.tokens, row.rest = pc, pc.target, list(ids[:common]), list(ids[common:])
+        row.stats.reused_tokens = common
+        if row.drafts:
+            row.dcache = pc.drafter
+            row.pending = [pc.pending] if pc.pending is not None else []
+            pc.pending = None
+
+    def released(self) -> List[Tuple[int, PromptCache]]:
+        """(uid, prompt cache) of each row submitted with one that left since the
+        last call: each holds the tokens its row's caches hold, ready for a store."""
+        out, self._released = self._released, []
+        return out
+
+    def _release(self, row: Row, cache: Optional[list]) -> None:
+        """Fill `row.pc` with `cache` (the row's own per-layer caches) and its drafter context."""
+        pc = row.pc
+        if pc is None:
+            return
+        row.pc = None
+        pc.target, pc.tokens = cache, row.tokens
+        if row.drafts and row.dcache is not None:
+            pc.drafter, pc.pending = row.dcache, cat_feats(row.pending)
+            pc.drafter_id, pc.drafter_layout = id(self.drafter), tuple(row.config.drafter_layout)
+        else:  # no drafter context for these tokens: it serves calls without one only
+            pc.drafter = pc.pending = pc.drafter_id = None
+        if cache is not None:
+            mx.eval([c.state for c in cache], pc.pending if pc.pending is not None else [])
+        self._released.append((row.uid, pc))
 
     def cancel(self, uid: int) -> None:
         """The row leaves at the next cycle boundary; the others go on as if it had never been there."""
@@ -224,12 +276,18 @@ class BatchEngine:
             yield from self.step()
 
     def _drop_cancelled(self) -> None:
+        for r in self.waiting:
+            if r.cancelled:  # (mid-prefill: its cache holds the chunks done)
+                self._release(r, r.cache)
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         self._retire()
 
     def _retire(self) -> None:
         keep = [i for i, r in enumerate(self.rows) if not (r.cancelled or r.emit.done)]
         if len(keep) < len(self.rows):
+            for i, r in enumerate(self.rows):
+                if r.pc is not None and i not in keep:
+                    self._release(r, [c.extract(i) for c in self.cache])
             self.cache = bc.keep(self.cache, keep)
             self.rows = [self.rows[i] for i in keep]
 
@@ -248,17 +306,22 @@ class BatchEngine:
             if f is not None:
                 row.pending.append(f)
             row.rest = rest[n:]
+            if row.pc is not None:
+                row.tokens += rest[:n]
             return None
         logits, f = self.target(mx.array(rest)[None], row.cache, cap)
         if f is not None:
             row.pending.append(f)
         row.rest = []
+        if row.pc is not None:
+            row.tokens += rest
         tok = self._first(row, logits[0, -1])
         row.stats.prompt_time = time.perf_counter() - row.t_start
         row.t_gen = time.perf_counter()
         self.waiting.popleft()
         if row.drafts:
-            row.dcache = self.drafter.make_cache(*row.config.drafter_layout)
+            if row.dcache is None:
+                row.dcache = self.drafter.make_cache(*row.config.drafter_layout)
             row.pending = [cat_feats(row.pending)]
         else:
             row.pending = []
@@ -268,6 +331,8 @@ class BatchEngine:
         if not row.emit.done:
             self.cache = bc.join(self.cache, bc.to_batch(row.cache))
             self.rows.append(row)
+        else:
+            self._release(row, row.cache)
         row.cache = None
         return ev
 
@@ -387,6 +452,8 @@ class BatchEngine:
             r.stats.add(cyc)
             r.stats.policy = self.policy.reason
             r.stats.generation_time = time.perf_counter() - r.t_gen
+            if r.pc is not None:  # in its cache now: the anchor and the accepted drafts
+                r.tokens += [r.anchor] + outs[b][: A[b]]
             r.anchor = outs[b][-1]
             events += [(r.uid, x) for x in resps]
         self.policy.observe(rows, n, A)
