@@ -1,7 +1,8 @@
 """`serve --max-batch 4`: requests decode together (app/server/batcher.py) and
 every answer is what the request gets alone. The single-stream server tests
 (test_server.py) run again here against a batching server, except those about
-the prompt store (a batching server does not reuse cached prefixes yet)."""
+the prompt store (test_batched_turns_reuse_cached_prefixes_and_equal_alone
+below: batched requests take and give back cached prefixes)."""
 
 import os
 import subprocess
@@ -153,3 +154,64 @@ def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, mon
         assert got == want
         b = srv.worker.batch_summary()
         assert b["auto"] == "4 (forced by the test)" and b["max_batch"] == 4
+
+
+def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
+    """In process, max_batch 4 (every request decodes in the batch): a
+    conversation's turns take the prompt store's cached prefix, the second one
+    while a long request decodes beside it; each answer, its cached-token count
+    (usage, dflash stats) and the store's hits equal those of a server that
+    serves one request at a time (max_batch 1, the single-stream prompt cache)."""
+    from scripted import LocalServer
+    from test_prompt_store import PairCatalog
+
+    turns = ["Tell me about lists.", "And dicts?", "Which one is faster?"]
+
+    def chat(url, msgs):
+        r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            "model": "pair", "temperature": 0, "max_tokens": 12, "messages": msgs})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"]["cached_tokens"], \
+            j["dflash"]["reused_prompt_tokens"]
+
+    def conversation(url, during=None):
+        msgs, got = [], []
+        for i, q in enumerate(turns):
+            msgs.append({"role": "user", "content": q})
+            if i == 1 and during is not None:
+                during()
+            text, cached, reused = chat(url, msgs)
+            got.append((text, cached, reused))
+            msgs.append({"role": "assistant", "content": text})
+        return got
+
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
+        want = conversation(srv.url)
+        hits = srv.worker.store.stats.hits
+    assert want[1][1] > 0 and want[2][1] > want[1][1]  # the single-stream turns hit the store
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=4) as srv:
+        background = []
+
+        def start_long():  # a long request decoding when the second turn arrives
+            first = threading.Event()
+
+            def run():
+                with httpx.stream("POST", srv.url + "/v1/completions", timeout=300, json={
+                        "model": "pair", "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
+                        "temperature": 0, "stream": True}) as r:
+                    for _ in r.iter_lines():
+                        first.set()
+                first.set()
+
+            t = threading.Thread(target=run)
+            t.start()
+            background.append(t)
+            first.wait(300)
+
+        got = conversation(srv.url, start_long)
+        for t in background:
+            t.join()
+        assert got == want
+        assert srv.worker.store.stats.hits == hits
+        assert srv.worker.batch_summary()["peak_rows"] >= 2  # the second turn decoded beside the long request

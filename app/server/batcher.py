@@ -4,7 +4,13 @@ responses to the thread serving that request (worker.Worker._serve reads them
 as it reads stream_generate's). A request the batch cannot run (logits
 processors, logprobs, a quantized KV cache, a model whose caches cannot be
 batched) runs alone on this same thread once the running rows are done: never
-two model forwards at once, never a different answer."""
+two model forwards at once, never a different answer.
+
+With a prompt store (`store_of`: the worker's, for this model), a request
+takes its longest cached prefix as a single-stream request does, so its row
+prefills only the rest, and its row's caches go back to the store when it
+leaves: a conversation's next turn finds them, batched or alone. The store is
+touched only while `running` is held (the worker's lone requests hold it too)."""
 
 from __future__ import annotations
 
@@ -12,18 +18,22 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from mlx_dflash import stream_generate
 from mlx_dflash.batch import BatchEngine, BatchError, batchable
+from mlx_dflash.prompt_store import PromptStore
 
 _END = object()
 
 
 class Batcher:
-    def __init__(self, lm, max_batch: int):
+    def __init__(self, lm, max_batch: int, store_of: Optional[Callable[[], Optional[PromptStore]]] = None,
+                 on_store: Optional[Callable[[], None]] = None):
         self.lm = lm
         self.max_batch = max_batch
+        self.store_of = store_of  # the prompt store for `lm` (None: none now, e.g. another model loaded)
+        self.on_store = on_store  # after the batch stored a cache (the worker's /metrics summary)
         try:
             self.engine: Optional[BatchEngine] = BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=max_batch)
             self.why_not = None
@@ -111,6 +121,7 @@ class Batcher:
                     q = self.outs.pop(uid, None)
                     if q is not None:
                         q.put(_END)
+                self._store_released()
                 if self.engine is not None and len(self.engine):
                     if held:
                         with self.cv:  # they wait their turn, ahead of later requests
@@ -127,9 +138,17 @@ class Batcher:
                         self._alone(alone_uid, ids, cfg, q)
 
     def _submit(self, ids, cfg, q) -> None:
+        store = self.store_of() if self.store_of is not None else None
+        pc = None
+        if store is not None:  # the longest cached prefix, as worker._serve looks it up for a lone request
+            mc, d = cfg.max_context, self.lm.drafter
+            with_drafter = d is not None and cfg.verify_mode != "off" and not (mc and len(ids) > mc)
+            pc, _ = store.take(self.engine.target, ids, d, with_drafter)
         try:
-            uid = self.engine.submit(ids, cfg)
+            uid = self.engine.submit(ids, cfg, prompt_cache=pc)
         except ValueError as e:
+            if pc is not None:  # (refused before it was touched)
+                store.put(pc, self.engine.target)
             q.put(e)
             return
         self.outs[uid] = q
@@ -146,6 +165,20 @@ class Batcher:
             self.engine = BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch)
             return
         self.peak = max(self.peak, self.engine.occupancy)
+        self._store_released()
+
+    def _store_released(self) -> None:
+        """The caches of rows that left go to the prompt store."""
+        if self.engine is None:
+            return
+        back = self.engine.released()
+        store = self.store_of() if back and self.store_of is not None else None
+        if store is None:
+            return
+        for _, pc in back:
+            store.put(pc, self.engine.target)
+        if self.on_store is not None:
+            self.on_store()
 
     def _deliver(self, uid: int, r) -> None:
         q = self.outs.get(uid)

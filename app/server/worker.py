@@ -213,7 +213,7 @@ class Worker:
             self._drain()
             if self.batcher is not None:
                 self.batcher.close()
-            self.batcher = Batcher(lm, size)
+            self.batcher = Batcher(lm, size, lambda: self._store_for(lm), self._stored)
         with self.slots:
             while len(self.inflight) >= size:
                 self.slots.wait()
@@ -227,6 +227,19 @@ class Worker:
             with self.slots:
                 self.inflight.pop(id(job), None)
                 self.slots.notify_all()
+
+    def _store_for(self, lm) -> Optional[PromptStore]:
+        """The prompt store of `lm` (made now if none yet); None once another model is loaded."""
+        if self.lm is not lm:
+            return None
+        if self.store is None:
+            self.store = PromptStore(store_budget(self.catalog))
+        return self.store
+
+    def _stored(self) -> None:
+        store = self.store
+        if store is not None:
+            self.cache_summary = (self.lm_key, store.summary())
 
     def _drain(self):
         with self.slots:
@@ -404,7 +417,7 @@ class Worker:
         split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
         if split is not None:  # every rank runs it; no prompt store (it would differ between ranks)
             gen = split.stream(ids, cfg)
-        elif batch is not None:  # decoded in the batch (or alone on its thread): no prompt store
+        elif batch is not None:  # decoded in the batch, the prompt store looked up there (batcher.py)
             gen = batch.stream(ids, cfg)
         elif fallback:  # one request's own processors: nothing to share through the prompt store
             gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
