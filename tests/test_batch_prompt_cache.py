@@ -2,7 +2,8 @@
 a row started from a cached prefix prefills only the rest and emits exactly
 the tokens of the request run alone without any cache (mlx-lm's); the row's
 caches come back when it leaves, extracted from the batch as the single-stream
-cache kinds, and serve the conversation's next turn, batched or alone."""
+cache kinds, and serve the conversation's next turn, batched or alone; a
+cache the single-stream Decoder left serves a batched turn."""
 
 import pytest
 from drafters import reference_tokens
@@ -89,6 +90,16 @@ def test_rows_from_cached_prefixes_equal_each_request_alone(family, width, tok):
     rs = list(stream_generate(model, tok, p3, oracle, prompt_cache=pc2,
                               config=DecodeConfig(max_tokens=8, block_size=max(2, width), guard=False)))
     assert [r.token for r in rs] == ref3 and rs[-1].stats.reused_tokens == n2
+
+    # turn 4, batched again, from the cache the single-stream Decoder left
+    p4 = p3 + ref3 + EXTRA[0]
+    ref4 = reference_tokens(model, tok, p4, 9)
+    oracle.bind(pc2, p4 + ref4)
+    oracle.plans = [(0, seq[1])]
+    n3 = len(pc2.tokens)
+    assert n3 >= len(p3) + len(ref3) - 1
+    out, last, uids = run_rows(eng, [(ids[1], maxes[1], None)], [(p4, 9, pc2)], steps_before=1)
+    assert out[uids[1]] == ref4 and out[uids[0]] == refs[1] and last[uids[1]].stats.reused_tokens == n3
     if width > 1:
         assert oracle.tried > 0
 
