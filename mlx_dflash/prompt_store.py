@@ -5,7 +5,9 @@ prompt by the longest common prefix of token ids.
 The decode loop works on one `PromptCache` and mutates it. `take` hands out an
 entry the store no longer holds (a deep copy, or the entry itself when the new
 prompt simply continues it), so a generation never changes what is stored;
-`put` gives the finished cache back."""
+`put` gives the finished cache back, evaluated: the server's threads share
+the store and MLX's streams are per thread, so no entry may hold lazy arrays
+(a lone request's pending features, say) for another thread to evaluate."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
 
 from .prompt_cache import PromptCache, common_prefix, reusable
 from .target import Target
@@ -34,6 +38,12 @@ def _arrays(x):
             yield from _arrays(y)
     elif x is not None:
         yield x
+
+
+def _evaluate(pc: PromptCache) -> None:
+    """Every array `pc` holds (any cache kind's attributes: mlx-lm's, the drafter's context)."""
+    held = [list(vars(c).values()) for c in list(pc.target or ()) + list(pc.drafter or ())]
+    mx.eval([a for a in _arrays([held, pc.pending]) if isinstance(a, mx.array)])
 
 
 def cache_bytes(pc: PromptCache) -> int:
@@ -147,6 +157,7 @@ class PromptStore:
         size = cache_bytes(pc)
         if size > self.budget:
             return
+        _evaluate(pc)
         if target is not None and target.can_trim(pc.target, len(pc.tokens)):  # it can serve any prefix
             for k in [k for k, (e, _) in self.entries.items()
                       if e.drafter_id == pc.drafter_id and _covers(pc, e)]:

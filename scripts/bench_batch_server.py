@@ -5,8 +5,9 @@ answer from the same server with nothing else running (exact).
 
     python scripts/bench_batch_server.py [--clients 16] [--seconds 120] [--max-batch 8|auto] [--queue-size 8]
 
-Without --max-batch the server runs with its default (auto: the size measured
-on this machine; a request that arrives alone is served alone).
+--max-batch defaults to auto, `serve`'s own default (the size measured on
+this machine; a request that arrives alone is served alone); the test helper
+that starts the server would otherwise pass 1.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=120)
-    ap.add_argument("--max-batch", default=None, help="an integer or auto (default: the server's default)")
+    ap.add_argument("--max-batch", default="auto", help="an integer or auto (serve's default)")
     ap.add_argument("--queue-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-batch-server-"))
-    batch = ["--max-batch", a.max_batch] if a.max_batch is not None else []
-    s = Server(home, *batch, "--queue-size", str(a.queue_size), "--quiet", model="embedded/target")
+    s = Server(home, "--max-batch", a.max_batch, "--queue-size", str(a.queue_size), "--quiet", model="embedded/target")
     try:
         def ask(p, timeout=600):
             return httpx.post(s.url + "/v1/completions", timeout=timeout,
@@ -84,7 +84,7 @@ def main():
             t.join()
         wall = time.monotonic() - t0
         m = s.metrics()
-        out = {"clients": a.clients, "seconds": round(wall, 1), "max_batch": a.max_batch or "default", "queue_size": a.queue_size,
+        out = {"clients": a.clients, "seconds": round(wall, 1), "max_batch": a.max_batch, "queue_size": a.queue_size,
                "max_tokens": a.max_tokens, "codes": {str(k): v for k, v in codes.items()},
                "answers": codes[200], "http_5xx": sum(v for k, v in codes.items() if isinstance(k, int) and k >= 500),
                "http_429": codes[429], "not_identical_to_alone": len(wrong),
