@@ -5,7 +5,6 @@ caches come back when it leaves, extracted from the batch as the single-stream
 cache kinds, and serve the conversation's next turn, batched or alone; a
 cache the single-stream Decoder left serves a batched turn."""
 
-import mlx.core as mx
 import pytest
 from drafters import reference_tokens
 from test_batch import PROMPTS, RowOracles, model_of
@@ -135,58 +134,3 @@ def test_cancelled_row_gives_its_cache_back_consistent(tok):
     rs = list(stream_generate(model, tok, nxt, None, prompt_cache=pc, config=DecodeConfig(max_tokens=8)))
     assert [r.token for r in rs] == reference_tokens(model, tok, nxt, 8) and rs[-1].stats.reused_tokens == n
 
-
-def test_a_cache_stored_by_another_thread_serves_a_row(tok):
-    """The server's lone requests run on the worker thread, the batch on its own:
-    MLX's streams are per thread, so an entry a lone request stored (its pending
-    features lazy) must serve a row on the batch thread while the worker lives, exactly."""
-    import threading
-
-    from mlx_dflash.prompt_store import PromptStore
-
-    model = model_of("qwen3")
-    target = Target(model)
-    p = tok.encode(PROMPTS[5])
-    ref = reference_tokens(model, tok, p, 8)
-    p2 = p + ref + EXTRA[0]
-    ref2 = reference_tokens(model, tok, p2, 8)
-    oracle = SeqOracles([(0, p + ref)], seed=1)
-    store = PromptStore(1 << 30)
-    stored, done = threading.Event(), threading.Event()
-    got, errors = [], []
-
-    def worker():  # as worker._serve: generate from a cache taken from the store, then put it back
-        try:
-            pc, _ = store.take(target, p, oracle, True)
-            rs = list(stream_generate(model, tok, p, oracle, prompt_cache=pc,
-                                      config=DecodeConfig(max_tokens=8, block_size=4, guard=False)))
-            got.append([r.token for r in rs])
-            # lazy on this thread, as the Decoder leaves them after plain steps (several feature blocks joined)
-            pc.pending = mx.concatenate([pc.pending[:, :1], pc.pending[:, 1:]], axis=1)
-            store.put(pc, target)
-        finally:
-            stored.set()
-        done.wait(300)  # alive, as the server's worker thread
-
-    def batch_thread():
-        try:
-            pc, n = store.take(target, p2, oracle, True)
-            assert n > len(p) and pc.pending is not None
-            oracle.bind(pc, p2 + ref2)
-            eng = BatchEngine(model, tok, oracle, max_batch=2, policy=FixedBatchWidth(4))
-            uid = eng.submit(p2, DecodeConfig(max_tokens=8), prompt_cache=pc)
-            got.append([r.token for u, r in eng.run() if u == uid])
-            assert [u for u, _ in eng.released()] == [uid]
-        except BaseException as e:  # noqa: BLE001 - reported on the test's thread
-            errors.append(e)
-
-    w = threading.Thread(target=worker)
-    w.start()
-    stored.wait(300)
-    t = threading.Thread(target=batch_thread)
-    t.start()
-    t.join()
-    done.set()
-    w.join()
-    assert not errors, errors
-    assert got == [ref, ref2]

@@ -156,6 +156,39 @@ def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, mon
         assert b["auto"] == "4 (forced by the test)" and b["max_batch"] == 4
 
 
+TURNS = ["Tell me about lists.", "And dicts?", "Which one is faster?"]
+
+
+def _chat(url, msgs):
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "pair", "temperature": 0, "max_tokens": 12, "messages": msgs})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"]["cached_tokens"], \
+        j["dflash"]["reused_prompt_tokens"]
+
+
+def _conversation(url, before=None):
+    """TURNS as one conversation, greedy: [(answer, cached tokens, dflash reused tokens)];
+    `before(i)` runs before turn i."""
+    msgs, got = [], []
+    for i, q in enumerate(TURNS):
+        msgs.append({"role": "user", "content": q})
+        if before is not None:
+            before(i)
+        got.append(_chat(url, msgs))
+        msgs.append({"role": "assistant", "content": got[-1][0]})
+    return got
+
+
+def _alone_reference(pairs):
+    from scripted import LocalServer
+    from test_prompt_store import PairCatalog
+
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
+        return _conversation(srv.url), srv.worker.store.stats.hits
+
+
 def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
     """In process, max_batch 4 (every request decodes in the batch): a
     conversation's turns take the prompt store's cached prefix, the second one
@@ -165,35 +198,14 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
     from scripted import LocalServer
     from test_prompt_store import PairCatalog
 
-    turns = ["Tell me about lists.", "And dicts?", "Which one is faster?"]
-
-    def chat(url, msgs):
-        r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-            "model": "pair", "temperature": 0, "max_tokens": 12, "messages": msgs})
-        assert r.status_code == 200, r.text
-        j = r.json()
-        return j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"]["cached_tokens"], \
-            j["dflash"]["reused_prompt_tokens"]
-
-    def conversation(url, during=None):
-        msgs, got = [], []
-        for i, q in enumerate(turns):
-            msgs.append({"role": "user", "content": q})
-            if i == 1 and during is not None:
-                during()
-            text, cached, reused = chat(url, msgs)
-            got.append((text, cached, reused))
-            msgs.append({"role": "assistant", "content": text})
-        return got
-
-    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
-        want = conversation(srv.url)
-        hits = srv.worker.store.stats.hits
+    want, hits = _alone_reference(pairs)
     assert want[1][1] > 0 and want[2][1] > want[1][1]  # the single-stream turns hit the store
     with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=4) as srv:
         background = []
 
-        def start_long():  # a long request decoding when the second turn arrives
+        def start_long(i):  # a long request decoding when the second turn arrives
+            if i != 1:
+                return
             first = threading.Event()
 
             def run():
@@ -209,9 +221,31 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
             background.append(t)
             first.wait(300)
 
-        got = conversation(srv.url, start_long)
+        got = _conversation(srv.url, start_long)
         for t in background:
             t.join()
         assert got == want
         assert srv.worker.store.stats.hits == hits
         assert srv.worker.batch_summary()["peak_rows"] >= 2  # the second turn decoded beside the long request
+
+
+def test_auto_lone_and_batched_turns_share_the_prompt_store(pairs, monkeypatch):
+    """max_batch auto (size forced to 4): turn 1 is served alone (the worker's
+    thread stores its cache), turn 2 is made to decode in the batch (on the batch
+    thread, from that entry), turn 3 alone again from the entry the batch stored:
+    the answers and cached counts of a one-at-a-time server."""
+    from scripted import LocalServer
+    from test_prompt_store import PairCatalog
+
+    from app.server import worker as worker_module
+
+    want, hits = _alone_reference(pairs)
+    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter: (4, "forced by the test"))
+    alone_now = worker_module.Worker._alone_now
+    batched = {"turn": False}
+    monkeypatch.setattr(worker_module.Worker, "_alone_now", lambda self: not batched["turn"] and alone_now(self))
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch="auto") as srv:
+        got = _conversation(srv.url, lambda i: batched.__setitem__("turn", i == 1))
+        assert got == want
+        assert srv.worker.store.stats.hits == hits
+        assert srv.worker.batcher is not None and srv.worker.batcher.engine.cycles > 0  # turn 2 was batched
