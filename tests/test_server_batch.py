@@ -169,7 +169,8 @@ def _chat(url, msgs):
 
 
 def _conversation(url, before=None):
-    """TURNS as one conversation, greedy: [(answer, cached tokens, dflash reused tokens)];
+    """TURNS as one conversation, greedy: [(answer, cached tokens, dflash reused tokens)],
+    then one more turn through the Anthropic API (answer, cache_read_input_tokens);
     `before(i)` runs before turn i."""
     msgs, got = [], []
     for i, q in enumerate(TURNS):
@@ -178,6 +179,12 @@ def _conversation(url, before=None):
             before(i)
         got.append(_chat(url, msgs))
         msgs.append({"role": "assistant", "content": got[-1][0]})
+    # the next turn through the Anthropic API: its cache_read_input_tokens
+    r = httpx.post(url + "/v1/messages", timeout=300, json={
+        "model": "pair", "max_tokens": 12, "temperature": 0, "messages": msgs + [{"role": "user", "content": "Why?"}]})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    got.append((j["content"][0]["text"] if j["content"] else "", j["usage"]["cache_read_input_tokens"]))
     return got
 
 
@@ -199,7 +206,7 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
     from test_prompt_store import PairCatalog
 
     want, hits = _alone_reference(pairs)
-    assert want[1][1] > 0 and want[2][1] > want[1][1]  # the single-stream turns hit the store
+    assert 0 < want[1][1] < want[2][1] < want[3][1]  # the single-stream turns hit the store
     with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=4) as srv:
         background = []
 
