@@ -239,8 +239,8 @@ def cached_guard_costs() -> list:
             continue
         if not isinstance(key, dict) or key.get("method") != COST_METHOD or not c.t_plain:
             continue  # another measuring method, or not a guard's curve (no plain token)
-        if not isinstance(key.get("context") or 0, int):
-            continue  # a batch engine's curve (batch_costs.py tags it "batch<B>"), not a length
+        if key.get("batch") is not None or not isinstance(key.get("context") or 0, int):
+            continue  # a batch engine's curve (keyed by its batch size; before, tagged "batch<B>"), not a length
         g = groups.setdefault((_describe(key.get("model")), _describe(key.get("drafter"))), [])
         g.append(_curve_row(int(key.get("context") or c.context), c))
     return [{"model": m, "drafter": d, "curves": sorted(rows, key=lambda r: r["context"])}

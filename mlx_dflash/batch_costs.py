@@ -1,6 +1,6 @@
 """What a batched cycle costs, c(w, B): measured once per model, drafter,
 machine and batch size (then cached with the single-stream curves: costs.py's
-CostBook, under the tag "batch<B>"), through the batch engine's own steps (a
+CostBook, keyed by the batch size), through the batch engine's own steps (a
 batched verify with feature capture, its ragged rollback, the batched draft).
 
 The unit is one plain batched step at B rows (a [B, 1] verify: what plain
@@ -106,11 +106,11 @@ class BatchCosts:
 
     def _at(self, B: int) -> Dict[int, float]:
         if B not in self._held:
-            book, tag = self.cal.book, f"batch{B}"
-            got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, context=tag)
+            book = self.cal.book
+            got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, batch=B)
             if got is None:
                 got = measure(self.model, self.drafter, B, self.widths)
-                book.keep(self.model, self.drafter, got, context=tag)
+                book.keep(self.model, self.drafter, got, batch=B)
             self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
             self._t1[B] = got.t1
         return self._held[B]

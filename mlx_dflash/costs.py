@@ -177,7 +177,7 @@ class CostBook:
     state. Entries go with their model objects (weak references)."""
 
     def __init__(self):
-        self._entries: Dict[tuple, list] = {}  # (id(model), id(drafter)) -> [model ref, drafter ref, key, [(context tag, curve)], observed]
+        self._entries: Dict[tuple, list] = {}  # (id(model), id(drafter)) -> [model ref, drafter ref, key, [((context, batch), curve)], observed]
 
     def _entry(self, model, drafter) -> list:
         k = (id(model), id(drafter))
@@ -195,30 +195,37 @@ class CostBook:
         return e[2]
 
     def curve(self, model, drafter, max_width: int = 0, widths: Sequence[int] = (),
-              context: Optional[int] = None) -> Optional[Costs]:
+              context: Optional[int] = None, batch: Optional[int] = None) -> Optional[Costs]:
         """A curve held here or cached on disk that covers the widths asked for (a
         guard's curve must have its pipelined plain token: `widths` asks for it),
-        measured at `context` tokens (None: the one curve measured at the default)."""
+        measured at `context` tokens (None: the one curve measured at the default)
+        and, for the batch engine, at `batch` rows (None: a single stream)."""
         want = need(max_width, widths)
         e = self._entry(model, drafter)
         for tag, c in e[3]:
-            if tag == context and want <= set(c.c) and (c.t_plain or not widths):
+            if tag == (context, batch) and want <= set(c.c) and (c.t_plain or not widths):
                 return c
-        c = load_cached(self._disk_key(model, drafter, context), max_width, widths)
+        c = load_cached(self._disk_key(model, drafter, context, batch), max_width, widths)
         if c is not None:
-            e[3].append((context, c))
+            e[3].append(((context, batch), c))
         return c
 
-    def _disk_key(self, model, drafter, context: Optional[int]) -> dict:
-        key = self.key(model, drafter)
-        return key if context is None else dict(key, context=context)
+    def _disk_key(self, model, drafter, context: Optional[int], batch: Optional[int]) -> dict:
+        key = dict(self.key(model, drafter))
+        if context is not None:
+            key["context"] = context
+        if batch is not None:
+            key["batch"] = batch
+        return key
 
-    def keep(self, model, drafter, costs: Costs, save: bool = True, context: Optional[int] = None) -> None:
-        """Hold `costs` (and cache it on disk); `context`: it is the curve at that length."""
-        self._entry(model, drafter)[3].insert(0, (context, costs))
+    def keep(self, model, drafter, costs: Costs, save: bool = True, context: Optional[int] = None,
+             batch: Optional[int] = None) -> None:
+        """Hold `costs` (and cache it on disk); `context` / `batch`: it is the curve at
+        that length / that many batch rows."""
+        self._entry(model, drafter)[3].insert(0, ((context, batch), costs))
         if save:
             try:
-                save_cached(self._disk_key(model, drafter, context), costs)
+                save_cached(self._disk_key(model, drafter, context, batch), costs)
             except OSError:
                 pass  # read-only cache dir: measure again next process
 

@@ -181,8 +181,11 @@ def test_quick_shows_the_guards_cached_cost_curves_by_context(tiny_probes, tmp_p
               4096: Costs(0.003, {1: 1.0, 2: 1.2, 5: 1.6}, {1: 0.0, 2: 0.5, 5: 0.6}, 4096, 1e12, 0.0032)}
     for at, c in curves.items():
         book.keep(model, None, c, context=at)
-    # a batch engine's curve in the same cache (batch_costs.py's tag): not a length, not listed
-    book.keep(model, None, Costs(0.004, {1: 1.0, 5: 2.0}, {1: 0.0, 5: 0.5}, 128, 1e12, 0.004), context="batch2")
+    # batch engine curves in the same cache (keyed by batch size; session 8's format tagged the
+    # context "batch<B>"): not lengths, not listed
+    batch = Costs(0.004, {1: 1.0, 5: 2.0}, {1: 0.0, 5: 0.5}, 128, 1e12, 0.004)
+    book.keep(model, None, batch, batch=2)
+    book.keep(model, None, batch, context="batch2")
     assert main(["doctor", "--quick", "--json"]) == 0
     (group,) = json.loads(capsys.readouterr().out)["guard_costs"]
     assert group["model"].startswith("qwen3 hidden 64")
