@@ -143,9 +143,9 @@ class Proxy:
         except ValueError:
             req = {}
         if isinstance(req, dict):
-            row["request"] = {"model": req.get("model"), "stream": req.get("stream"),
-                              "structured": bool(req.get("output_format") or (req.get("output_config") or {}).get("format")
-                                                 or (req.get("response_format") or {}).get("type") == "json_schema"),
+            structured = req.get("output_format") or (req.get("output_config") or {}).get("format") \
+                or (req.get("response_format") or {}).get("type") == "json_schema"
+            row["request"] = {"model": req.get("model"), "stream": req.get("stream"), "structured": bool(structured),
                               "tools": len(req.get("tools") or []), "bytes": len(body)}
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP]
         url = self.upstream + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
