@@ -161,6 +161,7 @@ def _claude_env(home, url):
     env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": KEY,
            "ANTHROPIC_MODEL": "script", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "script",
            "ANTHROPIC_SMALL_FAST_MODEL": "script",
+           "API_TIMEOUT_MS": "1800000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
            "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     env.pop("ANTHROPIC_API_KEY", None)
     return env
@@ -216,7 +217,8 @@ def test_codex_exec_tool_round_trip(clis, server, tmp_path):
     # the README's configuration, with this server's URL
     (codex_home / "config.toml").write_text(
         'model = "script"\nmodel_provider = "mlx-dflash"\n\n[model_providers.mlx-dflash]\nname = "mlx-dflash"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "MLX_DFLASH_API_KEY"\n')
+        f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "MLX_DFLASH_API_KEY"\n'
+        'stream_idle_timeout_ms = 1800000\n')
     start = len(app.seen)
     call = json.dumps({"name": "exec_command", "arguments": {"cmd": "cat hello.txt"}})
     env = {**os.environ, "HOME": str(home), "CODEX_HOME": str(codex_home), "MLX_DFLASH_API_KEY": KEY}
@@ -250,8 +252,8 @@ def test_claude_code_interactive_session_in_tmux(clis, server, tmp_path):
         str(work): {"hasTrustDialogAccepted": True, "allowedTools": []}}}))
     sock = f"mlx-dflash-{os.getpid()}"
     env = _claude_env(home, url)
-    cmd = " ".join(f"{k}={json.dumps(v)}" for k, v in env.items() if k.startswith(("ANTHROPIC_", "DISABLE_", "CLAUDE_"))
-                   or k == "HOME")
+    cmd = " ".join(f"{k}={json.dumps(v)}" for k, v in env.items()
+                   if k.startswith(("ANTHROPIC_", "DISABLE_", "CLAUDE_", "API_")) or k == "HOME")
     start = len(app.seen)
 
     def pane():

@@ -2,6 +2,7 @@
 against a real server (tests/scripted.py: scripted target, real engine)."""
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -125,6 +126,29 @@ def test_errors_in_anthropic_format(srv, client):
     r = httpx.post(srv.url + "/v1/messages", content=b"hello", headers={"x-api-key": KEY,
                                                                       "content-type": "text/plain"})
     assert r.status_code == 415 and r.json()["type"] == "error"  # refused before the route: same format
+
+
+def test_too_long_prompt_in_anthropic_words(srv, client):
+    """A prompt past the model's context is a 400 worded as the Anthropic API words it
+    ("prompt is too long: N tokens > M maximum"): Claude Code matches that text (and
+    these numbers) to tell it from other errors. Streamed or not, exact count or the
+    bound from a long text's length; other APIs keep their own wording."""
+    pattern = r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)"  # Claude Code 2.1.197's
+    for words, stream in ((3000, False), (3000, True), (40000, False)):
+        msgs = [{"role": "user", "content": "hello world " * words}]
+        with pytest.raises(anthropic.BadRequestError) as e:
+            if stream:
+                with client.messages.stream(model="script", max_tokens=5, messages=msgs) as s:
+                    s.get_final_message()
+            else:
+                send(client, None, messages=msgs, max_tokens=5)
+        m = re.search(pattern, e.value.body["error"]["message"])
+        assert m and int(m.group(1)) > int(m.group(2)) == 4096, e.value.body  # the scripted model's context
+        assert "\n" not in e.value.body["error"]["message"]
+    r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "script", "messages": msgs, "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "prompt is too long" not in r.json()["error"]["message"]
 
 
 def test_second_conversation_cached(srv, client):

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from .relay import ClientGone, collect, count, events, progress_comment, start, stats_fields
-from .errors import APIError, bad_request
+from .errors import APIError, ContextTooLong, bad_request
 from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
 
@@ -25,8 +25,18 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 
 def error_response(e: APIError) -> JSONResponse:
-    body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+    body = {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": error_message(e)}}
     return JSONResponse(body, status_code=e.status)
+
+
+def error_message(e: APIError) -> str:
+    """`e`'s message as a Messages client reads it: an over-long prompt in the
+    Anthropic API's words ("prompt is too long: N tokens > M maximum"), which
+    Claude Code matches to tell a too-long prompt from other errors."""
+    if isinstance(e, ContextTooLong):
+        return f"prompt is too long: {e.tokens} tokens > {e.limit} maximum ({e.message}); /compact or start a new " \
+               "conversation"
+    return e.message
 
 
 class Tool(Schema):
@@ -318,7 +328,7 @@ def register(app, ctx) -> None:
         except ClientGone:
             return
         except APIError as e:  # after the headers: Anthropic's in-band error event
-            yield ev("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message})
+            yield ev("error", error={"type": ERROR_TYPES.get(e.status, "api_error"), "message": error_message(e)})
 
 
 def _stop_reason(end: dict) -> str:

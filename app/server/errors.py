@@ -52,3 +52,13 @@ def error_line(e: BaseException) -> str:
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, param, code)
 
+
+class ContextTooLong(APIError):
+    """A prompt the model's context cannot hold: a 400 `context_length_exceeded` that
+    also keeps the numbers (`tokens`: the prompt's count, or a bound on it), so each
+    API can word it the way its clients recognise."""
+
+    def __init__(self, message: str, param: str, tokens: int, limit: int):
+        super().__init__(400, message, param, "context_length_exceeded")
+        self.tokens, self.limit = tokens, limit
+

@@ -24,7 +24,7 @@ from mlx_dflash.target import Target
 
 from .batcher import Batcher
 from .catalog import Counters, Job, store_budget, context_limit
-from .errors import APIError, bad_request, error_line
+from .errors import APIError, ContextTooLong, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .reasoning import ThinkStream, opens_thinking
 from .render import render
@@ -392,7 +392,7 @@ class Worker:
             return
         ctx = context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
-            raise _too_long(f"{len(ids)}", ctx, job)
+            raise _too_long(len(ids), ctx, job)
         max_tokens = req.limit()
         if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
             max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
@@ -591,9 +591,9 @@ def _limit(job: Job, lm) -> Optional[int]:
     return None if job.kind == "count" else context_limit(lm.model)
 
 
-def _too_long(tokens: str, ctx: int, job: Job) -> APIError:
-    return bad_request(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
-                "messages" if job.kind in ("chat", "count") else "prompt", "context_length_exceeded")
+def _too_long(tokens: int, ctx: int, job: Job) -> APIError:
+    return ContextTooLong(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
+                          "messages" if job.kind in ("chat", "count") else "prompt", tokens, ctx)
 
 
 def _text_chars(req) -> int:
@@ -649,14 +649,14 @@ def _encode(tok, text: str, limit: Optional[int] = None) -> List[int]:
         if limit is not None and len(text) > CHUNK_CHARS:
             least = len(text) // (max_token_chars(tok) * NORMALIZER_SLACK)
             if least >= limit:
-                raise bad_request(f"the prompt has at least {least} tokens ({len(text)} characters); this model's "
-                           f"context is {limit} tokens", "prompt", "context_length_exceeded")
+                raise ContextTooLong(f"the prompt has at least {least} tokens ({len(text)} characters); this "
+                                     f"model's context is {limit} tokens", "prompt", least, limit)
             counted = 0
             for piece in _pieces(text, CHUNK_CHARS):
                 counted += len(tok.encode(piece, add_special_tokens=False))
                 if counted > limit * COUNT_SLACK:
-                    raise bad_request(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's context "
-                               f"is {limit} tokens", "prompt", "context_length_exceeded")
+                    raise ContextTooLong(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's "
+                                         f"context is {limit} tokens", "prompt", int(limit * COUNT_SLACK), limit)
         return tok.encode(text, add_special_tokens=add)
     except (TypeError, ValueError) as e:
         raise bad_request(f"the tokenizer cannot encode this text: {error_line(e)}", "prompt") from None
