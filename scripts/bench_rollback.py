@@ -6,6 +6,10 @@ for gated-delta, Mamba2 and short-conv hybrids, median of --rounds rounds.
 
 --verify-cpu: instead, the median CPU time (process_time, less sensitive to a
 shared machine than wall time) of the 8- and 16-row verify forward alone.
+--in-loop: instead, the rollback's marginal cost where the decode loop pays it:
+left lazy (as decoder.py leaves it) and evaluated with the next 1-token step,
+against the same step after the same verify without a rollback (paired per
+round), as a share of the verify.
 
 Uses bench_families' models (MEDIUM) and timing (rollback_cost)."""
 
@@ -49,11 +53,46 @@ def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def in_loop_cost(model, rounds: int, width: int, keep: int, context: int = 256):
+    """(median paired marginal seconds of a lazy rollback evaluated with the next
+    1-token step, median verify seconds)."""
+    t = Target(model)
+    cache = t.make_cache()
+    t((mx.arange(context)[None] % 500) + 4, cache)
+    eval_cache(cache)
+    block = mx.arange(100, 100 + width)[None]
+    diffs, tv = [], []
+    for r in range(rounds + 3):
+        step = {}
+        for rollback in (False, True):
+            restore = t.checkpoint(cache)
+            t0 = time.perf_counter()
+            logits, f = t(block, cache, [0])
+            mx.eval(logits, f)
+            eval_cache(cache)
+            t1 = time.perf_counter()
+            if rollback:
+                t.trim(cache, width - keep)
+            nxt, _ = t(mx.array([[7]]), cache, [0])
+            mx.eval(nxt)
+            eval_cache(cache)
+            step[rollback] = time.perf_counter() - t1
+            restore()
+            if r >= 3:
+                tv.append(t1 - t0)
+        if r >= 3:
+            diffs.append(step[True] - step[False])
+    diffs.sort()
+    tv.sort()
+    return diffs[len(diffs) // 2], tv[len(tv) // 2]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--families", default="qwen3_next,nemotron_h,falcon_h1,lfm2")
     ap.add_argument("--verify-cpu", action="store_true")
+    ap.add_argument("--in-loop", action="store_true")
     a = ap.parse_args(argv)
     print(f"# mlx_dflash from {Path(mlx_dflash.__file__).parent}; mlx {mx.__version__}, {platform.machine()}, "
           f"{mx.default_device()}")
@@ -63,13 +102,16 @@ def main(argv=None):
             cells = [f"{w} rows {1e3 * verify_cpu(model, a.rounds, w):.1f} ms" for w in (8, 16)]
             print(f"{fam} verify CPU: " + ", ".join(cells), flush=True)
         return
+    cost = (lambda m, w, k: in_loop_cost(m, a.rounds, w, k)) if a.in_loop else \
+        (lambda m, w, k: rollback_cost(m, a.rounds, w, k, context=256))
     print("| family | cache kinds | " + " | ".join(f"{w} verified, {k} kept" for w, k in SHAPES) + " |")
     print("|---|---|" + "---|" * len(SHAPES))
     for fam in a.families.split(","):
         model = build(fam, **MEDIUM[fam])
         cells = []
         for w, k in SHAPES:
-            share, tv = rollback_cost(model, a.rounds, w, k, context=256)
+            got, tv = cost(model, w, k)
+            share = got / tv if a.in_loop else got
             cells.append(f"{100 * share:.1f}% (verify {tv * 1e3:.1f} ms)")
         print(f"| {fam} | {kinds(model)} | " + " | ".join(cells) + " |", flush=True)
 
