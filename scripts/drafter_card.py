@@ -133,7 +133,7 @@ def main(argv=None):
     if a.before_after:
         res = json.loads(Path(a.before_after).read_text())
         ws = res["widths"]
-        L += ["## Before / after the refresh (greedy tau, one process, same prompts)", "",
+        L += ["## Before / after the refresh (greedy tau, same prompts)", "",
               f"`{res['command']}` ({res['date']}): the `dflash1` slot held the weights before the refresh, the "
               "`dflash2` slot the refreshed ones; every output was compared with plain decoding.", "",
               "| prompts | " + " | ".join(f"tau before (w={w}) | tau after (w={w})" for w in ws)
