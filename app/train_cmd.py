@@ -1,7 +1,7 @@
 """`mlx-dflash train-drafter`: train a DFlash (v1) or DFlash 2 drafter for any mlx-lm target.
 
     mlx-dflash train-drafter --target PATH --out DIR --version 2 --block-size 8 --layers 2 \
-        --prompts prompts.jsonl [--corpus text.jsonl] --steps 1000
+        --prompts prompts.jsonl [--corpus text.jsonl] --steps 1000 [--init DRAFTER]
 
 On-policy data: the target answers every prompt (batched, resumable: the
 responses are appended to OUT/responses.jsonl and reused). Checkpoints go to
@@ -28,6 +28,10 @@ def add_parser(sub):
     p.add_argument("--taps", type=int, default=None, help="tapped target layers (default: up to 5)")
     p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     p.add_argument("--mask-token", type=int, default=None, help="mask token id (default: the tokenizer's <|mask|>)")
+    p.add_argument("--init", default=None, metavar="DRAFTER",
+                   help="start from this saved drafter (folder or repo: config.json + model.safetensors) instead "
+                        "of fresh weights, e.g. to fine-tune a published drafter to your (quantized) target; its "
+                        "architecture must match --version/--layers/--block-size/--taps and the target")
     g = p.add_argument_group("data")
     g.add_argument("--prompts", default=None,
                    help='JSONL of {"messages": [...]} (chat template) or {"prompt": raw text}: on-policy responses')
@@ -76,7 +80,7 @@ def _config(args):
         raise ValueError("no training data: pass --prompts FILE.jsonl (on-policy) and/or --corpus FILE.jsonl")
     return TrainConfig(
         out=args.out, target=args.target, version=args.version, block_size=args.block_size, layers=args.layers,
-        taps=args.taps, intermediate_size=args.intermediate_size, mask_token=args.mask_token,
+        taps=args.taps, intermediate_size=args.intermediate_size, mask_token=args.mask_token, init=args.init,
         prompts=args.prompts, corpus=args.corpus, responses=args.responses, max_prompts=args.max_prompts,
         gen_max_tokens=args.gen_max_tokens, gen_temperature=args.gen_temp, gen_batch=args.gen_batch,
         seq_len=args.seq_len, steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr,

@@ -35,7 +35,7 @@ from .drafter_config import DrafterConfig
 from .target import Target
 from .train_config import TrainConfig, TrainError
 from .train_data import feature_cache, generate_responses, load_data, read_jsonl, sample_anchors
-from .train_init import drafter_config, init_drafter, load_target, mask_token_id
+from .train_init import drafter_config, init_drafter, load_init_drafter, load_target, mask_token_id
 from .train_loss import losses, position_weights, selector_walk, tau_estimate
 
 # the entry points app/ and scripts/ use, importable from here
@@ -103,7 +103,6 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True, l
     model.freeze()
     target = Target(model)
     out.mkdir(parents=True, exist_ok=True)
-    ds = load_data(model, tokenizer, cfg, progress)
 
     ck = _latest_checkpoint(out) if cfg.resume else None
     if cfg.resume and ck is None:
@@ -113,12 +112,21 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True, l
         if (dcfg.version, dcfg.block_size, dcfg.num_hidden_layers) != (cfg.version, cfg.block_size, cfg.layers):
             raise TrainError(f"{ck} is a v{dcfg.version} B={dcfg.block_size} {dcfg.num_hidden_layers}-layer run; "
                              "pass the same --version/--block-size/--layers or a new --out")
+        weights = mx.load(str(ck / "drafter.safetensors"))
+        # a run started from a published DFlash 2 drafter trains its [V, r] selector tables
+        dcfg.selector_codebooks = dcfg.version == 2 and any(k.endswith("_codebook") for k in weights)
         drafter = Drafter(dcfg)
-        drafter.load_weights(str(ck / "drafter.safetensors"))
+        drafter.load_weights(list(weights.items()))
     else:
         dcfg = drafter_config(target, model, cfg, mask_token_id(tokenizer, cfg.mask_token))
-        drafter = init_drafter(dcfg, cfg.seed)
+        if cfg.init:
+            drafter = load_init_drafter(cfg.init, dcfg)
+            dcfg = drafter.config
+            log(f"starting from the drafter in {cfg.init}")
+        else:
+            drafter = init_drafter(dcfg, cfg.seed)
     validate(drafter, target)
+    ds = load_data(model, tokenizer, cfg, progress)  # after the drafter: a bad --init/--resume fails at once
 
     feats = val_feats = None
     if feature_cache_path:

@@ -21,6 +21,7 @@ class TrainConfig:
     taps: Optional[int] = None  # number of tapped target layers (default: up to 5, evenly spaced)
     intermediate_size: Optional[int] = None  # default: the target's
     mask_token: Optional[int] = None  # default: the tokenizer's <|mask|>
+    init: Optional[str] = None  # a saved drafter (folder or repo) to start from instead of fresh weights
     # data
     prompts: Optional[str] = None  # JSONL {"prompt": raw text} or {"messages": [...]} (chat template)
     corpus: Optional[str] = None  # JSONL {"text": ...}

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import Drafter
+from .drafter import Drafter, load_drafter
 from .drafter_config import DrafterConfig, default_target_layer_ids
 from .target import Target
 from .train_config import TrainConfig, TrainError
@@ -96,3 +96,32 @@ def init_drafter(config: DrafterConfig, seed: int) -> Drafter:
     v2.load_weights(tree_flatten(v1.parameters()), strict=False)
     mx.eval(v2.parameters())
     return v2
+
+
+# what --init must agree on with the run (field, how the run sets it); the target's
+# side (vocabulary, hidden size, depth) is checked first, with its own message
+_TARGET_FIELDS = (("vocab_size", "vocabulary"), ("hidden_size", "hidden size"),
+                  ("num_target_layers", "target layers"))
+_RUN_FIELDS = (("version", "--version"), ("num_hidden_layers", "--layers"), ("block_size", "--block-size"),
+               ("target_layer_ids", "--taps"), ("intermediate_size", "--intermediate-size"),
+               ("mask_token_id", "--mask-token"), ("num_attention_heads", "target heads"),
+               ("num_key_value_heads", "target KV heads"), ("head_dim", "target head_dim"))
+
+
+def load_init_drafter(path: str, requested: DrafterConfig) -> Drafter:
+    """The drafter saved in `path` (published layout), float32, to train on from its
+    weights; refused (one line) unless it is the architecture the run asks for, for
+    this target. Its own config is kept (selector rank, convs, RoPE, codebook tables)."""
+    drafter = load_drafter(path, dtype=mx.float32)
+    c = drafter.config
+    bad = [f"{what} {getattr(c, k)} != {getattr(requested, k)}" for k, what in _TARGET_FIELDS
+           if getattr(c, k) != getattr(requested, k)]
+    if bad:
+        raise TrainError(f"--init {path} was trained for another target ({', '.join(bad)}); "
+                         "pass a drafter of this target or train from scratch without --init")
+    bad = [f"{flag}: {getattr(c, k)} here, {getattr(requested, k)} asked" for k, flag in _RUN_FIELDS
+           if getattr(c, k) != getattr(requested, k)]
+    if bad:
+        raise TrainError(f"--init {path} does not match the requested drafter ({'; '.join(bad)}); "
+                         "pass the same --version/--layers/--block-size/--taps or another --init")
+    return drafter

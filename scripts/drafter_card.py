@@ -4,6 +4,10 @@ the tau benchmark.
 
     python scripts/drafter_card.py mlx_dflash_models/dflash2 --run runs/drafters/dflash2 \
         [--bench bench/tau_ablation.json] [--commands scripts/train_drafters.sh]
+
+A run started from a saved drafter (`train-drafter --init`) is carded as a refresh;
+`--before-after BENCH.json` (a bench_tau.py run whose dflash1 slot held the drafter
+before the refresh and whose dflash2 slot the refreshed one) adds the before/after table.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--bench", default=str(ROOT / "bench" / "tau_ablation.json"))
     ap.add_argument("--commands", default=str(ROOT / "scripts" / "train_drafters.sh"))
     ap.add_argument("--note", default=None, help="a paragraph on how the run actually went")
+    ap.add_argument("--before-after", default=None, metavar="JSON",
+                    help="bench_tau.py results with the drafter before a refresh in the dflash1 slot")
     a = ap.parse_args(argv)
     from mlx.utils import tree_flatten
 
@@ -49,20 +55,25 @@ def main(argv=None):
     op = stats.get("on-policy", {"tokens": 0, "anchor_tokens": 0, "examples": 0, "rows": 0})
     data_rows = "\n".join(f"| {k} | {v['examples']} | {v['rows']} ({v['held_out_rows']} held out) | {v['tokens']:,} | "
                           f"{v['anchor_tokens']:,} |" for k, v in stats.items())
-    L = [f"# mlx-dflash embedded {name} drafter", "",
-         (f"The default drafter of the embedded pair: a {name} drafter for `mlx_dflash_models/target`, trained with "
+    refresh = tc.get("init")
+    L = [f"# mlx-dflash embedded {name} drafter", ""]
+    if refresh:
+        L += [f"**Refreshed**: fine-tuned from the previous weights of this drafter (`{refresh}` as it was "
+              "before the run) on the current target's own greedy responses, at a lower learning rate; "
+              "see Training and the before/after table.", ""]
+    L += [(f"The default drafter of the embedded pair: a {name} drafter for `mlx_dflash_models/target`, trained with "
           "`mlx-dflash train-drafter`." if c.version == 2 else
           f"The {name} drafter of the embedded pair, kept for the DFlash 1 vs DFlash 2 ablation "
           "(`bench/tau_ablation.md`); it was trained with exactly the same layers, block size, data, steps and "
           f"seed as `mlx_dflash_models/{other}`."), "",
-         "## Model", "",
-         "| field | value |", "|---|---|",
-         f"| architecture | `{c.to_dict()['architectures'][0]}` |",
-         f"| draft layers | {c.num_hidden_layers} (hidden {c.hidden_size}, MLP {c.intermediate_size}, "
-         f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, head_dim {c.head_dim}) |",
-         f"| block size (trained) | {c.block_size} |",
-         f"| tapped target layers | {c.target_layer_ids} of {c.num_target_layers} |",
-         f"| mask token id | {c.mask_token_id} (`<|mask|>`) |"]
+          "## Model", "",
+          "| field | value |", "|---|---|",
+          f"| architecture | `{c.to_dict()['architectures'][0]}` |",
+          f"| draft layers | {c.num_hidden_layers} (hidden {c.hidden_size}, MLP {c.intermediate_size}, "
+          f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV heads, head_dim {c.head_dim}) |",
+          f"| block size (trained) | {c.block_size} |",
+          f"| tapped target layers | {c.target_layer_ids} of {c.num_target_layers} |",
+          f"| mask token id | {c.mask_token_id} (`<|mask|>`) |"]
     if c.version == 2:
         L.append(f"| DFlash 2 extras | two-tap dynamic convs (group {c.conv_group_size}), path selector "
                  f"(rank {c.selector_rank}, top-{c.selector_top_k}) |")
@@ -72,14 +83,16 @@ def main(argv=None):
           "| source | examples | rows | tokens | anchor-eligible tokens |", "|---|---|---|---|---|", data_rows, "",
           f"Rows of {tc['seq_len']} tokens. On-policy = the target's own greedy responses (at most "
           f"{tc['gen_max_tokens']} tokens) to GSM8K *train* questions (chat template) and to Python function "
-          "headers + docstrings from the standard-library files the target trained on (`scripts/drafter_data.py`); "
+          "headers + docstrings from the standard-library files the target trained on (`scripts/drafter_data.py`"
+          "); "
           "anchors are drawn from response tokens. Corpus = the target's own training text (other GSM8K train "
           "problems as ChatML chat, windows of the same stdlib files). The GSM8K dev split (the last 473 problems) "
           "was never used. "
           f"On-policy share: {op['tokens'] / tot:.0%} of the tokens, {op['anchor_tokens'] / anc:.0%} of the anchor "
           "positions. 5% of each source's rows (at most 48, evenly spaced through it) are held out for the metrics below.", "",
           "## Training", "",
-          f"* {tr[-1]['step'] if tr else 0} steps of {tc['batch']} rows x {tc['anchors']} anchors (blocks "
+          (f"* fine-tuned from `{refresh}` (its config and weights, selector tables included): " if refresh else "* ")
+          + f"{tr[-1]['step'] if tr else 0} steps of {tc['batch']} rows x {tc['anchors']} anchors (blocks "
           f"`[token_p, MASK x {c.block_size - 1}]` that see the target features of the rows before p); wall time "
           f"{(tr[-1]['elapsed'] if tr else 0) / 60:.0f} min on 2 shared x86-64 CPU cores (mlx CPU backend).",
           f"* loss: cross-entropy on block positions 1..{c.block_size - 1} weighted exp(-(k-1)/gamma), gamma "
@@ -107,7 +120,7 @@ def main(argv=None):
         res = json.loads(b.read_text())
         L += ["## Measured tau (greedy, real decoding)", "",
               f"`scripts/bench_tau.py`, max {res['max_tokens']} new tokens, {res['date']}; "
-              "full table in `bench/tau_ablation.md`.", "",
+              f"full results in `bench/{(b.with_suffix('.md') if b.with_suffix('.md').exists() else b).name}`.", "",
               "| prompts | " + " | ".join(f"tau w={w} | tok/s w={w}" for w in res["widths"]) + " | plain tok/s |",
               "|---|" + "---|---|" * len(res["widths"]) + "---|"]
         for s, r in res["sets"].items():
@@ -117,12 +130,24 @@ def main(argv=None):
                 cells += [f"{x['tau']:.2f}", f"{x['tok_per_s']:.1f}"]
             L.append(f"| {s} ({r['n_prompts']}) | " + " | ".join(cells) + f" | {r['summary']['plain']['tok_per_s']:.1f} |")
         L.append("")
+    if a.before_after:
+        res = json.loads(Path(a.before_after).read_text())
+        ws = res["widths"]
+        L += ["## Before / after the refresh (greedy tau, same prompts)", "",
+              f"`{res['command']}` ({res['date']}): the `dflash1` slot held the weights before the refresh, the "
+              "`dflash2` slot the refreshed ones; every output was compared with plain decoding.", "",
+              "| prompts | " + " | ".join(f"tau before (w={w}) | tau after (w={w})" for w in ws)
+              + " | outputs identical to plain |", "|---|" + "---|---|" * len(ws) + "---|"]
+        for s, r in res["sets"].items():
+            cells = [f"{r['summary'][f'{n}@w{w}']['tau']:.2f}" for w in ws for n in ("dflash1", "dflash2")]
+            L.append(f"| {s} ({r['n_prompts']}) | " + " | ".join(cells) + f" | {'yes' if r['lossless'] else 'NO'} |")
+        L.append("")
     if a.note:
         L += ["## Run notes", "", a.note, ""]
     cmd = Path(a.commands)
     L += ["## Exact commands", "",
           f"From `{cmd.relative_to(ROOT) if cmd.is_relative_to(ROOT) else cmd}` (data, on-policy generation, "
-          "both drafters, export, benchmark, cards):", "", "```bash",
+          "training, benchmark, export):", "", "```bash",
           cmd.read_text().rstrip() if cmd.exists() else "(missing)", "```", "",
           "Training configuration as run (`train_config.json` of the run):", "", "```json",
           json.dumps(tc, indent=1), "```", ""]

@@ -54,13 +54,13 @@ def function_prefixes(src: str):
     return out
 
 
-def write_tool_prompts(path: Path, train_rows, files, n: int, seed: int, max_chars: int = 6000):
+def write_tool_prompts(path: Path, train_rows, files, n: int, seed: int, max_chars: int = 6000,
+                       tok_dir: Path = tt.DATA / "tokenizer"):
     """n raw-text prompts: a tool conversation (GSM8K calculator or stdlib read_file /
     list_files, as the target trained on) rendered up to the start of one of its
-    assistant turns."""
+    assistant turns, with the chat template of the tokenizer in `tok_dir`."""
     from transformers import PreTrainedTokenizerFast
 
-    tok_dir = tt.DATA / "tokenizer"
     hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
     hf.chat_template = json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"]
     rng = np.random.default_rng(seed + 22)
@@ -89,7 +89,11 @@ def main(argv=None):
     ap.add_argument("--tools", type=int, default=0,
                     help="tool-call prompts (prompts_tools.jsonl): tool conversations of the target's "
                          "training data (train_target_tools.py) cut before an assistant turn; needs "
-                         "the target's tool chat template (runs/data/tokenizer after prepare-tools)")
+                         "the target's tool chat template (see --tool-tokenizer)")
+    ap.add_argument("--tool-tokenizer", default=str(tt.DATA / "tokenizer"),
+                    help="folder with tokenizer.json + tokenizer_config.json (its chat template) for the tool "
+                         "prompts: runs/data/tokenizer after prepare-tools, or the exported target's folder")
+    ap.add_argument("--tool-max-chars", type=int, default=6000, help="longest tool prompt, in characters")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -121,7 +125,11 @@ def main(argv=None):
             o = int(rng.integers(0, max(1, len(src) - a.window)))
             f.write(json.dumps({"text": src[o: o + a.window]}) + "\n")
     if a.tools:
-        write_tool_prompts(out / "prompts_tools.jsonl", train_rows, files, a.tools, a.seed)
+        tok_dir = Path(a.tool_tokenizer)
+        if not (tok_dir / "tokenizer_config.json").is_file():
+            sys.exit(f"--tool-tokenizer {tok_dir} has no tokenizer_config.json; pass the target's folder "
+                     "(e.g. mlx_dflash_models/target)")
+        write_tool_prompts(out / "prompts_tools.jsonl", train_rows, files, a.tools, a.seed, a.tool_max_chars, tok_dir)
     print(f"{out}: {len(prompt_rows)} GSM8K prompts, {len(pick)} code prompts (of {len(prefixes)} documented "
           f"functions), corpus {len(corpus_rows)} GSM8K chats + {a.corpus_code} stdlib windows")
 

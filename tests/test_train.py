@@ -17,7 +17,7 @@ from mlx_dflash import train as T
 from mlx_dflash import train_data as TD
 from mlx_dflash import train_init as TI
 from mlx_dflash import train_loss as TL
-from mlx_dflash.drafter import load_drafter, validate
+from mlx_dflash.drafter import load_drafter, save_drafter, validate
 from mlx_dflash.target import Target
 
 B = 8
@@ -250,6 +250,67 @@ def test_cli_errors_are_one_line(target, tmp_path, capsys):
     assert main(["train-drafter", "--target", str(tpath), "--out", str(tmp_path / "o"),
                  "--corpus", str(bad), "--quiet"]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def _saved_drafter(model, tok, version, out):
+    """A non-trivial drafter for the target, saved in the published layout (bf16)."""
+    t, d = make_drafter(model, tok, version, seed=3, live=True)
+    save_drafter(d, out, dtype=mx.bfloat16, embed=t.embed_tokens)
+    return out
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_init_starts_from_a_saved_drafter(target, corpus, tmp_path, version):
+    tpath, model, tok = target
+    src = _saved_drafter(model, tok, version, tmp_path / "src")
+    saved = dict(tree_flatten(load_drafter(str(src)).parameters()))
+    # no step taken: the run's drafter is the saved one, weight for weight
+    cfg = T.TrainConfig(out=str(tmp_path / "zero"), target=str(tpath), version=version, block_size=B, layers=2,
+                        corpus=str(corpus), seq_len=128, batch=2, anchors=16, steps=0, init=str(src))
+    T.train(cfg, model, tok, progress=False, log=lambda m: None)
+    got = dict(tree_flatten(load_drafter(str(tmp_path / "zero")).parameters()))
+    assert got.keys() == saved.keys() and len(got) > 0
+    for k, v in saved.items():
+        np.testing.assert_array_equal(np.array(got[k].astype(mx.float32)), np.array(v.astype(mx.float32)), k)
+    zero_eval = _log(tmp_path / "zero")[0]
+
+    # trained from it: step 0 evaluates the saved drafter, training lowers the held-out loss,
+    # and a resumed run continues (a published DFlash 2 drafter trains its selector tables)
+    out = tmp_path / "run"
+    args = _train_args(tpath, corpus, out, "--version", str(version), "--layers", "2", "--init", str(src))
+    assert main(args + ["--steps", "16"]) == 0
+    log = _log(out)
+    assert log[0]["step"] == 0 and log[0]["val_loss"] == pytest.approx(zero_eval["val_loss"], rel=1e-5)
+    assert log[-1]["val_loss"] < log[0]["val_loss"]
+    assert main(args + ["--steps", "20", "--resume"]) == 0
+    assert _log(out)[-1]["step"] == 20
+    d = load_drafter(str(out))
+    validate(d, Target(model))
+    assert d.version == version and d.config.num_hidden_layers == 2
+
+
+def test_init_that_does_not_fit_is_refused_in_one_line(target, corpus, tmp_path, capsys):
+    tpath, model, tok = target
+    src = _saved_drafter(model, tok, 2, tmp_path / "src")
+    run = lambda *extra: main(_train_args(tpath, corpus, tmp_path / "o", "--init", str(src), *extra))  # noqa: E731
+    for extra, says in ((["--version", "2", "--layers", "1"], "--layers: 2 here, 1 asked"),
+                        (["--version", "1", "--layers", "2"], "--version: 2 here, 1 asked"),
+                        (["--version", "2", "--layers", "2", "--block-size", "4"], "--block-size: 8 here, 4 asked"),
+                        (["--version", "2", "--layers", "2", "--taps", "2"], "--taps")):
+        assert run(*extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+    # a drafter of another target (here: one with more layers)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_target_layers"] = 9
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert run("--version", "2", "--layers", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert "another target" in err and len(err.splitlines()) == 1, err
+    assert main(_train_args(tpath, corpus, tmp_path / "o", "--init", str(tmp_path / "nowhere"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nowhere" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o" / "checkpoints").exists()  # refused before any training
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "qwen3_next"])
