@@ -5,6 +5,7 @@ second server with an API key, CORS and a queue of one: test_server_locked.py.""
 import json
 import random
 import threading
+import time
 
 import httpx
 import pytest
@@ -290,21 +291,27 @@ def test_disconnect_cancels_generation(server):
         it = r.iter_lines()
         got = [ln for ln in (next(it) for _ in range(6)) if ln.startswith("data: ")]
         assert got  # mid-stream: leave now
-    def served_next():  # the next request is served; then the counters
+    def served_next(cancelled: int):  # the next request is served; then the counters
         r = httpx.post(server.url + "/v1/completions", json={"model": "qwen", "prompt": "ok", "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200
-        return server.metrics()["models"]["qwen"]
+        # a batching server serves it beside the request being cancelled: its counters may lag a cycle
+        deadline = time.monotonic() + 30
+        m = server.metrics()["models"]["qwen"]
+        while m["cancelled"] < cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+            m = server.metrics()["models"]["qwen"]
+        return m
 
     # the worker notices, stops, and serves the next request
-    after = served_next()
+    after = served_next(before["cancelled"] + 1)
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["completion_tokens"] - before["completion_tokens"] < 3000 - 100
     # a non-streaming client that gives up waiting cancels its generation too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4000},
                    timeout=httpx.Timeout(60, read=0.5))
-    last = served_next()
+    last = served_next(after["cancelled"] + 1)
     assert last["cancelled"] == after["cancelled"] + 1
     assert last["completion_tokens"] - after["completion_tokens"] < 4000 - 100
 
