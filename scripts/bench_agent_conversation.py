@@ -54,21 +54,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, home, log: Path):
+def start_server(model, home, log: Path, key=None):
+    """`serve` on a free port, once it answers and has `model` loaded (None: the
+    default model, loaded by the first request); `key`: its API key. (process, url)"""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     if home:
         env["MLX_DFLASH_HOME"] = str(home)
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model", model],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    if key:
+        env["MLX_DFLASH_API_KEY"] = key
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)] + (["--model", model] if model else [])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             sys.exit(f"serve exited: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200 and \
-                    httpx.get(url + "/metrics", timeout=5).json().get("loaded") is not None:
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and (model is None or httpx.get(
+                    url + "/metrics", headers=auth, timeout=5).json().get("loaded") is not None):
                 return proc, url
         except (httpx.HTTPError, ValueError):
             pass

@@ -22,7 +22,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,42 +31,13 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from bench_agent_conversation import start_server  # (this folder: `serve` on a free port, up and loaded)
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = Path(tempfile.gettempdir()) / "mlx-dflash-agent-clis"
 NOTE = "hello from a file"
 TOOL_TYPES = ("tool_use", "function_call", "custom_tool_call")
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model, home, key, log: Path):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    if home:
-        env["MLX_DFLASH_HOME"] = str(home)
-    if key:
-        env["MLX_DFLASH_API_KEY"] = key
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)] + (["--model", model] if model else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    sys.exit(f"serve did not come up in 600 s: {log}")
 
 
 def _walk(x):
@@ -342,7 +312,7 @@ def main() -> int:
     url = args.url
     root = Path(tempfile.mkdtemp(prefix="bench-agents-"))
     if url is None:
-        proc, url = start_server(None, args.home, args.api_key, root / "serve.log")
+        proc, url = start_server(None, args.home, root / "serve.log", args.api_key)
         print(f"serve: {url}, log {root / 'serve.log'}", file=sys.stderr)
     proxy = Proxy(url.rstrip("/"))
     purl = serve_proxy(proxy)

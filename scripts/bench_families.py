@@ -95,13 +95,19 @@ def eval_cache(cache):
     mx.eval(arrs)
 
 
-def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: int = 40):
-    """Median (trim of width-keep rows, evaluated) / (the verify forward of
-    width rows, evaluated), after `context` tokens (every window wrapped)."""
+def prefilled(model, context: int):
+    """(Target, its cache after `context` tokens, evaluated)."""
     t = Target(model)
     cache = t.make_cache()
     t((mx.arange(context)[None] % 500) + 4, cache)
     eval_cache(cache)
+    return t, cache
+
+
+def rollback_cost(model, rounds: int, width: int = 8, keep: int = 4, context: int = 40):
+    """Median (trim of width-keep rows, evaluated) / (the verify forward of
+    width rows, evaluated), after `context` tokens (every window wrapped)."""
+    t, cache = prefilled(model, context)
     block = mx.arange(100, 100 + width)[None]
     ratios, tv = [], []
     for r in range(rounds + 2):

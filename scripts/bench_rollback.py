@@ -27,19 +27,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 import mlx_dflash  # noqa: E402  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from bench_families import MEDIUM, eval_cache, kinds, rollback_cost  # noqa: E402
+from bench_families import MEDIUM, eval_cache, kinds, prefilled, rollback_cost  # noqa: E402
 from tiny_families import build  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
 
 SHAPES = [(8, 4), (16, 8), (16, 1), (16, 15)]
 
 
 def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
     """Median CPU seconds of one evaluated verify forward of `width` rows."""
-    t = Target(model)
-    cache = t.make_cache()
-    t((mx.arange(context)[None] % 500) + 4, cache)
-    eval_cache(cache)
+    t, cache = prefilled(model, context)
     block = mx.arange(100, 100 + width)[None]
     ts = []
     for _ in range(rounds):
@@ -56,10 +52,7 @@ def verify_cpu(model, rounds: int, width: int, context: int = 256) -> float:
 def in_loop_cost(model, rounds: int, width: int, keep: int, context: int = 256):
     """(median paired marginal seconds of a lazy rollback evaluated with the next
     1-token step, median verify seconds)."""
-    t = Target(model)
-    cache = t.make_cache()
-    t((mx.arange(context)[None] % 500) + 4, cache)
-    eval_cache(cache)
+    t, cache = prefilled(model, context)
     block = mx.arange(100, 100 + width)[None]
     diffs, tv = [], []
     for r in range(rounds + 3):

@@ -50,29 +50,7 @@ if at gen; then
       --prompts "$RUN/data/prompts_$s.jsonl" --responses "$RUN/data/responses_$s.jsonl" \
       --gen-max-tokens "$GEN_TOKENS" --gen-batch 32 >> "$RUN/gen_$s.log" 2>&1 || true
   done
-  $PY - "$RUN/data" <<'EOF'
-import json, sys
-from pathlib import Path
-d = Path(sys.argv[1])
-n = 0
-with open(d / "prompts.jsonl", "w") as p, open(d / "responses.jsonl", "w") as r:
-    for s in ("gsm", "code", "tools"):
-        lines = (d / f"prompts_{s}.jsonl").read_text().splitlines()
-        p.write("".join(l + "\n" for l in lines))
-        rows = []
-        f = d / f"responses_{s}.jsonl"
-        for l in (f.read_text().splitlines() if f.exists() else []):
-            try:
-                rows.append(json.loads(l))
-            except json.JSONDecodeError:  # a line cut short by the time box
-                pass
-        for row in sorted(rows, key=lambda row: row["i"]):
-            row["i"] += n
-            r.write(json.dumps(row) + "\n")
-        print(f"{s}: {len(rows)} of {len(lines)} prompts answered")
-        n += len(lines)
-print(f"{n} prompts with responses in {d / 'responses.jsonl'}")
-EOF
+  $PY scripts/merge_responses.py "$RUN/data" gsm code tools
 fi
 
 # 3. fine-tune from the published drafter: same architecture (checked by --init),
