@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 import mlx_dflash  # noqa: E402  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
-from bench_families import MEDIUM, eval_cache, kinds, prefilled, rollback_cost  # noqa: E402
+from bench_families import MEDIUM, eval_cache, kinds, prefilled, rollback_cost, timed_verify  # noqa: E402
 from tiny_families import build  # noqa: E402
 
 SHAPES = [(8, 4), (16, 8), (16, 1), (16, 15)]
@@ -59,10 +59,7 @@ def in_loop_cost(model, rounds: int, width: int, keep: int, context: int = 256):
         step = {}
         for rollback in (False, True):
             restore = t.checkpoint(cache)
-            t0 = time.perf_counter()
-            logits, f = t(block, cache, [0])
-            mx.eval(logits, f)
-            eval_cache(cache)
+            v = timed_verify(t, block, cache)
             t1 = time.perf_counter()
             if rollback:
                 t.trim(cache, width - keep)
@@ -72,7 +69,7 @@ def in_loop_cost(model, rounds: int, width: int, keep: int, context: int = 256):
             step[rollback] = time.perf_counter() - t1
             restore()
             if r >= 3:
-                tv.append(t1 - t0)
+                tv.append(v)
         if r >= 3:
             diffs.append(step[True] - step[False])
     diffs.sort()
