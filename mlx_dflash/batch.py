@@ -165,8 +165,7 @@ class BatchEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         sp = cfg.sampling()
-        drafts = self.drafter is not None and cfg.verify_mode != "off" and not (
-            cfg.max_context is not None and len(ids) > cfg.max_context)
+        drafts = cfg.keeps_drafter_context(self.drafter, len(ids))
         cap, fixed = 1, False
         if drafts:
             explicit = bool(cfg.block_size) and not cfg.default_width and cfg.guard is not True

@@ -94,6 +94,12 @@ class DecodeConfig:
         """The drafter context's (window, sink) (Drafter.make_cache)."""
         return (self.drafter_window, self.drafter_sink if self.drafter_window is not None else 0)
 
+    def keeps_drafter_context(self, drafter, prompt_tokens: int) -> bool:
+        """Whether decoding a prompt of that many tokens grows a drafter context
+        (what a prompt store entry must cover to be reused for it)."""
+        too_long = self.max_context is not None and prompt_tokens > self.max_context  # (decoder.py: plain)
+        return drafter is not None and self.verify_mode != "off" and not too_long
+
     def width(self, limit: int, what: str) -> int:
         """The verify width, checked against `limit` (the drafter's trained block size)."""
         w = self.block_size or min(DEFAULT_BLOCK_SIZE, limit)

@@ -141,9 +141,8 @@ class Batcher:
         store = self.store_of() if self.store_of is not None else None
         pc = None
         if store is not None:  # the longest cached prefix, as worker._serve looks it up for a lone request
-            mc, d = cfg.max_context, self.lm.drafter
-            with_drafter = d is not None and cfg.verify_mode != "off" and not (mc and len(ids) > mc)
-            pc, _ = store.take(self.engine.target, ids, d, with_drafter)
+            d = self.lm.drafter
+            pc, _ = store.take(self.engine.target, ids, d, cfg.keeps_drafter_context(d, len(ids)))
         try:
             uid = self.engine.submit(ids, cfg, prompt_cache=pc)
         except ValueError as e:

@@ -425,8 +425,7 @@ class Worker:
             if self.store is None:
                 self.store = PromptStore(store_budget(self.catalog))
             target = Target(lm.model)
-            mc = cfg.max_context
-            with_drafter = lm.drafter is not None and cfg.verify_mode != "off" and not (mc and len(ids) > mc)
+            with_drafter = cfg.keeps_drafter_context(lm.drafter, len(ids))
             branch = self.store.branch_point(target, ids, lm.drafter, with_drafter)
             pc, n0 = self.store.take(target, ids, lm.drafter, with_drafter)
             if branch >= MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
