@@ -251,7 +251,7 @@ def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from app.server.worker import CHUNK_CHARS, COUNT_SLACK, _pieces, max_token_chars
+    from app.server.prompt_ids import CHUNK_CHARS, COUNT_SLACK, max_token_chars, pieces
     from mlx_dflash.discovery import default_pair
 
     tok = load_tokenizer(Path(default_pair()[0]))
@@ -266,6 +266,6 @@ def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
     for name, text in texts.items():
         whole = len(tok.encode(text, add_special_tokens=False))
         assert len(text) / most <= whole, name
-        parts = sum(len(tok.encode(p, add_special_tokens=False)) for p in _pieces(text, CHUNK_CHARS))
+        parts = sum(len(tok.encode(p, add_special_tokens=False)) for p in pieces(text, CHUNK_CHARS))
         assert whole / COUNT_SLACK <= parts <= whole * COUNT_SLACK, (name, whole, parts)
-        assert "".join(_pieces(text, CHUNK_CHARS)) == text
+        assert "".join(pieces(text, CHUNK_CHARS)) == text

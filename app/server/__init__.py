@@ -15,7 +15,7 @@ the answer and cannot be honoured are a 400 naming them.
                      [--grace S] [--quiet]
 
 Modules: errors (OpenAI-format errors), schemas (request bodies), worker (the
-generation thread), catalog (jobs, counters, model names), security (Host /
+generation thread), prompt_ids (a request's prompt as token ids, within the context), catalog (jobs, counters, model names), security (Host /
 Origin / content-type / body checks, the API key, the request log), connections
 (socket limits), app (the FastAPI app, shared routes), relay (one generation for
 a handler, the shared stats), openai_api / responses_api / anthropic_api (the

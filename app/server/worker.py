@@ -14,8 +14,7 @@ import sys
 import threading
 import time
 import traceback
-import weakref
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.batch_costs import auto_max_batch
@@ -24,14 +23,13 @@ from mlx_dflash.target import Target
 
 from .batcher import Batcher
 from .catalog import Counters, Job, store_budget, context_limit
-from .errors import APIError, ContextTooLong, bad_request, error_line
+from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .reasoning import ThinkStream, opens_thinking
-from .render import render
+from .prompt_ids import prompt_ids, text_chars, too_long
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
-CHUNK_CHARS = 32 << 10  # a long prompt is counted in pieces of this size, stopping once it cannot fit
 # ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
 LOAD_SETTINGS = ("dflash_enabled", "drafter", "drafter_quant_bits", "drafter_quant_group_size",
                  "drafter_activation_dtype", "dtype")
@@ -283,14 +281,14 @@ class Worker:
     def _tokenize_loop(self):
         """Long prompts are measured and tokenized here, so the jobs queued behind
         one are served meanwhile; a prompt that cannot fit is refused as soon as
-        that is certain (_encode). The job then goes back to the worker's queue."""
+        that is certain (prompt_ids.encode). The job then goes back to the worker's queue."""
         while True:
             job = lm = settings = None  # the last prompt is not kept while waiting
             job, lm, settings = self.long_prompts.get()
             if job.cancel.is_set():
                 continue
             try:
-                job.prepared = self._prompt_ids(job, lm, settings)
+                job.prepared = prompt_ids(job, lm, settings)
             except APIError as e:
                 self._fail(job, e)
                 continue
@@ -383,16 +381,16 @@ class Worker:
         tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
-        if job.prepared is None and _text_chars(req) > OFF_WORKER_CHARS:
+        if job.prepared is None and text_chars(req) > OFF_WORKER_CHARS:
             self.long_prompts.put((job, lm, settings))  # measured and tokenized there, then queued again
             return
-        ids, prefix = job.prepared or self._prompt_ids(job, lm, settings)
+        ids, prefix = job.prepared or prompt_ids(job, lm, settings)
         if job.kind == "count":
             job.send("count", len(ids))
             return
         ctx = context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
-            raise _too_long(len(ids), ctx, job)
+            raise too_long(len(ids), ctx, job)
         max_tokens = req.limit()
         if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
             max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
@@ -529,147 +527,5 @@ class Worker:
             sys.stderr.write(f"mlx-dflash: {error_line(e)}; using the settings {lm.id} was loaded with\n")
             return lm.settings
 
-    def _prompt_ids(self, job: Job, lm, settings):
-        """(prompt token ids, the text forced after the generation prompt)."""
-        from .tools import forced_prefix, template_tools
-
-        tok, req = lm.tokenizer, job.req
-        vocab = _vocab_size(lm)
-        prefix = ""
-        if job.kind in ("chat", "count"):
-            if not getattr(tok, "chat_template", None):
-                raise bad_request(f"model '{lm.id}' has no chat template; use /v1/completions", "messages")
-            msgs = [dict(m) for m in req.messages]
-            system = settings.system_prompt
-            if system and not (msgs and msgs[0]["role"] == "system"):
-                msgs.insert(0, {"role": "system", "content": system})
-            tools = template_tools(req)
-            if tools and not getattr(tok, "has_tool_calling", False):
-                raise bad_request(f"model '{lm.id}' has no tool-call format (mlx-lm knows no tool parser for its "
-                           "chat template); send the request without tools", "tools", "tools_unsupported")
-            kw = dict(req.template_kwargs)
-            if req.response_format is not None:  # the grammar allows no thinking: the template's off switch
-                kw.setdefault("enable_thinking", False)
-            if tools:
-                kw["tools"] = tools
-            try:
-                text = render(tok, msgs, **kw)  # system messages anywhere: in place or merged
-            except Exception as e:  # jinja raise_exception(): e.g. roles that must alternate
-                raise bad_request(f"the chat template rejected these messages: {error_line(e)}",
-                           "messages") from None
-            if tools:
-                prefix = forced_prefix(req, tok)
-                text += prefix
-            ids = _encode(tok, text, _limit(job, lm))
-        elif isinstance(req.prompt, str):
-            ids = _encode(tok, req.prompt, _limit(job, lm))
-        else:
-            ids = list(req.prompt)
-            bad = [t for t in ids if vocab is not None and t >= vocab]
-            if bad:
-                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt")
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
-        for k in (req.logit_bias or {}):
-            if vocab is not None and int(k) >= vocab:
-                raise bad_request(f"logit_bias token id {k} is outside the vocabulary (size {vocab})", "logit_bias")
-        return ids, prefix
-
-
 def _closing(message: str = "the server is shutting down") -> APIError:
     return APIError(503, message, code="server_shutting_down")
-
-
-def _vocab_size(lm) -> Optional[int]:
-    n = getattr(getattr(lm.model, "args", None), "vocab_size", None)
-    return int(n) if isinstance(n, int) else None
-
-
-def _limit(job: Job, lm) -> Optional[int]:
-    """The most prompt tokens `job` may have (None: any, e.g. a token count)."""
-    return None if job.kind == "count" else context_limit(lm.model)
-
-
-def _too_long(tokens: int, ctx: int, job: Job) -> APIError:
-    return ContextTooLong(f"the prompt has {tokens} tokens; this model's context is {ctx} tokens",
-                          "messages" if job.kind in ("chat", "count") else "prompt", tokens, ctx)
-
-
-def _text_chars(req) -> int:
-    """Characters of text in a request (its messages' or prompt's strings): how
-    long tokenizing it may take, known before any of it is rendered."""
-    def size(x) -> int:
-        if isinstance(x, str):
-            return len(x)
-        if isinstance(x, dict):
-            return sum(size(v) for v in x.values())
-        if isinstance(x, (list, tuple)):
-            return sum(size(v) for v in x)
-        dump = getattr(x, "model_dump", None)
-        return size(dump()) if dump is not None else 0
-
-    return size(getattr(req, "messages", None)) + size(getattr(req, "prompt", None))
-
-
-_max_token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def max_token_chars(tok) -> int:
-    """The most characters of text one token of `tok` can stand for, from its
-    vocabulary (computed once per tokenizer). A token's string in the vocabulary
-    is never shorter than the text it decodes to (byte-level BPE spells each byte
-    as one character, SentencePiece a space as one '▁', byte fallbacks as
-    '<0xNN>'), so text of n characters has at least n / this many tokens."""
-    try:
-        return _max_token_chars[tok]
-    except (KeyError, TypeError):
-        pass
-    n = max((len(t) for t in tok.get_vocab()), default=1)
-    try:
-        _max_token_chars[tok] = n
-    except TypeError:  # not weak-referenceable: computed again next time
-        pass
-    return n
-
-
-NORMALIZER_SLACK = 4  # a tokenizer's Unicode normalization may merge up to this many characters into one
-COUNT_SLACK = 1.1  # counted in pieces, a prompt may differ a little from its count as a whole
-
-
-def _encode(tok, text: str, limit: Optional[int] = None) -> List[int]:
-    """The token ids of `text`. With `limit`, a text that cannot fit in `limit`
-    tokens is refused before it is tokenized whole: first from its length (a lower
-    bound on its token count, max_token_chars), then by counting it in pieces of
-    CHUNK_CHARS and stopping as soon as the count is clearly over. Memory and time
-    stay bounded by the context, not by the request."""
-    bos = tok.bos_token
-    add = bos is None or not text.startswith(bos)
-    try:
-        if limit is not None and len(text) > CHUNK_CHARS:
-            least = len(text) // (max_token_chars(tok) * NORMALIZER_SLACK)
-            if least >= limit:
-                raise ContextTooLong(f"the prompt has at least {least} tokens ({len(text)} characters); this "
-                                     f"model's context is {limit} tokens", "prompt", least, limit)
-            counted = 0
-            for piece in _pieces(text, CHUNK_CHARS):
-                counted += len(tok.encode(piece, add_special_tokens=False))
-                if counted > limit * COUNT_SLACK:
-                    raise ContextTooLong(f"the prompt has more than {int(limit * COUNT_SLACK)} tokens; this model's "
-                                         f"context is {limit} tokens", "prompt", int(limit * COUNT_SLACK), limit)
-        return tok.encode(text, add_special_tokens=add)
-    except (TypeError, ValueError) as e:
-        raise bad_request(f"the tokenizer cannot encode this text: {error_line(e)}", "prompt") from None
-
-
-def _pieces(text: str, size: int):
-    """`text` in pieces of about `size` characters, cut after a newline or space
-    where there is one (tokenizers split words there too, so the counts add up)."""
-    i = 0
-    while i < len(text):
-        j = min(len(text), i + size)
-        if j < len(text):
-            cut = max(text.rfind("\n", i + size // 2, j), text.rfind(" ", i + size // 2, j))
-            if cut > i:
-                j = cut + 1
-        yield text[i:j]
-        i = j
