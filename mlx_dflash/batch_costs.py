@@ -9,7 +9,9 @@ in plain batched steps, the number the batch guard divides by.
 
 `auto_max_batch`: the server's default batch size, from the same measured
 curves: the plain batched step's seconds at 1, 2, 4, 8, 16 rows
-(`pick_max_batch`)."""
+(`pick_max_batch`). `prefill_together_pays`: whether new prompts that arrive
+together should be prefilled in one batched forward on this machine (a GPU
+idles on a short prompt; a compute-bound CPU does not)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ AUTO_B = (1, 2, 4, 8, 16)  # the sizes `max_batch auto` chooses from
 AUTO_GAIN = 1.10  # doubling the rows must raise aggregate plain throughput this much
 ROW_CONTEXT = 8192  # tokens of cache each row is budgeted for when sizing the batch (a long agent request)
 MEMORY_SHARE = 0.9  # of the device's (recommended) memory, what weights and rows may use
+PREFILL_PROBE = (40, 64, 88, 112)  # prompt lengths of the prefill probe (ragged, as requests arrive)
+PREFILL_GAIN = 0.75  # prefilled together only where that takes at most this share of one after another
 
 
 def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, rounds: int = 3) -> Costs:
@@ -185,3 +189,52 @@ def auto_max_batch(model, drafter, calibration: Optional[Calibration] = None) ->
     costs = BatchCosts(model, real, calibration or Calibration(), real.block_size if real is not None else 1)
     B, why = pick_max_batch(costs.step_s, row_bytes(target), free_memory())
     return B, why
+
+
+def prefill_s(target: Target, prompts, capture, together: bool) -> float:
+    """Seconds to prefill `prompts` as the batch engine would: each alone (all but
+    its last token, then its last), or all in one left-padded forward and one
+    [B, 1] forward."""
+    t0 = time.perf_counter()
+    if not together:
+        for p in prompts:
+            c = target.make_cache()
+            _, f = target(mx.array(p[:-1])[None], c, capture)
+            mx.eval([x.state for x in c], *([f] if f is not None else []))
+            logits, f = target(mx.array(p[-1:])[None], c, capture)
+            mx.eval(logits, *([f] if f is not None else []))
+        return time.perf_counter() - t0
+    heads = [p[:-1] for p in prompts]
+    n = max(map(len, heads))
+    pad = [n - len(h) for h in heads]
+    c = bc.padded(target, pad)
+    _, f = target(mx.array([[0] * q + h for q, h in zip(pad, heads)]), c, capture)
+    mx.eval([x.state for x in c], *([f] if f is not None else []))
+    logits, f = target(mx.array([[p[-1]] for p in prompts]), c, capture)
+    mx.eval(logits, *([f] if f is not None else []))
+    return time.perf_counter() - t0
+
+
+def prefill_together_pays(model, drafter, B: int, rounds: int = 2) -> Tuple[bool, str]:
+    """Whether B short prompts arriving together are prefilled faster in one
+    batched forward than one after another here (best of `rounds`, interleaved):
+    (yes / no, a one-line reason). Together, every row waits for the whole
+    forward, so it must save a clear share (PREFILL_GAIN) to be chosen."""
+    target = Target(model)
+    if B < 2:
+        return False, "one row at a time"
+    if not bc.paddable(target):
+        return False, "this target's caches cannot be left-padded (recurrent, sliding-window or quantized layers)"
+    capture = list(drafter.config.target_layer_ids) if isinstance(drafter, Drafter) else []
+    prompts = [((mx.arange(PREFILL_PROBE[i % len(PREFILL_PROBE)]) * 7919 + 13 * i) % target.vocab_size).tolist()
+               for i in range(B)]
+    prefill_s(target, prompts[:1], capture, False)  # warm-up
+    alone, together = float("inf"), float("inf")
+    for _ in range(rounds):
+        alone = min(alone, prefill_s(target, prompts, capture, False))
+        together = min(together, prefill_s(target, prompts, capture, True))
+    share = together / alone
+    verdict = share <= PREFILL_GAIN
+    return verdict, (f"{B} new prompts prefill together in {share:.0%} of the time one after another takes "
+                     f"({together * 1e3:.0f} vs {alone * 1e3:.0f} ms): "
+                     f"{'together' if verdict else 'one after another'}")

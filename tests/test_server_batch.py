@@ -108,6 +108,9 @@ def test_max_batch_auto_measures_and_says_what_it_picked(serve_models, ref):
             t.join()
         for p in prompts:  # overlapping requests (batched when the size is > 1): each the request alone
             assert got[p] == (200, run(p, 8).text), p
+        if size > 1:  # the batch was made: how it prefills new requests was measured once, and said
+            said = [l for l in s.log.read_text().splitlines() if "prefill of new requests" in l]
+            assert len(said) == 1 and s.metrics()["batch"]["prefill"] in said[0]
     finally:
         s.stop()
 

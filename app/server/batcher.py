@@ -29,13 +29,14 @@ _END = object()
 
 class Batcher:
     def __init__(self, lm, max_batch: int, store_of: Optional[Callable[[], Optional[PromptStore]]] = None,
-                 on_store: Optional[Callable[[], None]] = None):
+                 on_store: Optional[Callable[[], None]] = None, prefill_together: bool = False):
         self.lm = lm
         self.max_batch = max_batch
         self.store_of = store_of  # the prompt store for `lm` (None: none now, e.g. another model loaded)
         self.on_store = on_store  # after the batch stored a cache (the worker's /metrics summary)
+        self.together = prefill_together  # new prompts arriving together: one batched prefill
         try:
-            self.engine: Optional[BatchEngine] = BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=max_batch)
+            self.engine: Optional[BatchEngine] = self._engine()
             self.why_not = None
         except BatchError as e:  # every request of this model runs alone
             self.engine, self.why_not = None, str(e)
@@ -153,6 +154,10 @@ class Batcher:
         self.outs[uid] = q
         q.put(uid)
 
+    def _engine(self) -> BatchEngine:
+        return BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch,
+                           prefill_together=self.together)
+
     def _step(self):
         try:
             self.engine.step(self._deliver)
@@ -161,7 +166,7 @@ class Batcher:
             for q in self.outs.values():
                 q.put(e)
             self.outs.clear()
-            self.engine = BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch)
+            self.engine = self._engine()
             return
         self.peak = max(self.peak, self.engine.occupancy)
         self._store_released()

@@ -17,7 +17,7 @@ import traceback
 from typing import Dict, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.batch_costs import auto_max_batch
+from mlx_dflash.batch_costs import auto_max_batch, prefill_together_pays
 from mlx_dflash.prompt_store import PromptStore
 from mlx_dflash.target import Target
 
@@ -50,6 +50,7 @@ class Worker:
         self.auto = max_batch == "auto"
         self.max_batch = 1 if self.auto else max(1, max_batch)
         self.picked: Optional[tuple] = None  # auto: (batch size, why) for the model loaded now
+        self.prefill: Optional[tuple] = None  # (new prompts prefilled together?, why) for the model loaded now
         self.batcher: Optional[Batcher] = None
         self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served by the batch
         self.slots = threading.Condition()
@@ -211,7 +212,8 @@ class Worker:
             self._drain()
             if self.batcher is not None:
                 self.batcher.close()
-            self.batcher = Batcher(lm, size, lambda: self._store_for(lm), self._stored)
+            self.batcher = Batcher(lm, size, lambda: self._store_for(lm), self._stored,
+                                   prefill_together=self._prefill_together(lm, size))
         with self.slots:
             while len(self.inflight) >= size:
                 self.slots.wait()
@@ -265,6 +267,19 @@ class Worker:
             sys.stderr.write(f"mlx-dflash: max_batch auto for '{lm.id}': {size} ({why})\n")
         return self.picked[0]
 
+    def _prefill_together(self, lm, size: int) -> bool:
+        """Whether requests that arrive together are prefilled in one batched
+        forward: measured once per load (batch_costs.prefill_together_pays;
+        a second or two of short prefills), so a GPU gets it and a CPU that
+        gains nothing does not."""
+        if self.prefill is None:
+            try:
+                self.prefill = prefill_together_pays(lm.model, lm.drafter, size)
+            except Exception as e:  # noqa: BLE001 - the probe failing only keeps prefills one at a time
+                self.prefill = (False, f"measuring failed ({type(e).__name__}: {error_line(e)})")
+            sys.stderr.write(f"mlx-dflash: prefill of new requests for '{lm.id}': {self.prefill[1]}\n")
+        return self.prefill[0]
+
     def batch_summary(self) -> Optional[dict]:
         """Batch occupancy for /metrics (None: requests run one at a time)."""
         b = self.batcher
@@ -274,6 +289,8 @@ class Worker:
         out = b.summary() if b is not None else {"max_batch": size, "rows": 0}
         if self.auto:
             out["auto"] = f"{self.picked[0]} ({self.picked[1]})" if self.picked is not None else "not measured yet"
+        if self.prefill is not None:
+            out["prefill"] = self.prefill[1]
         with self.slots:
             out["serving"] = len(self.inflight)
         return out
@@ -356,6 +373,7 @@ class Worker:
                            "model", "model_unavailable") from None
         self.lm_key, self.refused = model_id, None
         self.picked = None  # auto: measured again for this model
+        self.prefill = None
         self.lm_load = self._load_key(self.lm.id)
         self._clear_store()
         with self.lock:
