@@ -23,7 +23,7 @@ import mlx.core as mx
 from . import batch_cache as bc
 from .batch_draft import propose_batch
 from .calibrate import Calibration
-from .costs import Costs
+from .costs import Costs, load_record, save_record
 from .drafter import Drafter
 from .target import Target, TargetError
 
@@ -215,26 +215,32 @@ def prefill_s(target: Target, prompts, capture, together: bool) -> float:
     return time.perf_counter() - t0
 
 
-def prefill_together_pays(model, drafter, B: int, rounds: int = 2) -> Tuple[bool, str]:
+def prefill_together_pays(model, drafter, B: int, calibration: Optional[Calibration] = None) -> Tuple[bool, str]:
     """Whether B short prompts arriving together are prefilled faster in one
-    batched forward than one after another here (best of `rounds`, interleaved):
-    (yes / no, a one-line reason). Together, every row waits for the whole
-    forward, so it must save a clear share (PREFILL_GAIN) to be chosen."""
+    batched forward than one after another here: (yes / no, a one-line
+    reason). Measured once per model, drafter, machine and B (one round of
+    each way after a warm-up, then cached beside the cost curves). Together,
+    every row waits for the whole forward, so it must save a clear share
+    (PREFILL_GAIN) to be chosen."""
     target = Target(model)
     if B < 2:
         return False, "one row at a time"
     if not bc.paddable(target):
         return False, "this target's caches cannot be left-padded (recurrent, sliding-window or quantized layers)"
+    key = dict((calibration or Calibration()).book.key(model, drafter), prefill_rows=B)
+    got = load_record(key, "prefill")
+    if got is not None and isinstance(got.get("pays"), bool) and isinstance(got.get("why"), str):
+        return got["pays"], got["why"]
     capture = list(drafter.config.target_layer_ids) if isinstance(drafter, Drafter) else []
     prompts = [((mx.arange(PREFILL_PROBE[i % len(PREFILL_PROBE)]) * 7919 + 13 * i) % target.vocab_size).tolist()
                for i in range(B)]
-    prefill_s(target, prompts[:1], capture, False)  # warm-up
-    alone, together = float("inf"), float("inf")
-    for _ in range(rounds):
-        alone = min(alone, prefill_s(target, prompts, capture, False))
-        together = min(together, prefill_s(target, prompts, capture, True))
+    prefill_s(target, prompts[:2], capture, True)  # warm-up (both ways' kernels)
+    prefill_s(target, prompts[:1], capture, False)
+    alone = prefill_s(target, prompts, capture, False)
+    together = prefill_s(target, prompts, capture, True)
     share = together / alone
-    verdict = share <= PREFILL_GAIN
-    return verdict, (f"{B} new prompts prefill together in {share:.0%} of the time one after another takes "
-                     f"({together * 1e3:.0f} vs {alone * 1e3:.0f} ms): "
-                     f"{'together' if verdict else 'one after another'}")
+    pays = share <= PREFILL_GAIN
+    why = (f"{B} new prompts prefill together in {share:.0%} of the time one after another takes "
+           f"({together * 1e3:.0f} vs {alone * 1e3:.0f} ms): {'together' if pays else 'one after another'}")
+    save_record(key, "prefill", {"pays": pays, "why": why})
+    return pays, why

@@ -167,6 +167,22 @@ def save_cached(key: dict, costs: Costs) -> Path:
     return _write(cost_path(key), key, {"costs": costs.to_json()})
 
 
+def load_record(key: dict, kind: str) -> Optional[dict]:
+    """Another measured decision cached beside the curves (e.g. the batch
+    engine's prefill probe): its body if fresh, else None."""
+    j = _read(_path(key, kind), key)
+    if not j or time.time() - float(j.get("measured_at", 0.0)) > COST_MAX_AGE_S:
+        return None
+    return j
+
+
+def save_record(key: dict, kind: str, body: dict) -> None:
+    try:
+        _write(_path(key, kind), key, {"measured_at": time.time(), **body})
+    except OSError:
+        pass  # read-only cache dir: measured again next process
+
+
 def need(max_width: int = 0, widths: Sequence[int] = ()) -> set:
     return set(range(1, max_width + 1)) | set(widths) | {1}
 

@@ -265,13 +265,16 @@ class Worker:
                 size, why = 1, f"measuring failed ({type(e).__name__}: {error_line(e)})"
             self.picked = (size, why)
             sys.stderr.write(f"mlx-dflash: max_batch auto for '{lm.id}': {size} ({why})\n")
+            self._prefill_together(lm, size)  # measured now too (at load), not when requests first overlap
         return self.picked[0]
 
     def _prefill_together(self, lm, size: int) -> bool:
         """Whether requests that arrive together are prefilled in one batched
         forward: measured once per load (batch_costs.prefill_together_pays;
-        a second or two of short prefills), so a GPU gets it and a CPU that
-        gains nothing does not."""
+        a few short prefills, then cached on disk), so a GPU gets it and a CPU
+        that gains nothing does not."""
+        if size < 2:
+            return False
         if self.prefill is None:
             try:
                 self.prefill = prefill_together_pays(lm.model, lm.drafter, size)
