@@ -52,6 +52,7 @@ from .batch_draft import propose_batch
 from .batch_costs import BatchCosts
 from .batch_policy import BatchGuard, BatchPolicy, FixedBatchWidth
 from .calibrate import Calibration
+from .costs import Observed
 from .decode_config import DecodeConfig
 from .decoder import cat_feats, encode
 from .drafter import Drafter
@@ -141,10 +142,10 @@ class BatchEngine:
         if policy is None:
             if isinstance(drafter, Drafter):
                 cal = calibration or Calibration()
-                obs = cal.prior(model, drafter)  # the single-stream guard's acceptance, if it ran
+                obs = cal.prior(model, drafter) or Observed()  # the single-stream guard's acceptance, if it ran
                 costs = BatchCosts(model, drafter, cal, drafter.block_size)
-                policy = BatchGuard(costs.curve, drafter.block_size, prior=obs.p if obs is not None else None,
-                                    verify=costs.verify_curve, lookup_alpha=obs.lookup_alpha if obs is not None else None)
+                policy = BatchGuard(costs.curve, drafter.block_size, prior=obs.p, verify=costs.verify_curve,
+                                    lookup_alpha=obs.lookup_alpha)
             else:
                 policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
         self.policy = policy

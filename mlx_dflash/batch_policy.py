@@ -15,11 +15,13 @@ row whose context ends in an n-gram seen before may verify that n-gram's
 continuation instead of the drafter's block. Each row keeps its own lookup
 gate (policy.LookupGate: the share of its lookup drafts accepted, alpha); a
 row takes lookup when its expected tokens 1 + alpha * n reach the drafter's
-tau_b(w) (every GAP-th match anyway, so alpha keeps up), or whenever the batch
-verifies at w > 1 without drafting it from the drafter (its verify rows are
-paid for already). A cycle in which no row drafts from the drafter runs no
-drafter forward and costs the verify alone, c(w, B): the guard weighs those
-cycles too, so lookup rows are drafted where the drafter does not pay."""
+tau_b(w), or whenever the batch verifies at w > 1 without drafting it from
+the drafter (its verify rows are paid for already). A cycle in which no row
+drafts from the drafter runs no drafter forward and costs the verify alone,
+c(w, B): the guard weighs those cycles too, so lookup rows are drafted where
+the drafter does not pay; while the batch decodes plainly, every GAP-th match
+of a row is verified anyway (as the single-stream gate does), so a text that
+starts repeating itself is noticed."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class BatchPolicy:
             src = DFLASH if dflash else ""
             if n > 0 and not r.fixed:
                 g = self.gate(r)
-                if not dflash or g.tokens(n) >= Guard.expected(self.p(r), min(w, r.cap)) or g.skip():
+                if not dflash or g.tokens(n) >= Guard.expected(self.p(r), min(w, r.cap)):
                     src = LOOKUP
             out.append(src)
         return out
@@ -190,7 +192,7 @@ class BatchGuard(BatchPolicy):
         if self.wait > 0:
             self.wait -= 1
             return self._lookup_only(B, wl, sl, f"probe in {self.wait}") if look else self._plain(
-                f"batch: plain at {B} rows; probe in {self.wait}")
+                rows, offers, f"batch: plain at {B} rows; probe in {self.wait}")
         w, s = self.predict(rows, offers=offers)
         if w > 1 and s >= self.MARGIN:
             self.backoff, self.probing = self.BACKOFF0, False
@@ -208,9 +210,13 @@ class BatchGuard(BatchPolicy):
         self.wait, self.backoff = self.backoff, min(self.backoff * 2, self.BACKOFF_MAX)
         if look:
             return self._lookup_only(B, wl, sl, f"DFlash {s:.2f}x")
-        return self._plain(f"batch: plain at {B} rows (DFlash {s:.2f}x predicted)")
+        return self._plain(rows, offers, f"batch: plain at {B} rows (DFlash {s:.2f}x predicted)")
 
-    def _plain(self, reason: str) -> int:
+    def _plain(self, rows, offers: Optional[List[int]], reason: str) -> int:
+        """A plain cycle, unless a row's gate verifies its match anyway (every GAP-th)."""
+        due = [m for r, m in zip(rows, offers or [0] * len(rows)) if m and not r.fixed and self.gate(r).skip()]
+        if due:
+            return self._lookup_only(len(rows), min(max(due), self.widest - 1) + 1, 0.0, "a periodic check")
         self.reason = reason
         return 1
 

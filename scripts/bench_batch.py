@@ -15,15 +15,17 @@ Greedy; every stream's token ids are checked against dflash-serial's (exact).
 
 `--lookup-ab`: per-row prompt lookup in the batch, on (dflash-batched) vs
 off (dflash-batched-nolookup, DecodeConfig.lookup False), with dflash-serial
-for the reference ids; `--repetitive`: the prompts are bench_lookup.py's
-"repeat this function with one change" HumanEval prompts (the context
-repeats: lookup hits) instead of GSM8K questions.
+for the reference ids. `--prompts`: gsm8k (the default: GSM8K questions),
+repeat-function (bench_lookup.py's "repeat this function with one change"
+HumanEval prompts) or copy-list ("repeat this list exactly" over 40 random
+short ids): contexts that repeat, where lookup hits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -63,9 +65,23 @@ def summarize(name, n, times, t0, wall):
             "itl_p95_ms": 1000 * sorted(itl)[int(0.95 * (len(itl) - 1))] if itl else 0.0}
 
 
-def repetitive_prompts(tok, n):
+def repeat_function_prompts(tok, n):
     """bench_lookup.py's HumanEval "repeat this function with one change" prompts (token ids)."""
     return [list(p["prompt"]) for p in bench_lookup.prompts(tok, n)]
+
+
+def copy_list_prompts(tok, n, seed=0):
+    """"Repeat this list exactly" over 40 random short ids (a text no drafter has seen)."""
+    rng = random.Random(seed)
+
+    def ids():
+        return " ".join(f"{rng.choice('abcdefghjkmnpqrstuvwxyz')}{rng.randrange(10, 99)}{rng.choice('qwxyz')}"
+                        for _ in range(40))
+    return [list(tok.apply_chat_template([{"role": "user", "content": "Repeat this list exactly:\n" + ids()}],
+                                         add_generation_prompt=True)) for _ in range(n)]
+
+
+PROMPTS = {"gsm8k": prompts, "repeat-function": repeat_function_prompts, "copy-list": copy_list_prompts}
 
 
 def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, stats=None):
@@ -177,7 +193,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per system and concurrency; the median run is kept")
     ap.add_argument("--out", default="bench/batch.json")
     ap.add_argument("--lookup-ab", action="store_true", help="per-row prompt lookup in the batch, on vs off")
-    ap.add_argument("--repetitive", action="store_true", help="HumanEval 'repeat this function' prompts")
+    ap.add_argument("--prompts", choices=list(PROMPTS), default="gsm8k")
     ap.add_argument("--rollback", action="store_true",
                     help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
     a = ap.parse_args()
@@ -187,7 +203,7 @@ def main():
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
                               for k, v in rollback_cost(model, 8, ctx, 5).items()}), flush=True)
         return
-    all_ps = (repetitive_prompts if a.repetitive else prompts)(tok, max(a.streams))
+    all_ps = PROMPTS[a.prompts](tok, max(a.streams))
     if a.lookup_ab:
         return lookup_ab(a, model, tok, drafter, all_ps)
     # warm-up: shapes, the batch guard's c(w, B) curves (measured once, cached), the serial guard's costs
@@ -246,7 +262,7 @@ def lookup_ab(a, model, tok, drafter, all_ps):
             rows.append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "dtype": a.dtype, "max_tokens": a.max_tokens,
-                                       "repetitive": a.repetitive, "rows": rows}, indent=1))
+                                       "prompts": a.prompts, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

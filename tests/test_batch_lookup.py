@@ -20,6 +20,7 @@ import pytest
 from drafters import reference_tokens
 from mlx_lm.models.cache import KVCache
 from test_batch import PROMPTS, RowOracles, model_of, run_engine
+from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig, generate
 from mlx_dflash.batch import BatchEngine
@@ -27,6 +28,7 @@ from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
 from mlx_dflash.drafter import Proposal
 from mlx_dflash.lookup import NgramIndex
 from mlx_dflash.policy import DFLASH, LOOKUP
+from mlx_dflash.prompt_cache import PromptCache
 
 REPEATED = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
@@ -99,6 +101,26 @@ def test_lookup_rows_cancelled_and_off_leave_the_others_identical(family, tok):
     assert [out[i] for i in range(1, len(prompts))] == refs[1:]
     assert last[2].stats.lookup_cycles == 0 and last[3].stats.lookup_cycles == 0
     assert lookup_totals(last) > 0
+
+
+def test_lookup_index_is_kept_with_the_prompt_cache(tok):
+    """A row started from a prompt cache indexes its prompt and its answer in
+    the cache's lookup index (as the single-stream Decoder does); the next turn,
+    batched, extends it and is still exact."""
+    model, prompts = model_of("qwen3"), prompts_for("qwen3", tok)
+    ids, other = prompts[0], prompts[1]
+    ref, ref_o = reference_tokens(model, tok, ids, 12), reference_tokens(model, tok, other, 9)
+    oracle = SeqOracles([(0, ids + ref), (0, other + ref_o)], seed=1)
+    eng = BatchEngine(model, tok, oracle, max_batch=2, policy=FixedBatchWidth(5))
+    pc = PromptCache()
+    out, last, uids = run_rows(eng, [(ids, 12, pc), (other, 9, None)], [])
+    assert [out[u] for u in uids] == [ref, ref_o] and last[uids[0]].stats.lookup_cycles > 0
+    assert pc.index.tokens[: len(ids) + len(ref)] == ids + ref
+    p2 = ids + ref + [40, 41, 42]
+    ref2 = reference_tokens(model, tok, p2, 10)
+    oracle.bind(pc, p2 + ref2)
+    out, last, uids = run_rows(eng, [(p2, 10, pc)], [])
+    assert out[uids[0]] == ref2 and pc.index.tokens[: len(p2) + len(ref2)] == p2 + ref2
 
 
 def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok):
