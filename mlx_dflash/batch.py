@@ -157,6 +157,7 @@ class BatchEngine:
         self.cache: Optional[list] = None  # the batch's target cache
         self._uid = 0
         self.cycles = 0
+        self.drafter_forwards = 0  # cycles that ran the drafter (the others: plain, or lookup rows alone)
         self.occupancy = 0  # rows in the last cycle
         self._released: List[Tuple[int, PromptCache]] = []  # prompt caches of rows that left
 
@@ -483,6 +484,7 @@ class BatchEngine:
         out = [mx.array(lk + [0] * (w - 1 - len(lk)), mx.int32) for lk in looks]
         ds = [b for b, s in enumerate(src) if s == DFLASH]
         if ds:
+            self.drafter_forwards += 1
             wd = max(n[b] for b in ds) + 1
             sub = [rows[b] for b in ds]
             toks, dq = propose_batch(self.drafter, self.target, [r.anchor for r in sub],
@@ -508,4 +510,5 @@ class BatchEngine:
     def summary(self) -> Dict[str, int]:
         """What /metrics shows: rows decoding, requests waiting, the batch's slots per row."""
         return {"rows": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
-                "slots": bc.size(self.cache), "cycles": self.cycles, "prefilled_together": self.prefilled_together}
+                "slots": bc.size(self.cache), "cycles": self.cycles, "drafter_forwards": self.drafter_forwards,
+                "prefilled_together": self.prefilled_together}

@@ -85,7 +85,7 @@ PROMPTS = {"gsm8k": prompts, "repeat-function": repeat_function_prompts, "copy-l
 
 
 def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, stats=None):
-    """`stats`: a list that gets each stream's last GenerationStats."""
+    """`stats`: a list that gets each stream's last GenerationStats, then the engine's summary."""
     eng = BatchEngine(model, tok, drafter, max_batch=len(ps), policy=policy)
     eos = set(tok.eos_token_ids)
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, st
         eng.step(got)
     wall = time.perf_counter() - t0
     if stats is not None:
-        stats += [last[u] for u in uids]
+        stats += [last[u] for u in uids] + [eng.summary()]
     return [times[u] for u in uids], [ids[u] for u in uids], t0, wall, eng.policy.reason
 
 
@@ -250,9 +250,11 @@ def lookup_ab(a, model, tok, drafter, all_ps):
             for name, look in (("dflash-batched", True), ("dflash-batched-nolookup", False)):
                 st = []
                 times, ids, t0, wall, why = run_engine(model, tok, drafter, ps, a.max_tokens, lookup=look, stats=st)
+                eng = st.pop()
                 cyc = sum(s.cycles for s in st)
                 runs.setdefault(name, []).append(dict(
                     summarize(name, n, times, t0, wall), exact=ids == ref, policy=why,
+                    batch_cycles=eng["cycles"], drafter_forwards=eng["drafter_forwards"],
                     row_cycles=cyc, lookup_cycles=sum(s.lookup_cycles for s in st),
                     plain_cycles=sum(s.plain_cycles for s in st), tau=sum(s.cycle_tokens for s in st) / max(1, cyc)))
         for name, rs in runs.items():

@@ -149,6 +149,7 @@ def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok
     drafted = sum(r.stats.cycles - r.stats.plain_cycles - r.stats.lookup_cycles for r in last.values())
     assert looked > 0 and drafter.tried == drafted  # one drafter call per drafted row cycle, none for lookup
     assert looked > drafted, (looked, drafted)
+    assert eng.drafter_forwards <= drafted and eng.drafter_forwards < eng.cycles  # lookup cycles ran none
 
 
 def test_batch_guard_prices_lookup_rows_with_their_own_acceptance():
