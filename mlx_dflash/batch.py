@@ -7,10 +7,15 @@ per cycle (ENGINE.md: "a batch engine is many rows behind the same methods").
     cancel(uid)                            leaves at the next boundary
 
 A cycle: the width policy (batch_policy.py) picks one width w for the batch
-(1: plain batched decoding); one batched drafter forward proposes w - 1 tokens
-per row (batch_draft.py); one batched verify over [B, w]; each row accepts its
+(1: plain batched decoding) and each row's draft source: prompt lookup over
+the row's own tokens (lookup.py: its context repeats itself) or the drafter;
+one batched drafter forward proposes w - 1 tokens for the rows that draft
+from it (batch_draft.py; none when no row does: their features wait in the
+row's pending rows, as the single-stream Decoder keeps them after a lookup
+cycle); one batched verify over [B, w]; each row accepts its
 own count (greedy: the longest prefix equal to the target's argmax; sampled:
-the lossless rule, with the row's own PRNG key); the ragged rollback drops
+the lossless rule, with the row's own PRNG key; a lookup draft is a one-hot
+proposal); the ragged rollback drops
 each row's rejected tokens (batch_cache.py); each row emits through its own
 Emitter (EOS, stop strings, max tokens) and keeps its own stats. A request is
 prefilled alone, chunk by chunk exactly as the single-stream Decoder does
@@ -47,10 +52,13 @@ from .batch_draft import propose_batch
 from .batch_costs import BatchCosts
 from .batch_policy import BatchGuard, BatchPolicy, FixedBatchWidth
 from .calibrate import Calibration
+from .costs import Observed
 from .decode_config import DecodeConfig
 from .decoder import cat_feats, encode
 from .drafter import Drafter
-from .prompt_cache import PromptCache, reuse
+from .lookup import NgramIndex
+from .policy import DFLASH, LOOKUP
+from .prompt_cache import PromptCache, lookup_index, reuse
 from .sampling import SamplingParams, accept_sampled, probs, sample
 from .stats import CycleResult, Emitter, GenerationResponse, GenerationStats
 from .target import Target
@@ -91,6 +99,7 @@ class Row:
     done_prompt: int = 0
     pc: Optional[PromptCache] = None  # the caller's prompt cache: filled with this row's caches when it leaves
     tokens: List[int] = field(default_factory=list)  # the tokens in its target cache (with a prompt cache)
+    index: Optional[NgramIndex] = None  # its tokens' n-gram index, when it may verify prompt-lookup drafts
     cancelled: bool = False
     t_start: float = 0.0
     t_gen: float = 0.0
@@ -133,9 +142,10 @@ class BatchEngine:
         if policy is None:
             if isinstance(drafter, Drafter):
                 cal = calibration or Calibration()
-                obs = cal.prior(model, drafter)  # the single-stream guard's acceptance, if it ran
-                policy = BatchGuard(BatchCosts(model, drafter, cal, drafter.block_size).curve, drafter.block_size,
-                                    prior=obs.p if obs is not None else None)
+                obs = cal.prior(model, drafter) or Observed()  # the single-stream guard's acceptance, if it ran
+                costs = BatchCosts(model, drafter, cal, drafter.block_size)
+                policy = BatchGuard(costs.curve, drafter.block_size, prior=obs.p, verify=costs.verify_curve,
+                                    lookup_alpha=obs.lookup_alpha)
             else:
                 policy = FixedBatchWidth(min(5, drafter.block_size) if drafter is not None else 1)
         self.policy = policy
@@ -147,6 +157,7 @@ class BatchEngine:
         self.cache: Optional[list] = None  # the batch's target cache
         self._uid = 0
         self.cycles = 0
+        self.drafter_forwards = 0  # cycles that ran the drafter (the others: plain, or lookup rows alone)
         self.occupancy = 0  # rows in the last cycle
         self._released: List[Tuple[int, PromptCache]] = []  # prompt caches of rows that left
 
@@ -187,6 +198,10 @@ class BatchEngine:
                   drafts and fixed, list(ids), t_start=time.perf_counter())
         if prompt_cache is not None:
             self._start_from(row, prompt_cache, ids)
+        # prompt lookup where the single-stream guard verifies it (a guarded width, lookup on)
+        if row.drafts and not row.fixed and cfg.lookup and cfg.guard is not False and \
+                cfg.verify_mode in ("dflash", "lookup"):
+            row.index = lookup_index(prompt_cache, ids) if prompt_cache is not None else NgramIndex(ids)
         self.waiting.append(row)
         return row.uid
 
@@ -393,24 +408,23 @@ class BatchEngine:
     def _cycle(self) -> List[Tuple[int, GenerationResponse]]:
         rows, t0 = self.rows, time.perf_counter()
         B = len(rows)
-        w = max([self.policy.next(rows)] + [r.cap for r in rows if r.fixed])
-        n = [min(w - 1, r.cap - 1, r.emit.left) if r.drafts else 0 for r in rows]  # drafts verified per row
+        # what each row's context offers to prompt lookup, up to its widest verify
+        offers = [len(r.index.propose(min(r.cap - 1, r.emit.left))) if r.index is not None else 0 for r in rows]
+        w = max([self.policy.next(rows, offers)] + [r.cap for r in rows if r.fixed])
+        src = self.policy.sources(rows, w, offers)
+        looks = [r.index.propose(min(w - 1, r.cap - 1, r.emit.left)) if s == LOOKUP else []
+                 for r, s in zip(rows, src)]
+        n = [len(lk) if s == LOOKUP else min(w - 1, r.cap - 1, r.emit.left) if s == DFLASH else 0
+             for r, s, lk in zip(rows, src, looks)]  # drafts verified per row
         w = max(n) + 1
         anchors = [r.anchor for r in rows]
         qs = [None] * B
+        toks = mx.zeros((B, 0), mx.int32)
         if w > 1:
-            feats = [cat_feats(r.pending) if r.drafts else None for r in rows]
-            caches = [r.dcache if r.drafts else None for r in rows]
-            keys = [r.next_key() if r.drafts else None for r in rows]
-            toks, qs = propose_batch(self.drafter, self.target, anchors, feats, caches, w,
-                                     [r.sp.temperature for r in rows], keys)
-            for r in rows:
-                r.pending.clear()
-        else:
-            toks = mx.zeros((B, 0), mx.int32)
+            toks = self._drafts(rows, src, looks, n, w, qs)
         t_draft = time.perf_counter() - t0
         vin = mx.concatenate([mx.array(anchors, mx.int32)[:, None], toks], axis=1)
-        capture = self.capture if any(r.drafts for r in rows) else []
+        capture = self.capture if any(r.drafts for r in rows) else []  # (lookup rows: for a later draft)
         logits, f = self.target(vin, self.cache, capture)
         tgt = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, w]
         if w > 1:
@@ -436,12 +450,13 @@ class BatchEngine:
                 outs.append(T[b][: A[b] + 1])
         bc.rollback(self.target, self.cache, w, [w - 1 - x for x in A])
         t3 = time.perf_counter()
+        self.policy.observe(rows, n, A, src)
         events = []
         for b, r in enumerate(rows):
             if f is not None and r.drafts:
                 r.pending.append(f[b: b + 1, : A[b] + 1])
             cyc = CycleResult(n[b] + 1, A[b], 0, t_draft=t_draft, t_verify=t3 - t0 - t_draft,
-                              source="dflash" if n[b] else "", t_wait=t3 - t_wait)
+                              source=src[b] if n[b] else "", t_wait=t3 - t_wait)
             resps = []
             for i, tok in enumerate(outs[b]):
                 cyc.emitted += 1
@@ -449,19 +464,43 @@ class BatchEngine:
                 if r.emit.done:
                     break
             r.stats.add(cyc)
-            r.stats.policy = self.policy.reason
+            r.stats.policy = self.policy.row_reason(r)
             r.stats.generation_time = time.perf_counter() - r.t_gen
             if r.pc is not None:  # in its cache now: the anchor and the accepted drafts
                 r.tokens += [r.anchor] + outs[b][: A[b]]
             r.anchor = outs[b][-1]
             events += [(r.uid, x) for x in resps]
-        self.policy.observe(rows, n, A)
         self.cycles += 1
         self.occupancy = B
         return events
 
+    def _drafts(self, rows: List[Row], src: List[str], looks: List[List[int]], n: List[int], w: int,
+                qs: list) -> mx.array:
+        """The cycle's drafts [B, w - 1] (past a row's n: filler, never accepted):
+        lookup rows' from their index, the others' from one drafter forward over
+        the rows that draft from it (none: no forward). Fills `qs` (per row its
+        proposal distribution, or None: one-hot). The drafter takes a row's
+        pending features only when it drafts for that row."""
+        out = [mx.array(lk + [0] * (w - 1 - len(lk)), mx.int32) for lk in looks]
+        ds = [b for b, s in enumerate(src) if s == DFLASH]
+        if ds:
+            self.drafter_forwards += 1
+            wd = max(n[b] for b in ds) + 1
+            sub = [rows[b] for b in ds]
+            toks, dq = propose_batch(self.drafter, self.target, [r.anchor for r in sub],
+                                     [cat_feats(r.pending) for r in sub], [r.dcache for r in sub], wd,
+                                     [r.sp.temperature for r in sub], [r.next_key() for r in sub])
+            if wd < w:
+                toks = mx.pad(toks, [(0, 0), (0, w - wd)])
+            for i, (b, r) in enumerate(zip(ds, sub)):
+                out[b], qs[b] = toks[i], dq[i]
+                r.pending.clear()
+        return mx.stack(out)
+
     def _emit(self, row: Row, token: int, from_draft: bool, cycle: Optional[CycleResult]) -> GenerationResponse:
         text, reason = row.emit.push(token)
+        if row.index is not None:
+            row.index.append(token)
         st = row.stats
         st.generation_tokens = len(row.emit.tokens)
         if reason:
@@ -471,4 +510,5 @@ class BatchEngine:
     def summary(self) -> Dict[str, int]:
         """What /metrics shows: rows decoding, requests waiting, the batch's slots per row."""
         return {"rows": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
-                "slots": bc.size(self.cache), "cycles": self.cycles, "prefilled_together": self.prefilled_together}
+                "slots": bc.size(self.cache), "cycles": self.cycles, "drafter_forwards": self.drafter_forwards,
+                "prefilled_together": self.prefilled_together}

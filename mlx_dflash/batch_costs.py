@@ -97,18 +97,23 @@ class BatchCosts:
     def __init__(self, model, drafter, calibration: Calibration, widest: int):
         self.model, self.drafter, self.cal = model, drafter, calibration
         self.widths = sorted({w for w in BATCH_WIDTHS if w <= widest} | {widest, 1})
-        self._held: Dict[int, Dict[int, float]] = {}
+        self._held: Dict[int, Dict[int, float]] = {}  # B -> {w: verify + draft}
+        self._verify: Dict[int, Dict[int, float]] = {}  # B -> {w: the verify alone}
         self._t1: Dict[int, float] = {}
 
-    def curve(self, B: int) -> Dict[int, float]:
-        """{w: cost of a cycle at width w in plain batched steps} at B rows."""
+    def curve(self, B: int, verify: bool = False) -> Dict[int, float]:
+        """{w: cost of a cycle at width w in plain batched steps} at B rows
+        (`verify`: without the drafter forward, a cycle of prompt-lookup drafts)."""
         lo = max([b for b in MEASURED_B if b <= B] or [1])
         hi = min([b for b in MEASURED_B if b >= B] or [MEASURED_B[-1]])
-        a, b = self._at(lo), self._at(hi)
+        a, b = self._at(lo, verify), self._at(hi, verify)
         f = 0.0 if hi == lo else (B - lo) / (hi - lo)
         return {w: a[w] + f * (b[w] - a[w]) for w in self.widths}
 
-    def _at(self, B: int) -> Dict[int, float]:
+    def verify_curve(self, B: int) -> Dict[int, float]:
+        return self.curve(B, verify=True)
+
+    def _at(self, B: int, verify: bool = False) -> Dict[int, float]:
         if B not in self._held:
             book = self.cal.book
             got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, batch=B)
@@ -116,8 +121,9 @@ class BatchCosts:
                 got = measure(self.model, self.drafter, B, self.widths)
                 book.keep(self.model, self.drafter, got, batch=B)
             self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
+            self._verify[B] = {w: got.c[w] for w in self.widths}
             self._t1[B] = got.t1
-        return self._held[B]
+        return self._verify[B] if verify else self._held[B]
 
     def step_s(self, B: int) -> float:
         """Seconds of one plain batched step at B rows (a measured size)."""

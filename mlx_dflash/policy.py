@@ -210,7 +210,7 @@ class Guard(Policy):
                  long: Optional[Costs] = None, context: int = 0):
         self.w = self.widest = width  # the widest width it drafts at
         prior = prior or Observed()
-        self.lookup = _Lookup(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
+        self.lookup = LookupGate(costs, width, prior.lookup_alpha) if lookup else None  # prompt-lookup drafts, gated
         self.ws = sorted({x for x in costs.c if 2 <= x <= width} | {width})
         # seconds per cycle at each width and per plain token, at each measured context
         # length: linear in the length between (and past) them, as attention's reads are
@@ -314,9 +314,7 @@ class Guard(Policy):
         return max(x / k for x, k in self.kw.items())
 
     def _reason(self) -> str:
-        lk = self.lookup
-        tail = f"; lookup: {lk.cycles} cycles, {lk.alpha:.0%} accepted" if lk is not None and lk.cycles else ""
-        return self._dflash_reason() + tail
+        return self._dflash_reason() + (self.lookup.tail() if self.lookup is not None else "")
 
     def _dflash_reason(self) -> str:
         if self.hopeless:
@@ -438,24 +436,33 @@ def _p_mid(k: float, w: int) -> float:
     return (lo + hi) / 2
 
 
-class _Lookup:
+class LookupGate:
     """The guard's prompt-lookup gate. A lookup proposal of n drafts costs a
     verify of n + 1 rows and nothing to draft; it pays when the expected tokens
     1 + alpha * n reach that cost in plain tokens, by MARGIN, plus SWITCH (the
     plain run it cuts short drains its pipeline and starts a new one). alpha
     starts at ALPHA0 and follows the live acceptance; while lookup does not pay,
     every GAP-th match is verified anyway, so a text that starts repeating
-    itself is noticed."""
+    itself is noticed. The batch engine keeps one per row (batch_policy.py,
+    costs None: the batch prices its cycles itself)."""
 
     ALPHA0, RATE, GAP = 0.5, 0.2, 16
     MARGIN, SWITCH = 1.1, 0.5  # measured: bf16 on mlx-cpu, where a verify of 5 costs ~2.6 plain
     # tokens, lookup at 40% acceptance cost 3-5% without them
 
-    def __init__(self, costs: Costs, width: int, alpha: Optional[float] = None):
+    def __init__(self, costs: Optional[Costs], width: int, alpha: Optional[float] = None):
         self.w, self.skipped, self.cycles = width, 0, 0
         self.alpha = self.ALPHA0 if alpha is None else alpha  # the last request's, when there was one
-        scale = costs.t1 / (costs.t_plain or costs.t1)
-        self.k = {w: interpolate(costs.c, w) * scale for w in range(2, width + 1)}
+        scale = costs.t1 / (costs.t_plain or costs.t1) if costs is not None else 0.0
+        self.k = {w: interpolate(costs.c, w) * scale for w in range(2, width + 1)} if costs is not None else {}
+
+    def tokens(self, n: int) -> float:
+        """Expected tokens of a cycle verifying n lookup drafts (the bonus included)."""
+        return 1 + self.alpha * n
+
+    def tail(self) -> str:
+        """Its part of a policy's reason."""
+        return f"; lookup: {self.cycles} cycles, {self.alpha:.0%} accepted" if self.cycles else ""
 
     def pays(self, n: int) -> bool:
         n = min(n, self.w - 1)
@@ -465,8 +472,10 @@ class _Lookup:
         """Verify this n-draft proposal? (Counts the skips of a gate that does not pay.)"""
         if n < 1:
             return False
-        if self.pays(n):
-            return True
+        return self.pays(n) or self.skip()
+
+    def skip(self) -> bool:
+        """A match not verified; True on every GAP-th (verify it anyway)."""
         self.skipped += 1
         if self.skipped >= self.GAP:
             self.skipped = 0

@@ -12,18 +12,27 @@ tokens/s, per-stream time to first token and inter-token latency, for
 Greedy; every stream's token ids are checked against dflash-serial's (exact).
 
     python scripts/bench_batch.py [--streams 1 2 4 8] [--max-tokens 64] [--dtype float32] [--out bench/batch.json]
+
+`--lookup-ab`: per-row prompt lookup in the batch, on (dflash-batched) vs
+off (dflash-batched-nolookup, DecodeConfig.lookup False), with dflash-serial
+for the reference ids. `--prompts`: gsm8k (the default: GSM8K questions),
+repeat-function (bench_lookup.py's "repeat this function with one change"
+HumanEval prompts) or copy-list ("repeat this list exactly" over 40 random
+short ids): contexts that repeat, where lookup hits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
@@ -33,6 +42,7 @@ from mlx_dflash import DecodeConfig, stream_generate  # noqa: E402
 from mlx_dflash.batch import BatchEngine  # noqa: E402
 from mlx_dflash.batch_policy import FixedBatchWidth  # noqa: E402
 from mlx_dflash.loader import load  # noqa: E402
+import bench_lookup  # noqa: E402
 
 
 def prompts(tok, n):
@@ -55,22 +65,46 @@ def summarize(name, n, times, t0, wall):
             "itl_p95_ms": 1000 * sorted(itl)[int(0.95 * (len(itl) - 1))] if itl else 0.0}
 
 
-def run_engine(model, tok, drafter, ps, max_tokens, policy=None):
+def repeat_function_prompts(tok, n):
+    """bench_lookup.py's HumanEval "repeat this function with one change" prompts (token ids)."""
+    return [list(p["prompt"]) for p in bench_lookup.prompts(tok, n)]
+
+
+def copy_list_prompts(tok, n, seed=0):
+    """"Repeat this list exactly" over 40 random short ids (a text no drafter has seen)."""
+    rng = random.Random(seed)
+
+    def ids():
+        return " ".join(f"{rng.choice('abcdefghjkmnpqrstuvwxyz')}{rng.randrange(10, 99)}{rng.choice('qwxyz')}"
+                        for _ in range(40))
+    return [list(tok.apply_chat_template([{"role": "user", "content": "Repeat this list exactly:\n" + ids()}],
+                                         add_generation_prompt=True)) for _ in range(n)]
+
+
+PROMPTS = {"gsm8k": prompts, "repeat-function": repeat_function_prompts, "copy-list": copy_list_prompts}
+
+
+def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, stats=None):
+    """`stats`: a list that gets each stream's last GenerationStats, then the engine's summary."""
     eng = BatchEngine(model, tok, drafter, max_batch=len(ps), policy=policy)
     eos = set(tok.eos_token_ids)
     t0 = time.perf_counter()
-    uids = [eng.submit(p, DecodeConfig(max_tokens=max_tokens)) for p in ps]
+    uids = [eng.submit(p, DecodeConfig(max_tokens=max_tokens, lookup=lookup)) for p in ps]
     times = {u: [] for u in uids}
     ids = {u: [] for u in uids}
+    last = {}
 
     def got(u, r):  # as each token exists (a first token before the next request's prefill)
         times[u].append(time.perf_counter())
+        last[u] = r.stats
         if not (r.finish_reason == "stop" and r.token in eos):
             ids[u].append(r.token)
 
     while len(eng):
         eng.step(got)
     wall = time.perf_counter() - t0
+    if stats is not None:
+        stats += [last[u] for u in uids] + [eng.summary()]
     return [times[u] for u in uids], [ids[u] for u in uids], t0, wall, eng.policy.reason
 
 
@@ -158,6 +192,8 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3, help="runs per system and concurrency; the median run is kept")
     ap.add_argument("--out", default="bench/batch.json")
+    ap.add_argument("--lookup-ab", action="store_true", help="per-row prompt lookup in the batch, on vs off")
+    ap.add_argument("--prompts", choices=list(PROMPTS), default="gsm8k")
     ap.add_argument("--rollback", action="store_true",
                     help="only the ragged rollback's cost (B 8, w 5, contexts 256..4096)")
     a = ap.parse_args()
@@ -167,7 +203,9 @@ def main():
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
                               for k, v in rollback_cost(model, 8, ctx, 5).items()}), flush=True)
         return
-    all_ps = prompts(tok, max(a.streams))
+    all_ps = PROMPTS[a.prompts](tok, max(a.streams))
+    if a.lookup_ab:
+        return lookup_ab(a, model, tok, drafter, all_ps)
     # warm-up: shapes, the batch guard's c(w, B) curves (measured once, cached), the serial guard's costs
     for n in a.streams:
         run_engine(model, tok, drafter, all_ps[:n], 4)
@@ -197,6 +235,36 @@ def main():
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "dtype": a.dtype,
                                        "max_tokens": a.max_tokens, "rows": rows}, indent=1))
+
+
+def lookup_ab(a, model, tok, drafter, all_ps):
+    """dflash-batched with per-row lookup vs without, at each stream count."""
+    for n in a.streams:  # warm-up: shapes, the batch guard's curves
+        run_engine(model, tok, drafter, all_ps[:n], 4)
+    rows = []
+    for n in a.streams:
+        ps = all_ps[:n]
+        _, ref, _, _ = run_serial(model, tok, drafter, ps, a.max_tokens)
+        runs = {}
+        for _ in range(a.reps):  # interleaved: the machine's load drifts
+            for name, look in (("dflash-batched", True), ("dflash-batched-nolookup", False)):
+                st = []
+                times, ids, t0, wall, why = run_engine(model, tok, drafter, ps, a.max_tokens, lookup=look, stats=st)
+                eng = st.pop()
+                cyc = sum(s.cycles for s in st)
+                runs.setdefault(name, []).append(dict(
+                    summarize(name, n, times, t0, wall), exact=ids == ref, policy=why,
+                    batch_cycles=eng["cycles"], drafter_forwards=eng["drafter_forwards"],
+                    row_cycles=cyc, lookup_cycles=sum(s.lookup_cycles for s in st),
+                    plain_cycles=sum(s.plain_cycles for s in st), tau=sum(s.cycle_tokens for s in st) / max(1, cyc)))
+        for name, rs in runs.items():
+            r = sorted(rs, key=lambda x: x["aggregate_tps"])[len(rs) // 2]
+            r["exact"] = all(x["exact"] for x in rs)
+            r["aggregate_tps_runs"] = [round(x["aggregate_tps"], 2) for x in rs]
+            rows.append(r)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    Path(a.out).write_text(json.dumps({"device": str(mx.default_device()), "dtype": a.dtype, "max_tokens": a.max_tokens,
+                                       "prompts": a.prompts, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

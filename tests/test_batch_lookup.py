@@ -1,0 +1,223 @@
+"""Prompt-lookup drafts per row in the batch engine (issue 24, item 3): each
+row drafts either from the drafter or from prompt lookup over its own tokens,
+by its own statistics, and is still exactly the request run alone.
+
+Greedy token ids of every row equal mlx-lm's of that request alone, with
+repetitive prompts (code, a repeated passage: lookup hits) beside ordinary
+ones, rows of different lengths joining and leaving, widths 1, 5 and 8, KV,
+sliding-window and recurrent families. The drafter doubles check the
+drafter's context: after lookup cycles a row's next drafter forward takes all
+the rows it has not seen (else they are out of sync and fail). Sampled rows
+with lookup drafts (one-hot proposals) keep the target's distribution. Where
+the drafter does not pay the guard verifies lookup rows without any drafter
+forward."""
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from drafters import reference_tokens
+from mlx_lm.models.cache import KVCache
+from test_batch import PROMPTS, RowOracles, model_of, run_engine
+from test_batch_prompt_cache import SeqOracles, run_rows
+
+from mlx_dflash import DecodeConfig, generate
+from mlx_dflash.batch import BatchEngine
+from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
+from mlx_dflash.drafter import Proposal
+from mlx_dflash.lookup import NgramIndex
+from mlx_dflash.policy import DFLASH, LOOKUP, LookupGate
+from mlx_dflash.prompt_cache import PromptCache
+
+REPEATED = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    PROMPTS[1],
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+    PROMPTS[4],
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
+]
+ORDINARY = (1, 4)  # the others repeat a passage
+MAXES = [28, 14, 30, 9, 22, 18]  # rows leave at different cycles
+# KV; KV + sliding windows; recurrent: Mamba2, gated-delta, short-conv
+FAMILIES = ["qwen3", "gemma3_text", "nemotron_h", "qwen3_next", "lfm2"]
+_prompts = {}
+
+
+def prompts_for(family, tok):
+    """Token-id prompts: the ordinary ones, and each repetitive one followed by
+    the model's own continuation and the passage again, so its next tokens
+    repeat what the context holds (a random tiny model copies little else)."""
+    if family not in _prompts:
+        model = model_of(family)
+        out = []
+        for i, p in enumerate(REPEATED):
+            ids = tok.encode(p)
+            out.append(ids if i in ORDINARY else ids + reference_tokens(model, tok, ids, 24) + ids)
+        _prompts[family] = out
+    return _prompts[family]
+
+
+def lookup_totals(last):
+    """Lookup cycles over all rows (each row's own stats)."""
+    return sum(r.stats.lookup_cycles for r in last.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("width", [1, 5, 8])
+def test_lookup_rows_equal_each_request_alone(family, width, tok):
+    model, prompts = model_of(family), prompts_for(family, tok)
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(prompts, MAXES)]
+    plans = [(len(p), r) for p, r in zip(prompts, refs)]
+    oracle = RowOracles(plans, seed=width)
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(width))
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(prompts, MAXES)])
+    assert [out[i] for i in range(len(REPEATED))] == refs
+    looked = lookup_totals(last)
+    if width == 1:
+        assert looked == 0  # a plain batch verifies no drafts
+    else:
+        # lookup drafted for some rows, the drafter for others (its context stayed in sync)
+        assert looked > 0 and oracle.tried > 0
+        for i, r in last.items():
+            assert (r.stats.lookup_cycles > 0) == ("lookup:" in r.stats.policy)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "nemotron_h"])
+def test_lookup_rows_cancelled_and_off_leave_the_others_identical(family, tok):
+    """A row cancelled mid-way, a row with lookup off and one with verify mode
+    off, beside lookup rows: every row is its request alone."""
+    model, prompts = model_of(family), prompts_for(family, tok)
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(prompts, MAXES)]
+    plans = [(len(p), r) for p, r in zip(prompts, refs)]
+    cfgs = [DecodeConfig(max_tokens=m) for m in MAXES]
+    cfgs[2] = DecodeConfig(max_tokens=MAXES[2], lookup=False)
+    cfgs[3] = DecodeConfig(max_tokens=MAXES[3], verify_mode="off")
+    oracle = RowOracles([pl for i, pl in enumerate(plans) if i != 3], seed=11)  # (a row without drafts has none)
+    eng = BatchEngine(model, tok, oracle, max_batch=4, policy=FixedBatchWidth(5))
+    out, last = run_engine(eng, list(zip(prompts, cfgs)), join_after=2, cancel=(0, 10))
+    assert out[0] == refs[0][: len(out[0])] and 10 <= len(out[0]) < len(refs[0])  # it stopped at a cycle boundary
+    assert [out[i] for i in range(1, len(prompts))] == refs[1:]
+    assert last[2].stats.lookup_cycles == 0 and last[3].stats.lookup_cycles == 0
+    assert lookup_totals(last) > 0
+
+
+def test_lookup_index_is_kept_with_the_prompt_cache(tok):
+    """A row started from a prompt cache indexes its prompt and its answer in
+    the cache's lookup index (as the single-stream Decoder does); the next turn,
+    batched, extends it and is still exact."""
+    model, prompts = model_of("qwen3"), prompts_for("qwen3", tok)
+    ids, other = prompts[0], prompts[1]
+    ref, ref_o = reference_tokens(model, tok, ids, 12), reference_tokens(model, tok, other, 9)
+    oracle = SeqOracles([(0, ids + ref), (0, other + ref_o)], seed=1)
+    eng = BatchEngine(model, tok, oracle, max_batch=2, policy=FixedBatchWidth(5))
+    pc = PromptCache()
+    out, last, uids = run_rows(eng, [(ids, 12, pc), (other, 9, None)], [])
+    assert [out[u] for u in uids] == [ref, ref_o] and last[uids[0]].stats.lookup_cycles > 0
+    assert pc.index.tokens[: len(ids) + len(ref)] == ids + ref
+    p2 = ids + ref + [40, 41, 42]
+    ref2 = reference_tokens(model, tok, p2, 10)
+    oracle.bind(pc, p2 + ref2)
+    out, last, uids = run_rows(eng, [(p2, 10, pc)], [])
+    assert out[uids[0]] == ref2 and pc.index.tokens[: len(p2) + len(ref2)] == p2 + ref2
+
+
+def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok):
+    """Drafts always wrong: the guard stops drafting from the drafter, yet the
+    rows whose context repeats still verify lookup drafts, in cycles with no
+    drafter forward (priced as the verify alone); output unchanged."""
+    model = model_of("qwen3")
+    prompts = [REPEATED[0], REPEATED[2], REPEATED[5]]
+    refs = [reference_tokens(model, tok, p, 40) for p in prompts]
+
+    class Wrong(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            return [KVCache()]
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            self.tried += 1
+            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
+
+    drafter = Wrong([])
+    costs = {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}
+    guard = BatchGuard(lambda B: costs, widest=5, verify=lambda B: {w: 1.0 + 0.1 * (w - 1) for w in costs})
+    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=40)) for p in prompts], join_after=0)
+    assert [out[i] for i in range(3)] == refs
+    looked = lookup_totals(last)
+    drafted = sum(r.stats.cycles - r.stats.plain_cycles - r.stats.lookup_cycles for r in last.values())
+    assert looked > 0 and drafter.tried == drafted  # one drafter call per drafted row cycle, none for lookup
+    assert looked > drafted, (looked, drafted)
+    assert eng.drafter_forwards <= drafted and eng.drafter_forwards < eng.cycles  # lookup cycles ran none
+
+
+def test_batch_guard_prices_lookup_rows_with_their_own_acceptance():
+    """The policy alone: a row's expected tokens come from its own source's
+    acceptance; a cycle of lookup rows alone is priced as the verify alone;
+    each row's gate follows its own lookup acceptance."""
+
+    class R:
+        def __init__(self, uid, drafts=True, cap=5, fixed=False):
+            self.uid, self.drafts, self.cap, self.fixed = uid, drafts, cap, fixed
+
+    rows = [R(1), R(2)]
+    costs = {1: 1.0, 2: 1.5, 3: 2.0, 5: 3.0}  # DFlash at the prior (0.1 per position) never pays
+    g = BatchGuard(lambda B: costs, widest=5, prior=[0.1] * 4, verify=lambda B: {w: 1.0 + 0.05 * w for w in costs})
+    assert g.next(rows, [0, 0]) == 5 and "probing" in g.reason  # no match: the drafter's probe, as before
+    g.wait = 10
+    w = g.next(rows, [4, 0])  # row 1's context repeats: lookup alone pays (verify ~1.25 plain steps)
+    assert w == 5 and not g.dflash and "lookup rows" in g.reason
+    assert g.sources(rows, w, [4, 0]) == [LOOKUP, ""]
+    for _ in range(30):  # row 1's lookup drafts all rejected: its alpha falls, and lookup stops paying
+        g.observe(rows, [4, 0], [0, 0], [LOOKUP, ""])
+    assert g.gates[1].alpha < 0.01 and 2 not in g.gates
+    g.wait = 100
+    ws = [g.next(rows, [4, 0]) for _ in range(LookupGate.GAP)]  # plain, but every GAP-th match verified anyway
+    assert ws.count(5) == 1 and ws.count(1) == LookupGate.GAP - 1
+    # beside a drafting batch, lookup drafts are taken where they promise as much as the drafter
+    f = FixedBatchWidth(5)
+    for _ in range(5):
+        f.observe(rows, [4, 4], [4, 0], [DFLASH, DFLASH])
+    assert f.sources(rows, 5, [4, 4]) == [DFLASH, LOOKUP]  # row 1's drafter is good, row 2's is not
+    assert f.sources([R(3, fixed=True)], 5, [4]) == [DFLASH]  # an explicit width: the drafter only
+
+
+def test_sampled_lookup_rows_keep_the_target_distribution(tok):
+    """The joint law of 3 tokens sampled by unseeded rows whose drafts come from
+    prompt lookup (one-hot proposals, the lossless rule) vs plain sampling alone."""
+    from scipy.stats import chi2_contingency
+
+    model = model_of("qwen3")
+    ids = tok.encode(PROMPTS[0])
+    prompt = ids + reference_tokens(model, tok, ids, 12)  # it ends in the model's own loop: lookup proposes
+    assert NgramIndex(prompt + reference_tokens(model, tok, prompt, 1)).propose(2)
+    n = 320
+
+    class Wrong(RowOracles):
+        def make_cache(self, window=None, sink=0):
+            return [KVCache()]
+
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+            self.tried += 1
+            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
+
+    mx.random.seed(7)
+    f = FixedBatchWidth(3)
+    f.prior = [0.05] * 2  # the drafter promises nothing: lookup wherever it matches
+    eng = BatchEngine(model, tok, Wrong([]), max_batch=8, policy=f)
+    uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3)) for _ in range(n)]
+    got = {u: [] for u in uids}
+    looked = accepted = 0
+    for u, r in eng.run():
+        got[u].append(r.token)
+        if r.finish_reason:
+            looked += r.stats.lookup_cycles
+            accepted += r.stats.accepted
+    spec = Counter(tuple(v) for v in got.values())
+    plain = Counter(tuple(generate(model, tok, prompt, None, seed=s, verify_mode="off", max_tokens=3,
+                                   temperature=1.5, top_k=3).token_ids) for s in range(n))
+    keys = sorted(set(plain) | set(spec))
+    table = np.array([[plain[k] + 0.5 for k in keys], [spec[k] + 0.5 for k in keys]])
+    assert looked > 0 and accepted > 0 and len(keys) > 3
+    assert chi2_contingency(table).pvalue > 1e-3
