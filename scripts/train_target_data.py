@@ -29,6 +29,16 @@ CHAT_TEMPLATE = (
 )
 
 
+def token_stream(tok, texts) -> np.ndarray:
+    """One uint16 token stream: every text encoded, each followed by <|endoftext|>."""
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.array(ids, dtype=np.uint16)
+
+
 def gsm8k_rows():
     return [json.loads(l) for l in GSM8K.read_text().splitlines() if l.strip()]
 
@@ -137,14 +147,7 @@ def cmd_prepare(args):
         assert len(tok.encode(s).ids) == 1, s
     sample = "def f(x):\n    return  x\t+ 1\n\n\nclass A:\n        pass\n"
     assert tok.decode(tok.encode(sample).ids, skip_special_tokens=False) == sample
-    eot = tok.token_to_id("<|endoftext|>")
-
-    def stream(texts):
-        ids = []
-        for enc in tok.encode_batch(texts):
-            ids.extend(enc.ids)
-            ids.append(eot)
-        return np.array(ids, dtype=np.uint16)
+    stream = lambda texts: token_stream(tok, texts)  # noqa: E731
 
     _, dev = gsm8k_split()
     streams = {

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train_target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files
+from train_target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
 
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 MAX_CONTEXT = 32768
@@ -342,14 +342,7 @@ def cmd_prepare_tools(args):
     render = lambda convs: [hf.apply_chat_template(m, tools=tl, tokenize=False) for m, tl in convs]  # noqa: E731
     tools_train = render(conversations(train_rows, tr, crng))
     tools_dev = render(conversations(dev_rows, va, crng))
-    eot = tok.token_to_id("<|endoftext|>")
-
-    def stream(texts):
-        ids = []
-        for enc in tok.encode_batch(texts):
-            ids.extend(enc.ids)
-            ids.append(eot)
-        return np.array(ids, dtype=np.uint16)
+    stream = lambda texts: token_stream(tok, texts)  # noqa: E731
 
     streams = {"code_train": stream(code_train), "code_val": stream(code_val), "gsm_train": stream(chats),
                "gsm_dev": stream([chat_text(r["question"], r["answer"]) for r in dev_rows]),

@@ -98,6 +98,17 @@ class RowOracles:
         return Proposal(out, None, [1.0] * len(out))
 
 
+class WrongDrafter(RowOracles):
+    """Every draft wrong (token 1): acceptance 0, the guard must stop drafting."""
+
+    def make_cache(self, window=None, sink=0):
+        return [KVCache()]
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        self.tried += 1
+        return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
+
+
 def run_engine(engine, requests, join_after=3, cancel=None):
     """Submit the first half now and the rest after `join_after` steps (they join
     a running batch); `cancel` = (request index, after how many of its tokens).
@@ -272,15 +283,7 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
     model = model_of("qwen3")
     refs = [reference_tokens(model, tok, p, 20) for p in PROMPTS[:3]]
 
-    class Wrong(RowOracles):
-        def make_cache(self, window=None, sink=0):
-            return [KVCache()]
-
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            self.tried += 1
-            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
-
-    drafter = Wrong([])
+    drafter = WrongDrafter([])
     guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5)
     eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=20)) for p in PROMPTS[:3]], join_after=0)

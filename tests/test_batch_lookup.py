@@ -18,14 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from drafters import reference_tokens
-from mlx_lm.models.cache import KVCache
-from test_batch import PROMPTS, RowOracles, model_of, run_engine
+from test_batch import PROMPTS, RowOracles, WrongDrafter, model_of, run_engine
 from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig, generate
 from mlx_dflash.batch import BatchEngine
 from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
-from mlx_dflash.drafter import Proposal
 from mlx_dflash.lookup import NgramIndex
 from mlx_dflash.policy import DFLASH, LOOKUP, LookupGate
 from mlx_dflash.prompt_cache import PromptCache
@@ -131,15 +129,7 @@ def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok
     prompts = [REPEATED[0], REPEATED[2], REPEATED[5]]
     refs = [reference_tokens(model, tok, p, 40) for p in prompts]
 
-    class Wrong(RowOracles):
-        def make_cache(self, window=None, sink=0):
-            return [KVCache()]
-
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            self.tried += 1
-            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
-
-    drafter = Wrong([])
+    drafter = WrongDrafter([])
     costs = {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}
     guard = BatchGuard(lambda B: costs, widest=5, verify=lambda B: {w: 1.0 + 0.1 * (w - 1) for w in costs})
     eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
@@ -194,18 +184,10 @@ def test_sampled_lookup_rows_keep_the_target_distribution(tok):
     assert NgramIndex(prompt + reference_tokens(model, tok, prompt, 1)).propose(2)
     n = 320
 
-    class Wrong(RowOracles):
-        def make_cache(self, window=None, sink=0):
-            return [KVCache()]
-
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            self.tried += 1
-            return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
-
     mx.random.seed(7)
     f = FixedBatchWidth(3)
     f.prior = [0.05] * 2  # the drafter promises nothing: lookup wherever it matches
-    eng = BatchEngine(model, tok, Wrong([]), max_batch=8, policy=f)
+    eng = BatchEngine(model, tok, WrongDrafter([]), max_batch=8, policy=f)
     uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3)) for _ in range(n)]
     got = {u: [] for u in uids}
     looked = accepted = 0
