@@ -57,6 +57,7 @@ from train_target_eval import cmd_card, cmd_evaluate  # noqa: E402
 from train_target_loops import unlikelihood_loss, unlikelihood_rows  # noqa: E402
 from train_target_model import PRESETS, VAL_SEQ, build_model, count_params, model_config  # noqa: E402
 from train_target_tools import MAX_CONTEXT, ROPE_SCALING, cmd_prepare_tools  # noqa: E402
+from train_target_choice import cmd_prepare_choice  # noqa: E402
 from train_target_tools import conversations as tool_conversations  # noqa: E402,F401
 
 # what tests/ and scripts/drafter_data.py use, importable from here
@@ -344,12 +345,13 @@ def cmd_interpolate(args):
     a = args.alpha
     new = mx.load(str(Path(args.new) / "model.safetensors"))
     old = mx.load(str(Path(args.old) / "model.safetensors"))
-    ids = mx.array([int(i) for i in json.loads((DATA / "tools_stats.json").read_text())["embed_init"]])
+    stats = DATA / "tools_stats.json"  # prepare-tools' new token rows (prepare-choice adds none)
+    ids = [int(i) for i in json.loads(stats.read_text())["embed_init"]] if stats.exists() else []
     out = {}
     for k, v in new.items():
         w = a * v.astype(mx.float32) + (1 - a) * old[k].astype(mx.float32)
-        if k == "model.embed_tokens.weight":  # the tool tokens' rows have no old meaning
-            w[ids] = v.astype(mx.float32)[ids]
+        if k == "model.embed_tokens.weight" and ids:  # the tool tokens' rows have no old meaning
+            w[mx.array(ids)] = v.astype(mx.float32)[mx.array(ids)]
         out[k] = w.astype(mx.bfloat16)
     dest = ROOT / (args.out or PRESETS[args.preset]["out"])
     mx.save_safetensors(str(dest / "model.safetensors"), out, metadata={"format": "mlx"})
@@ -358,7 +360,7 @@ def cmd_interpolate(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "prepare-tools", "bench", "train", "export", "interpolate",
+    ap.add_argument("cmd", choices=["prepare", "prepare-tools", "prepare-choice", "bench", "train", "export", "interpolate",
                                     "evaluate", "card"])
     ap.add_argument("--preset", choices=list(PRESETS), default="target")
     ap.add_argument("--steps", type=int, default=2000)
@@ -374,6 +376,8 @@ def main():
     ap.add_argument("--p-gsm", type=float, default=P_GSM, help="share of sequences from GSM8K chat")
     ap.add_argument("--p-tools", type=float, default=P_TOOLS,
                     help="share of sequences from the tool-call conversations (prepare-tools)")
+    ap.add_argument("--n-choice-gsm", type=int, default=800,
+                    help="prepare-choice: how many GSM8K calculator conversations to keep (of ~7,000)")
     ap.add_argument("--init-from", default=None,
                     help="train (not --resume): start from this exported model folder's weights")
     ap.add_argument("--long-context", action="store_true",
@@ -405,7 +409,8 @@ def main():
                     help="card: one training phase as END_STEP,SEQ,P_GSM,PEAK_LR,BATCH (repeat; END_STEP 0: the last step)")
     args = ap.parse_args()
     globals().update(SEQ=args.seq, P_GSM=args.p_gsm, P_TOOLS=args.p_tools)
-    {"prepare": cmd_prepare, "prepare-tools": cmd_prepare_tools, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
+    {"prepare": cmd_prepare, "prepare-tools": cmd_prepare_tools,
+     "prepare-choice": cmd_prepare_choice, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
      "export": cmd_export, "interpolate": cmd_interpolate, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
 
 
