@@ -399,11 +399,7 @@ class BatchEngine:
         anchors = [r.anchor for r in rows]
         qs = [None] * B
         if w > 1:
-            feats = [cat_feats(r.pending) if r.drafts else None for r in rows]
-            caches = [r.dcache if r.drafts else None for r in rows]
-            keys = [r.next_key() if r.drafts else None for r in rows]
-            toks, qs = propose_batch(self.drafter, self.target, anchors, feats, caches, w,
-                                     [r.sp.temperature for r in rows], keys)
+            toks, qs = self.propose(rows, w)
             for r in rows:
                 r.pending.clear()
         else:
@@ -459,6 +455,17 @@ class BatchEngine:
         self.cycles += 1
         self.occupancy = B
         return events
+
+    def propose(self, rows: List[Row], w: int) -> Tuple[mx.array, list]:
+        """A cycle's drafts: one batched drafter forward, `w - 1` tokens after each
+        row's anchor (tokens [B, w - 1], per row its q or None). A method so that
+        a benchmark can replace what is proposed and still pay the forward (the
+        realistic bench's replayed acceptance: scripts/bench_batch_realistic.py)."""
+        feats = [cat_feats(r.pending) if r.drafts else None for r in rows]
+        caches = [r.dcache if r.drafts else None for r in rows]
+        keys = [r.next_key() if r.drafts else None for r in rows]
+        return propose_batch(self.drafter, self.target, [r.anchor for r in rows], feats, caches, w,
+                             [r.sp.temperature for r in rows], keys)
 
     def _emit(self, row: Row, token: int, from_draft: bool, cycle: Optional[CycleResult]) -> GenerationResponse:
         text, reason = row.emit.push(token)
