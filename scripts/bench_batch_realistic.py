@@ -23,7 +23,9 @@ run is sum over cycles of (tokens / B) t1(B) over sum of k(w, B) t1(B)
 plain-batched at the same B / limit.
 
     MLX_DFLASH_HOME=$(mktemp -d) python scripts/bench_batch_realistic.py --target qwen3-0.6b --tau 6.5 \\
-        --streams 1 2 4 --max-tokens 32 --reps 2 --out bench/batch_realistic.json
+        --streams 1 2 4 --max-tokens 48 --reps 2 --fixed-widths 8 --out bench/batch_realistic.json
+
+(results and the machine's load: bench/batch_realistic.md)
 """
 
 from __future__ import annotations
