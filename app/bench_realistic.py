@@ -24,6 +24,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from app.bench_report import fmt_num, machine_info, machine_line, summarize, threads_text
 from app.bench_runs import Method, fastest_plain, run_mlx_lm, run_ours
@@ -91,29 +92,22 @@ def alpha_for(tau: float, block: int = 16) -> float:
     return (lo + hi) / 2
 
 
-class ReplayDrafter:
-    """A real drafter whose proposal is replaced by the target's own continuation
-    for a sampled accept length, then a wrong token. The real forward stays in
-    the graph (the drafts depend on its output), so the cycle pays its cost."""
+class Replay:
+    """One stream's replayed acceptance: the prompt and the target's own greedy
+    continuation, and its own RNG. Each cycle draws an accept length (geometric:
+    P(length >= i) = alpha^i, at most block - 1) and proposes the continuation's
+    next tokens up to it, then tokens that each differ from the target's."""
 
-    def __init__(self, inner, alpha: float, vocab: int):
-        self.inner, self.alpha, self.vocab = inner, alpha, vocab
-        self.config, self.block_size, self.version = inner.config, inner.block_size, inner.version
-        self.seq, self.emitted, self.rng = [], 0, random.Random(0)
-        self.lengths = []
-
-    def make_cache(self, window=None, sink=0):
-        return self.inner.make_cache(window, sink)
-
-    def begin(self, prompt: list, continuation: list, seed: int) -> None:
-        self.seq, self.start, self.emitted = list(prompt) + list(continuation), len(prompt), 0
+    def __init__(self, prompt: list, continuation: list, alpha: float, block_size: int, vocab: int, seed: int,
+                 lengths: Optional[list] = None):
+        self.seq, self.start = list(prompt) + list(continuation), len(prompt)
+        self.alpha, self.block_size, self.vocab = alpha, block_size, vocab
         self.rng = random.Random(seed)
+        self.lengths = lengths if lengths is not None else []  # every accept length drawn
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-        import mlx.core as mx
-
-        prop = self.inner.propose(target, anchor, new_feats, cache, width, temperature)
-        pos = self.start + self.emitted  # the first draft's index in seq
+    def drafts(self, anchor: int, emitted: int, width: int) -> list:
+        """The `width - 1` drafts after `anchor`, the stream's `emitted`-th token."""
+        pos = self.start + emitted  # the first draft's index in seq
         if self.seq[pos - 1] != anchor:
             raise RuntimeError(f"replay lost track: anchor {anchor} != continuation token {self.seq[pos - 1]}")
         n = 0
@@ -123,7 +117,33 @@ class ReplayDrafter:
         true = self.seq[pos:pos + width - 1]
         true += [0] * (width - 1 - len(true))  # past the precomputed end: never verified
         k = min(n, width - 1)
-        drafts = true[:k] + [(t + 1) % self.vocab for t in true[k:]]  # each one differs from the target's token
+        return true[:k] + [(t + 1) % self.vocab for t in true[k:]]  # each one differs from the target's token
+
+
+class ReplayDrafter:
+    """A real drafter whose proposal is replaced by the target's own continuation
+    for a sampled accept length, then a wrong token (Replay). The real forward
+    stays in the graph (the drafts depend on its output), so the cycle pays its
+    cost. `emitted`: the caller's count of the stream's tokens so far."""
+
+    def __init__(self, inner, alpha: float, vocab: int):
+        self.inner, self.alpha, self.vocab = inner, alpha, vocab
+        self.config, self.block_size, self.version = inner.config, inner.block_size, inner.version
+        self.emitted, self.stream = 0, None
+        self.lengths = []
+
+    def make_cache(self, window=None, sink=0):
+        return self.inner.make_cache(window, sink)
+
+    def begin(self, prompt: list, continuation: list, seed: int) -> None:
+        self.stream = Replay(prompt, continuation, self.alpha, self.block_size, self.vocab, seed, self.lengths)
+        self.emitted = 0
+
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        import mlx.core as mx
+
+        prop = self.inner.propose(target, anchor, new_feats, cache, width, temperature)
+        drafts = self.stream.drafts(anchor, self.emitted, width)
         tokens = mx.array(drafts, mx.int32) + 0 * prop.tokens.astype(mx.int32)  # keeps the real forward
         return type(prop)(tokens, None, prop.conf)
 

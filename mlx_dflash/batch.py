@@ -487,15 +487,23 @@ class BatchEngine:
             self.drafter_forwards += 1
             wd = max(n[b] for b in ds) + 1
             sub = [rows[b] for b in ds]
-            toks, dq = propose_batch(self.drafter, self.target, [r.anchor for r in sub],
-                                     [cat_feats(r.pending) for r in sub], [r.dcache for r in sub], wd,
-                                     [r.sp.temperature for r in sub], [r.next_key() for r in sub])
+            toks, dq = self.propose(sub, wd)
             if wd < w:
                 toks = mx.pad(toks, [(0, 0), (0, w - wd)])
             for i, (b, r) in enumerate(zip(ds, sub)):
                 out[b], qs[b] = toks[i], dq[i]
                 r.pending.clear()
         return mx.stack(out)
+
+    def propose(self, rows: List[Row], w: int) -> Tuple[mx.array, list]:
+        """One batched drafter forward for `rows` (those drafting from the drafter
+        this cycle): `w - 1` tokens after each row's anchor (tokens [len(rows),
+        w - 1], per row its q or None). A method so that a benchmark can replace
+        what is proposed and still pay the forward (the realistic bench's
+        replayed acceptance: scripts/bench_batch_realistic.py)."""
+        return propose_batch(self.drafter, self.target, [r.anchor for r in rows],
+                             [cat_feats(r.pending) for r in rows], [r.dcache for r in rows], w,
+                             [r.sp.temperature for r in rows], [r.next_key() for r in rows])
 
     def _emit(self, row: Row, token: int, from_draft: bool, cycle: Optional[CycleResult]) -> GenerationResponse:
         text, reason = row.emit.push(token)
