@@ -246,6 +246,27 @@ def cmd_train(args, bench: bool = False):
             opt.update(model, grads)
             return ce, gnorm, ul
 
+    calls = None
+    if args.sft_weight:  # + the loss of the call tokens alone of prepare-choice's call examples
+        z = np.load(DATA / "calls_train.npz")
+        calls = (z["x"].astype(np.int32), z["mask"])
+        call_rng = np.random.default_rng(args.seed + 2)
+        print(f"call examples: {len(calls[0])}, {args.sft_batch} a step, weight {args.sft_weight}", flush=True)
+
+        def call_loss(m, x, y, ux, uy, um):
+            ce = loss_fn(m, x, y)
+            lc = nn.losses.cross_entropy(m(ux).astype(mx.float32), uy, reduction="none")
+            lc = (lc * um).sum() / mx.maximum(um.sum(), 1.0)
+            return ce + args.sft_weight * lc, (ce, lc)
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def call_step(batch, cb, cm):
+            (_, (ce, lc)), grads = nn.value_and_grad(model, call_loss)(
+                model, batch[:, :-1], batch[:, 1:], cb[:, :-1], cb[:, 1:], cm)
+            grads, gnorm = optim.clip_grad_norm(grads, 1.0)
+            opt.update(model, grads)
+            return ce, gnorm, lc
+
     # not mx.compile'd: a compiled closure would freeze the weights it first saw as constants
     def eval_loss(batch):
         return loss_fn(model, batch[:, :-1], batch[:, 1:])
@@ -272,7 +293,14 @@ def cmd_train(args, bench: bool = False):
         cur_lr = lr_at(step, el)
         opt.learning_rate = mx.array(cur_lr, dtype=mx.float32)
         b = mx.array(sampler.batch(bs))
-        if ul_data is None:
+        if calls is not None:
+            pick = call_rng.integers(0, len(calls[0]), size=args.sft_batch)
+            cb, cm = calls[0][pick], calls[1][pick]
+            n = int(np.flatnonzero(cm.any(0)).max()) + 2  # through the last call token, rounded up to
+            n = min(cb.shape[1], -(-n // 128) * 128 + 1)  # 128s: a few shapes to compile, little padding
+            loss, gnorm, lc = call_step(b, mx.array(cb[:, :n]), mx.array(cm[:, :n - 1]))
+            ul_losses.append(lc.item())
+        elif ul_data is None:
             loss, gnorm = train_step(b)
         else:
             pick = ul_rng.integers(0, len(ul_data[0]), size=args.ul_batch)
@@ -297,7 +325,7 @@ def cmd_train(args, bench: bool = False):
                    "tokens_per_s": tok_win / (now - t_win), "elapsed": elapsed0 + now - t_start,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
             if ul_losses:
-                rec["ul_loss"] = float(np.mean(ul_losses))
+                rec["call_loss" if calls is not None else "ul_loss"] = float(np.mean(ul_losses))
             if step % args.eval_every == 0 or last_step:
                 rec.update({f"val_{k}": v for k, v in evaluate().items()})
             log.write(json.dumps(rec) + "\n")
@@ -389,6 +417,9 @@ def main():
                     help="train: a response cache (train-drafter --generate-only) of this model's own "
                          "greedy outputs; adds sequence-level unlikelihood on the loops they fell into (repeat)")
     ap.add_argument("--ul-weight", type=float, default=1.0)
+    ap.add_argument("--sft-weight", type=float, default=0.0,
+                    help="train: add this weight x the loss of the call tokens of prepare-choice's call examples")
+    ap.add_argument("--sft-batch", type=int, default=8, help="call examples a step (--sft-weight)")
     ap.add_argument("--ul-batch", type=int, default=8)
     ap.add_argument("--ul-ngram", type=int, default=0,
                     help="also penalize every token completing a repeated N-gram of an unfinished response")

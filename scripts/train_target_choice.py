@@ -186,10 +186,10 @@ def shortened(conv, max_chars: int):
     return out, tools
 
 
-def choice_conversations(gsm_rows, files, rng, n_gsm: int, copies: int = 2, max_chars: int = 2000) -> list:
-    """Renamed (messages, tools): n_gsm of the phase-5 GSM8K conversations (they were 7 in 8 of all),
-    every read_file / list_files one, a bash `ls` per package and a search per file; all but the
-    GSM8K ones `copies` times, each copy renamed on its own; tool results cut at max_chars."""
+def choice_base(gsm_rows, files, rng, n_gsm: int, copies: int = 2, max_chars: int = 2000) -> list:
+    """(messages, tools) with phase 5's names: n_gsm of the phase-5 GSM8K conversations (they were
+    7 in 8 of all), every read_file / list_files one, a bash `ls` per package and a search per file;
+    all but the GSM8K ones `copies` times; tool results cut at max_chars."""
     base = conversations(gsm_rows, files, rng)
     gsm = [c for c in base if c[1] and any(t["function"]["name"] == "calculator" for t in c[1])
            and any(tc["function"]["name"] == "calculator" for m in c[0] for tc in m.get("tool_calls") or [])]
@@ -203,7 +203,12 @@ def choice_conversations(gsm_rows, files, rng, n_gsm: int, copies: int = 2, max_
             dirs.setdefault(d, []).append(name)
     convs += [bash_ls_conv(d, sorted(n), rng) for d, n in sorted(dirs.items()) if len(n) > 1] * copies
     convs += [c for path, text in files if (c := search_conv(path, text, rng))] * copies
-    out = [rename(shortened(c, max_chars), rng) for c in convs]
+    return [shortened(c, max_chars) for c in convs]
+
+
+def choice_conversations(gsm_rows, files, rng, n_gsm: int, copies: int = 2) -> list:
+    """choice_base's conversations, each copy renamed on its own, in a random order."""
+    out = [rename(c, rng) for c in choice_base(gsm_rows, files, rng, n_gsm, copies)]
     return [out[i] for i in rng.permutation(len(out))]
 
 
@@ -235,6 +240,10 @@ def cmd_prepare_choice(args):
     tools_dev = render(choice_conversations(dev_rows, va, crng, n_gsm=len(dev_rows)))
     stream = lambda texts: token_stream(tok, texts)  # noqa: E731
 
+    base = choice_base(train_rows, tr, crng, n_gsm=args.n_choice_gsm, copies=1)
+    x, m = call_examples(hf, base, crng, renames=3)
+    np.savez(DATA / "calls_train.npz", x=x, mask=m)
+    print(f"call examples: {len(x)} (mean {m.sum(1).mean():.1f} target tokens)", flush=True)
     streams = {"code_train": stream([t for _, t in tr]), "code_val": stream([t for _, t in va]),
                "gsm_train": stream([chat_text(r["question"], r["answer"]) for r in train_rows]),
                "gsm_dev": stream([chat_text(r["question"], r["answer"]) for r in dev_rows]),
@@ -246,3 +255,42 @@ def cmd_prepare_choice(args):
     (DATA / "choice_stats.json").write_text(json.dumps(stats, indent=2))
     (DATA / "choice_example.txt").write_text("\n=====\n".join(tools_train[:4]))
     print(json.dumps(stats, indent=2))
+
+
+# ----------------------------------------------------------------------------- call examples
+
+SFT_LEN = 768  # tokens of a call example (request + call); longer ones are dropped
+
+
+def first_call(conv):
+    """(messages before the first assistant turn that calls a tool, that turn) or None."""
+    msgs, tools = conv
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            return msgs[:i], m, tools
+    return None
+
+
+def call_examples(hf, convs, rng, renames: int) -> tuple:
+    """Every conversation's first call, `renames` times renamed on its own: token rows [N, SFT_LEN + 1]
+    (padded with <|endoftext|>) and a mask over next-token targets that marks only the call (the
+    assistant turn after the generation prompt), so the loss teaches the choice and nothing else."""
+    rows, masks = [], []
+    for c in convs:
+        for _ in range(renames):
+            got = first_call(rename(c, rng))
+            if got is None:
+                continue
+            before, turn, tools = got
+            prompt = hf.apply_chat_template(before, tools=tools, add_generation_prompt=True, tokenize=False)
+            full = hf.apply_chat_template(before + [turn], tools=tools, tokenize=False)
+            assert full.startswith(prompt), "the template's generation prompt is not a prefix of the turn"
+            p_ids = hf(prompt, add_special_tokens=False)["input_ids"]
+            ids = hf(full, add_special_tokens=False)["input_ids"]
+            if ids[:len(p_ids)] != p_ids or len(ids) > SFT_LEN + 1:
+                continue
+            mask = np.zeros(SFT_LEN, np.float32)
+            mask[len(p_ids) - 1:len(ids) - 1] = 1.0  # targets ids[len(p_ids):]
+            rows.append(np.pad(np.array(ids, np.uint16), (0, SFT_LEN + 1 - len(ids))))
+            masks.append(mask)
+    return np.stack(rows), np.stack(masks)
