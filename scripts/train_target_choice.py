@@ -77,9 +77,16 @@ EXTRA = {"offset": ("integer", "The line number to start reading from"),
          "description": ("string", "A short description of what this does")}
 
 
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
 def made_up(rng) -> str:
-    v, n = VERBS[int(rng.integers(len(VERBS)))], NOUNS[int(rng.integers(len(NOUNS)))]
-    return STYLES[int(rng.integers(len(STYLES)))](v, n)
+    """A name no prior can guess: half verb and noun in a random style, half random letters."""
+    if rng.random() < 0.5:
+        v, n = VERBS[int(rng.integers(len(VERBS)))], NOUNS[int(rng.integers(len(NOUNS)))]
+        return STYLES[int(rng.integers(len(STYLES)))](v, n)
+    word = "".join(LETTERS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(3, 9))))
+    return word if rng.random() < 0.5 else word.capitalize() + "_" + str(int(rng.integers(0, 100)))
 
 
 def renamer(tools: list, rng):
