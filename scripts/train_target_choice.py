@@ -5,12 +5,15 @@ named the same seven tools, and most of them (the GSM8K ones) called `calculator
 model called `calculator` whatever a request offered. Here every conversation renames
 its tools and their arguments, half of them from a pool of the names real agents and APIs
 use (`Read` / `file_path`, `shell`, `read_file` / `path`, ...) and half made up (verb and
-noun in a random style), rewrites the descriptions, sometimes adds optional parameters,
+noun in a random style, or random letters), rewrites the descriptions, sometimes adds optional parameters,
 and in half of them offers only the tool it calls: the name and argument keys of a call
 can only come from the request's own tool list, so the model learns to copy them from it.
 Tool results are cut at 2,000 characters, so every training window holds several calls.
 New conversation kinds give the other tools real uses: `bash` runs `ls` on a stdlib
-package, `search` finds where a function is defined (its real line).
+package, `search` finds where a function is defined (its real line). Call examples
+(runs/data/calls_train.npz, for `train --sft-weight`): each conversation's first call,
+renamed three times, with a mask that puts the loss on the call's tokens alone.
+Measured and not shipped: bench/tool_choice.md.
 
 It starts from the shipped target (tokenizer as is: no token is freed again) and
 re-encodes every stream with that tokenizer into runs/data/; no tools_stats.json is
