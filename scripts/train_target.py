@@ -40,7 +40,9 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 # mlx-cpu elementwise ops are single-threaded; a 2-thread OpenBLAS only spins against them
@@ -67,6 +69,29 @@ from train_target_loops import loop_region, repeat_positions, stuck_in_loop  # n
 SEQ = 512
 P_GSM = 0.45  # share of training sequences drawn from the GSM8K chat stream
 P_TOOLS = 0.0  # share drawn from the tool-call conversations (prepare-tools)
+
+
+@dataclass
+class AuxLoss:
+    """A second loss on rows of its own, added to the next-token loss with a weight."""
+
+    key: str  # its name in train_log.jsonl
+    fn: Callable  # (logits, targets, mask) -> loss
+    weight: float
+    rows: np.ndarray  # [N, L + 1] token ids
+    mask: np.ndarray  # [N, L] over next-token targets
+    per_step: int  # rows a step
+    trim: bool  # cut each step's rows after their last masked target (rounded up to 128s)
+    rng: np.random.Generator
+
+    def sample(self):
+        pick = self.rng.integers(0, len(self.rows), size=self.per_step)
+        ub, um = self.rows[pick], self.mask[pick]
+        if self.trim:  # a few shapes to compile, little padding
+            n = int(np.flatnonzero(um.any(0)).max()) + 2
+            n = min(ub.shape[1], -(-n // 128) * 128 + 1)
+            ub, um = ub[:, :n], um[:, :n - 1]
+        return ub, um
 
 
 class Sampler:
@@ -224,48 +249,42 @@ def cmd_train(args, bench: bool = False):
         opt.update(model, grads)
         return loss, gnorm
 
-    ul_data = None
-    if args.ul_data:  # MLE on the training text + unlikelihood on the model's own loops
-        ul_data = unlikelihood_rows(args.ul_data, cfg["pad_token_id"], args.ul_len, args.ul_ngram)
-        print(f"unlikelihood: {len(ul_data[0])} looping responses, "
-              f"{int(ul_data[1].sum())} penalized tokens, weight {args.ul_weight}", flush=True)
-        if not len(ul_data[0]):
+    # a second loss on rows of its own, added with a weight: unlikelihood on the model's own loops
+    # (--ul-data) or the call tokens alone of prepare-choice's call examples (--sft-weight)
+    if args.ul_data and args.sft_weight:
+        raise SystemExit("--ul-data and --sft-weight each add a second loss; give one of them")
+    aux = None
+    if args.ul_data:
+        rows, mask = unlikelihood_rows(args.ul_data, cfg["pad_token_id"], args.ul_len, args.ul_ngram)
+        print(f"unlikelihood: {len(rows)} looping responses, "
+              f"{int(mask.sum())} penalized tokens, weight {args.ul_weight}", flush=True)
+        if not len(rows):
             raise SystemExit("--ul-data: no response fell into a loop; nothing to train on")
-        ul_rng = np.random.default_rng(args.seed + 1)
+        aux = AuxLoss("ul_loss", unlikelihood_loss, args.ul_weight, rows, mask, args.ul_batch, False,
+                      np.random.default_rng(args.seed + 1))
+    elif args.sft_weight:
+        z = np.load(DATA / "calls_train.npz")
 
+        def call_loss(logits, y, mask):
+            ce = nn.losses.cross_entropy(logits, y, reduction="none")
+            return (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+        aux = AuxLoss("call_loss", call_loss, args.sft_weight, z["x"].astype(np.int32), z["mask"], args.sft_batch,
+                      True, np.random.default_rng(args.seed + 2))
+        print(f"call examples: {len(aux.rows)}, {args.sft_batch} a step, weight {args.sft_weight}", flush=True)
+    if aux is not None:
         def mixed_loss(m, x, y, ux, uy, um):
             ce = loss_fn(m, x, y)
-            ul = unlikelihood_loss(m(ux).astype(mx.float32), uy, um)
-            return ce + args.ul_weight * ul, (ce, ul)
+            extra = aux.fn(m(ux).astype(mx.float32), uy, um)
+            return ce + aux.weight * extra, (ce, extra)
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def ul_step(batch, ub, um):
-            (_, (ce, ul)), grads = nn.value_and_grad(model, mixed_loss)(
+        def aux_step(batch, ub, um):
+            (_, (ce, extra)), grads = nn.value_and_grad(model, mixed_loss)(
                 model, batch[:, :-1], batch[:, 1:], ub[:, :-1], ub[:, 1:], um)
             grads, gnorm = optim.clip_grad_norm(grads, 1.0)
             opt.update(model, grads)
-            return ce, gnorm, ul
-
-    calls = None
-    if args.sft_weight:  # + the loss of the call tokens alone of prepare-choice's call examples
-        z = np.load(DATA / "calls_train.npz")
-        calls = (z["x"].astype(np.int32), z["mask"])
-        call_rng = np.random.default_rng(args.seed + 2)
-        print(f"call examples: {len(calls[0])}, {args.sft_batch} a step, weight {args.sft_weight}", flush=True)
-
-        def call_loss(m, x, y, ux, uy, um):
-            ce = loss_fn(m, x, y)
-            lc = nn.losses.cross_entropy(m(ux).astype(mx.float32), uy, reduction="none")
-            lc = (lc * um).sum() / mx.maximum(um.sum(), 1.0)
-            return ce + args.sft_weight * lc, (ce, lc)
-
-        @partial(mx.compile, inputs=state, outputs=state)
-        def call_step(batch, cb, cm):
-            (_, (ce, lc)), grads = nn.value_and_grad(model, call_loss)(
-                model, batch[:, :-1], batch[:, 1:], cb[:, :-1], cb[:, 1:], cm)
-            grads, gnorm = optim.clip_grad_norm(grads, 1.0)
-            opt.update(model, grads)
-            return ce, gnorm, lc
+            return ce, gnorm, extra
 
     # not mx.compile'd: a compiled closure would freeze the weights it first saw as constants
     def eval_loss(batch):
@@ -283,7 +302,7 @@ def cmd_train(args, bench: bool = False):
     t_last_ckpt = t_start
     t_win, tok_win = time.time(), 0
     run_steps = args.bench_steps if bench else steps
-    losses, ul_losses = [], []
+    losses, aux_losses = [], []
     run_steps += phase["step0"] if not bench else 0
     while step < run_steps:
         el = elapsed0 + time.time() - t_start
@@ -293,19 +312,12 @@ def cmd_train(args, bench: bool = False):
         cur_lr = lr_at(step, el)
         opt.learning_rate = mx.array(cur_lr, dtype=mx.float32)
         b = mx.array(sampler.batch(bs))
-        if calls is not None:
-            pick = call_rng.integers(0, len(calls[0]), size=args.sft_batch)
-            cb, cm = calls[0][pick], calls[1][pick]
-            n = int(np.flatnonzero(cm.any(0)).max()) + 2  # through the last call token, rounded up to
-            n = min(cb.shape[1], -(-n // 128) * 128 + 1)  # 128s: a few shapes to compile, little padding
-            loss, gnorm, lc = call_step(b, mx.array(cb[:, :n]), mx.array(cm[:, :n - 1]))
-            ul_losses.append(lc.item())
-        elif ul_data is None:
+        if aux is None:
             loss, gnorm = train_step(b)
         else:
-            pick = ul_rng.integers(0, len(ul_data[0]), size=args.ul_batch)
-            loss, gnorm, ul = ul_step(b, mx.array(ul_data[0][pick]), mx.array(ul_data[1][pick]))
-            ul_losses.append(ul.item())
+            ub, um = aux.sample()
+            loss, gnorm, extra = aux_step(b, mx.array(ub), mx.array(um))
+            aux_losses.append(extra.item())
         mx.eval(loss, gnorm, state)
         step += 1
         tokens += bs * SEQ
@@ -324,14 +336,14 @@ def cmd_train(args, bench: bool = False):
                    "grad_norm": float(gnorm.item()), "tokens": tokens,
                    "tokens_per_s": tok_win / (now - t_win), "elapsed": elapsed0 + now - t_start,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
-            if ul_losses:
-                rec["call_loss" if calls is not None else "ul_loss"] = float(np.mean(ul_losses))
+            if aux_losses:
+                rec[aux.key] = float(np.mean(aux_losses))
             if step % args.eval_every == 0 or last_step:
                 rec.update({f"val_{k}": v for k, v in evaluate().items()})
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)
-            losses, ul_losses, t_win, tok_win = [], [], time.time(), 0
+            losses, aux_losses, t_win, tok_win = [], [], time.time(), 0
         if time.time() - t_last_ckpt > args.ckpt_minutes * 60 or last_step:
             _ckpt_save(run, model, opt, step, sampler, tokens, elapsed0 + time.time() - t_start, phase)
             t_last_ckpt = time.time()
