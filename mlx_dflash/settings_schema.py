@@ -59,6 +59,9 @@ class ModelSettings:
     kv_bits: Optional[int] = None  # None | 4 | 8 (mlx-lm's kv_bits)
     kv_group_size: int = 64
     quantized_kv_start: int = 5000  # mlx-lm's default: rows before the cache is quantized
+    # server: a tool call the model opens is decoded under a grammar (offered names, JSON arguments);
+    # off: calls stay as the model writes them (one that does not parse comes back as text)
+    tool_grammar: bool = True
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments for `stream_generate`."""
@@ -98,6 +101,7 @@ MODEL_KEYS = {
     "system_prompt": "system_prompt",
     "max_context": "max_context",
     "dtype": "dtype",
+    "tool_grammar": "tool_grammar",
 }
 
 # -- long context (issue 23): the drafter's bounded context and the target's KV quantization
@@ -132,7 +136,7 @@ _TYPES = {  # field -> (type, optional)
     "verify_mode": (str, False), "drafter_quant_bits": (int, True), "drafter_quant_group_size": (int, False),
     "drafter_activation_dtype": (str, False), "temperature": (float, False), "top_p": (float, False),
     "top_k": (int, False), "min_p": (float, False), "max_tokens": (int, False), "system_prompt": (str, False),
-    "max_context": (int, False), "dtype": (str, False),
+    "max_context": (int, False), "dtype": (str, False), "tool_grammar": (bool, False),
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
     "max_batch": (int, False),

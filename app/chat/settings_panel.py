@@ -28,6 +28,7 @@ SETTINGS_FIELDS = [
     ("min_p", "Min p", "float"),
     ("max_tokens", "Max tokens", "int"),
     ("system_prompt", "System prompt", "text"),
+    ("tool_grammar", "Tool-call grammar (serve)", "switch"),
 ]
 QUANT_OPTIONS = [("auto", "auto"), ("full precision", "none"), ("8-bit", "8"), ("4-bit", "4")]
 

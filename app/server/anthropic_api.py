@@ -41,12 +41,14 @@ def error_message(e: APIError) -> str:
 
 class Tool(Schema):
     """A client tool. Others fields Claude Code sends (cache_control, defer_loading,
-    input_examples, strict, ...) are accepted and not applied: every tool is in the
-    prompt, the prompt cache matches every prefix, tool inputs are not constrained."""
+    input_examples, ...) are accepted and not applied: every tool is in the prompt,
+    the prompt cache matches every prefix. `strict` makes the tool-call grammar
+    hold the input to `input_schema` (tool_grammar.py)."""
 
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     input_schema: dict
+    strict: Optional[bool] = None
     type: Optional[Literal["custom"]] = None
 
 
@@ -195,7 +197,8 @@ def _messages(req) -> List[dict]:
 
 def _gen(req) -> GenRequest:
     tools = [{"type": "function", "function": {"name": t.name, **({"description": t.description} if t.description else {}),
-                                               "parameters": t.input_schema}} for t in req.tools] if req.tools else None
+                                               "parameters": t.input_schema, **({"strict": True} if t.strict else {})}}
+             for t in req.tools] if req.tools else None
     tc = req.tool_choice
     choice, parallel = "auto", True
     if tc is not None:

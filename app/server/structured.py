@@ -68,7 +68,8 @@ def parse_format(kind: Optional[str], schema, param: str) -> Optional[Format]:
     return Format(kind, grammar, param)
 
 
-def _ll_tokenizer(tok, n_vocab: int):
+def ll_tokenizer(tok, n_vocab: int):
+    """llguidance's view of an mlx-lm tokenizer (cached: building one walks the vocabulary)."""
     import llguidance.hf
 
     with _LOCK:
@@ -90,21 +91,26 @@ class Constrained:
     def __init__(self, fmt: Format, tok, n_vocab: int, n_prompt: int):
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tok, n_vocab), fmt.grammar)
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tok, n_vocab), fmt.grammar)
         self.n_prompt, self.seen, self.n_vocab = n_prompt, 0, n_vocab
 
     def __call__(self, tokens, logits):
-        import mlx.core as mx
-        import numpy as np
-
         new = tokens[self.n_prompt + self.seen:].tolist() if tokens.size > self.n_prompt + self.seen else []
         for t in new:
             self.matcher.consume_token(int(t))
             self.seen += 1
         if self.matcher.is_error():
             raise ValueError(f"constrained decoding failed: {self.matcher.get_error()}")
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
-        if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's words: never valid
-            allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - allowed.shape[0], bool)])
-        return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
+        return masked(self.matcher, logits)
+
+
+def masked(matcher, logits):
+    """`logits` [1, V] with every token `matcher` does not allow next at -inf."""
+    import mlx.core as mx
+    import numpy as np
+
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
+    if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's words: never valid
+        allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - allowed.shape[0], bool)])
+    return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))

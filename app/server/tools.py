@@ -84,12 +84,12 @@ def forced_prefix(req: GenRequest, tok) -> str:
         return ""
     prefix = tok.tool_call_start
     name = forced_name(req.tool_choice)
-    if name and _parser_name(tok) == "json_tools":  # the format is known: name the function too
+    if name and parser_name(tok) == "json_tools":  # the format is known: name the function too
         prefix += "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
     return prefix
 
 
-def _parser_name(tok) -> Optional[str]:
+def parser_name(tok) -> Optional[str]:
     p = getattr(tok, "tool_parser", None)
     return getattr(p, "__module__", "").rsplit(".", 1)[-1] if p is not None else None
 

@@ -26,6 +26,7 @@ from .catalog import Counters, Job, store_budget, context_limit
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .reasoning import ThinkStream, opens_thinking
+from . import tool_grammar
 from .prompt_ids import prompt_ids, text_chars, too_long
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
@@ -424,8 +425,14 @@ class Worker:
             if total > cfg.prefill_step_size:  # a long prompt: streams show it (and stay alive)
                 job.send("progress", done, total)
 
-        procs = logits_processors(req, tok, Target(lm.model).vocab_size, len(ids), max_tokens or settings.max_tokens) \
-            if fallback else []
+        n_vocab = Target(lm.model).vocab_size
+        split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
+        procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens or settings.max_tokens)
+        # (a split target runs no processors: its ranks would each need the same state)
+        if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and split is None:
+            calls = tool_grammar.processor(req, tok, n_vocab, ids)
+            if calls is not None:
+                procs.append(calls)
         cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
                                          top_k=req.top_k, min_p=req.min_p, max_tokens=max_tokens, seed=req.seed,
                                          stop=req.stops() or None, logits_processors=procs,
@@ -433,7 +440,6 @@ class Worker:
         job.send("start", {"prompt_tokens": len(ids)})
         pc = target = None
         extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
         if split is not None:  # every rank runs it; no prompt store (it would differ between ranks)
             gen = split.stream(ids, cfg)
         elif batch is not None:  # decoded in the batch, the prompt store looked up there (batcher.py)
@@ -534,7 +540,7 @@ class Worker:
         the next conversation from there starts from it. Returns (tokens, seconds)."""
         t0 = time.perf_counter()
         for _ in stream_generate(lm.model, tok, prefix, lm.drafter, prompt_cache=pc,
-                                 config=dataclasses.replace(cfg, max_tokens=1, stop=None)):
+                                 config=dataclasses.replace(cfg, max_tokens=1, stop=None, logits_processors=[])):
             pass
         self.store.put(copy.deepcopy(pc), target, shared=True)
         return len(prefix) - n0, time.perf_counter() - t0

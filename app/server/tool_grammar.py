@@ -1,0 +1,220 @@
+"""Tool calls the client can run. Once the model opens a call (the tokenizer's
+tool-call start marker, as it chose to), the call is decoded under a grammar:
+a JSON object whose `name` is one of the offered tools and whose `arguments`
+are a JSON object (the tool's own schema when the client marked it `strict`),
+then the end marker. Before and after a call the model's text is untouched;
+inside one, each token is drawn from the model's distribution restricted to
+tokens that keep the call valid (llama.cpp's lazy tool grammar). A call the
+model writes validly is kept as written (any whitespace, any argument keys);
+one that would name a tool the client does not have, or never close its JSON,
+becomes a call the client can run, instead of text that is neither.
+
+The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
+Hermes) with single-token markers; other formats decode as the model writes.
+Setting `tool_grammar` off (per model) leaves every call as written."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+from .structured import ll_tokenizer, masked
+from .tools import GenRequest, forced_name, parser_name, template_tools
+
+
+def _marker_id(tok, marker: Optional[str]) -> Optional[int]:
+    """The id of a marker that is one token of the vocabulary, else None."""
+    if not marker:
+        return None
+    ids = tok.encode(marker, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def unsupported(tok) -> Optional[str]:
+    """Why this tokenizer's tool calls get no grammar (None: they do)."""
+    if not getattr(tok, "has_tool_calling", False):
+        return "the model has no tool-call format"
+    if parser_name(tok) != "json_tools":
+        return f"its tool-call format ({parser_name(tok)}) is not JSON in tags"
+    if _marker_id(tok, tok.tool_call_start) is None or _marker_id(tok, tok.tool_call_end) is None:
+        return "its tool-call markers are not single tokens"
+    return None
+
+
+def _lit(s: str) -> str:
+    """A JSON string as a Lark literal."""
+    return json.dumps(json.dumps(s))
+
+
+def _compiles(schema) -> bool:
+    import llguidance
+
+    try:
+        return not llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    except Exception:  # a schema the compiler refuses
+        return False
+
+
+ANY_ORDER = 6  # up to this many properties, keys in any order (2^n grammar states); past it, the schema's order
+
+
+def _arguments(fn: dict, rule: str) -> List[str]:
+    """Lark rules for a tool's arguments, `rule` first. A strict tool: its schema.
+    A schema that lists its properties and allows no others: an object of those
+    keys, each at most once and the required ones all, each value by its own
+    schema, in any order (as the model writes them; past ANY_ORDER keys, in the
+    schema's order); else any JSON object."""
+    schema = fn.get("parameters")
+    if not isinstance(schema, dict):
+        return [f"{rule}: %json {json.dumps({'type': 'object'})}"]
+    if fn.get("strict") is True and _compiles(schema):
+        return [f"{rule}: %json {json.dumps(schema)}"]
+    props = schema.get("properties")
+    if not (isinstance(props, dict) and props and schema.get("additionalProperties", True) is False):
+        return [f"{rule}: %json {json.dumps({'type': 'object'})}"]
+    keys = list(props)
+    need = {i for i, k in enumerate(keys) if k in (schema.get("required") or [])}
+    rules = []
+    for j, key in enumerate(keys):
+        sub = props[key]
+        ok = isinstance(sub, dict) and "$ref" not in json.dumps(sub) and _compiles(sub)
+        rules.append(f"{rule}_p{j}: {_lit(key)} ws \":\" ws {rule}_v{j}")
+        rules.append(f"{rule}_v{j}: %json {json.dumps(sub if ok else {})}")
+
+    def rest(state, nxt, done) -> str:  # after the pairs of `state`: another pair, or the end when `done`
+        alts = [f'ws "," ws {rule}_p{j} {rule}_r{s}' for j, s in nxt]
+        return f"{rule}_r{state}: " + " | ".join(alts + (['""'] if done else []))
+
+    if len(keys) <= ANY_ORDER:  # a state per set of keys used
+        full = (1 << len(keys)) - 1
+        for m in range(1, full + 1):
+            used = {i for i in range(len(keys)) if m >> i & 1}
+            nxt = [(j, m | 1 << j) for j in range(len(keys)) if j not in used]
+            rules.append(rest(m, nxt, need <= used))
+        first = [f"{rule}_p{j} {rule}_r{1 << j}" for j in range(len(keys))]
+    else:  # a state per last key used: later keys only, none required skipped
+        def after(i):
+            return [(j, j) for j in range(i + 1, len(keys)) if not any(r in need for r in range(i + 1, j))]
+        for i in range(len(keys)):
+            rules.append(rest(i, after(i), not any(r > i for r in need)))
+        first = [f"{rule}_p{j} {rule}_r{j}" for j, _ in after(-1)]
+    empty = [] if need else ['""']
+    return [f'{rule}: "{{" ws ({" | ".join(first + empty)}) ws "}}"'] + rules
+
+
+def grammar(tok, tools: List[dict]) -> str:
+    """The llguidance (Lark) grammar of what follows the start marker: one call to
+    one of `tools` (OpenAI-style function tools), then the end marker."""
+    rules, alts = [], []
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        alts.append(f"c{i}")
+        rules.append(f'c{i}: "\\"name\\"" ws ":" ws {_lit(fn["name"])} ws "," ws "\\"arguments\\"" ws ":" ws a{i}')
+        rules += _arguments(fn, f"a{i}")
+    end = _marker_id(tok, tok.tool_call_end)
+    head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", "WS: /[ \\t\\r\\n]+/",
+            'NL: "\\n"']
+    return "\n".join(head + rules)
+
+
+class ToolCallGrammar:
+    """A logits processor (the engine's contract: it may be called with histories
+    that are not extensions of the last call, as verify rows and rollbacks make
+    them; it keeps its state as a function of the history). `prompt_ids` end
+    inside an open call when tool_choice opened one in the prompt."""
+
+    def __init__(self, tok, text: str, n_vocab: int, prompt_ids: List[int]):
+        self.llt = ll_tokenizer(tok, n_vocab)
+        self.text = text
+        self.start = _marker_id(tok, tok.tool_call_start)
+        self.n_prompt = len(prompt_ids)
+        self.gen: List[int] = []  # the generated ids the state below reflects
+        self.calls: List[list] = []  # [first body position, position after the end marker or None]
+        self.matcher = None  # the open call's
+        self.n_in = 0  # generated ids the open call's matcher consumed
+        self.dead: Optional[int] = None  # the first position the open call's grammar refused
+        self.pre: List[int] = []  # the open call's body already in the prompt (tool_choice)
+        if self.start in prompt_ids:
+            i = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.start)
+            if tok.tool_call_end is None or _marker_id(tok, tok.tool_call_end) not in prompt_ids[i:]:
+                self.pre = list(prompt_ids[i + 1:])
+                self._open(0)
+
+    def _open(self, at: int) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(self.llt, self.text)
+        if at == 0 and self.pre:
+            if self.matcher.validate_tokens(self.pre) < len(self.pre):
+                self.matcher, self.dead = None, -1  # the prompt's call text is not the format: leave it
+                return
+            self.matcher.consume_tokens(self.pre)
+        self.calls.append([at, None])
+        self.n_in = 0
+
+    def _push(self, t: int) -> None:
+        p = len(self.gen)
+        self.gen.append(t)
+        if self.dead is not None:
+            return
+        if self.matcher is None:
+            if t == self.start:
+                self._open(p + 1)
+            return
+        if self.matcher.validate_tokens([t]) < 1:
+            self.dead = p  # a draft past what the grammar allows: rows after it are never used
+            return
+        self.matcher.consume_token(t)
+        self.n_in += 1
+        if self.matcher.is_stopped():  # the end marker: back to the model's own text
+            self.calls[-1][1] = p + 1
+            self.matcher = None
+
+    def _rewind(self, k: int) -> None:
+        del self.gen[k:]
+        if self.dead is not None:
+            if self.dead < k:  # still past what the grammar allows: nothing after it was taken in
+                return
+            self.dead = None
+        while self.calls and self.calls[-1][0] > k and not (self.calls[-1][0] == 0 and self.pre):
+            self.calls.pop()  # opened by a marker at or after k
+            self.matcher = None
+        if not self.calls or (self.calls[-1][1] is not None and self.calls[-1][1] <= k):
+            self.matcher = None
+            return
+        at, end = self.calls[-1]
+        if end is not None or self.matcher is None:  # back inside a call: replay its body up to k
+            self.calls.pop()
+            self._open(at)
+            if self.matcher is not None:
+                self.matcher.consume_tokens(self.gen[at:k])
+                self.n_in = k - at
+            return
+        back = self.n_in - (k - at)
+        if back > 0:
+            self.matcher.rollback(back)
+            self.n_in -= back
+
+    def __call__(self, tokens, logits):
+        gen = tokens[self.n_prompt:].tolist() if tokens.size > self.n_prompt else []
+        k = len(self.gen)
+        if gen[:k] != self.gen:  # a verify row or a rollback: back to the common prefix
+            k = next(i for i, (a, b) in enumerate(zip(self.gen, gen + [None])) if a != b)
+        if k < len(self.gen):
+            self._rewind(k)
+        for t in gen[k:]:
+            self._push(int(t))
+        if self.matcher is None or self.dead is not None:
+            return logits
+        return masked(self.matcher, logits)
+
+
+def processor(req: GenRequest, tok, n_vocab: int, prompt_ids: List[int]) -> Optional[ToolCallGrammar]:
+    """The request's tool-call grammar, or None (no tools offered, or a format without one)."""
+    tools = template_tools(req)
+    if not tools or unsupported(tok) is not None:
+        return None
+    if forced_name(req.tool_choice):
+        tools = [t for t in tools if t["function"]["name"] == forced_name(req.tool_choice)]
+    return ToolCallGrammar(tok, grammar(tok, tools), n_vocab, prompt_ids)
