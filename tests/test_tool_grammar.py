@@ -86,6 +86,7 @@ INVALID = [  # (text, the piece the grammar must refuse)
     ('\n{"name": "Read", "arguments": {"expression": "3*2"}}\n</tool_call>', "expression"),  # not a key of Read
     ('\n{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>', '"2"'),  # strict
     ('\n{"name": "Wide", "arguments": {"k2": 2, "k0": 1}}\n</tool_call>', "k0"),  # out of the schema's order
+    ('\n{"name": "Read", "arguments": {"limit":\n\n\n 100, "file_path": "x"}}\n</tool_call>', "\n\n"),  # blank lines
     ('\n{"name": "Read", "arguments": {"file_path": "x"}}', None),  # unclosed: EOS is not allowed
 ]
 

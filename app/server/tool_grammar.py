@@ -56,7 +56,15 @@ def _compiles(schema) -> bool:
         return False
 
 
+# between JSON tokens: nothing, a space, or a line break and its indent, as JSON is written
+# compact, spaced or pretty-printed; not runs of blank lines (a weak model loops on them)
+WS = r"( |\n[ \t]{0,32})"
 ANY_ORDER = 6  # up to this many properties, keys in any order (2^n grammar states); past it, the schema's order
+
+
+def _json(schema: dict) -> str:
+    """A Lark rule body for a JSON value of `schema`, with the call's whitespace."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": WS + "?"}})
 
 
 def _arguments(fn: dict, rule: str) -> List[str]:
@@ -67,12 +75,12 @@ def _arguments(fn: dict, rule: str) -> List[str]:
     schema's order); else any JSON object."""
     schema = fn.get("parameters")
     if not isinstance(schema, dict):
-        return [f"{rule}: %json {json.dumps({'type': 'object'})}"]
+        return [f"{rule}: {_json({'type': 'object'})}"]
     if fn.get("strict") is True and _compiles(schema):
-        return [f"{rule}: %json {json.dumps(schema)}"]
+        return [f"{rule}: {_json(schema)}"]
     props = schema.get("properties")
     if not (isinstance(props, dict) and props and schema.get("additionalProperties", True) is False):
-        return [f"{rule}: %json {json.dumps({'type': 'object'})}"]
+        return [f"{rule}: {_json({'type': 'object'})}"]
     keys = list(props)
     need = {i for i, k in enumerate(keys) if k in (schema.get("required") or [])}
     rules = []
@@ -80,7 +88,7 @@ def _arguments(fn: dict, rule: str) -> List[str]:
         sub = props[key]
         ok = isinstance(sub, dict) and "$ref" not in json.dumps(sub) and _compiles(sub)
         rules.append(f"{rule}_p{j}: {_lit(key)} ws \":\" ws {rule}_v{j}")
-        rules.append(f"{rule}_v{j}: %json {json.dumps(sub if ok else {})}")
+        rules.append(f"{rule}_v{j}: {_json(sub if ok else {})}")
 
     def rest(state, nxt, done) -> str:  # after the pairs of `state`: another pair, or the end when `done`
         alts = [f'ws "," ws {rule}_p{j} {rule}_r{s}' for j, s in nxt]
@@ -113,7 +121,7 @@ def grammar(tok, tools: List[dict]) -> str:
         rules.append(f'c{i}: "\\"name\\"" ws ":" ws {_lit(fn["name"])} ws "," ws "\\"arguments\\"" ws ":" ws a{i}')
         rules += _arguments(fn, f"a{i}")
     end = _marker_id(tok, tok.tool_call_end)
-    head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", "WS: /[ \\t\\r\\n]+/",
+    head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", f"WS: /{WS}/",
             'NL: "\\n"']
     return "\n".join(head + rules)
 
