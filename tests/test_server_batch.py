@@ -259,3 +259,33 @@ def test_auto_lone_and_batched_turns_share_the_prompt_store(pairs, monkeypatch):
         assert got == want
         assert srv.worker.store.stats.hits == hits
         assert srv.worker.batcher is not None and srv.worker.batcher.engine.cycles > 0  # turn 2 was batched
+
+
+def test_requests_that_run_alone_use_the_prompt_store(pairs):
+    """A request the batch cannot take (logprobs) runs alone on the batch thread:
+    from the prompt store's longest cached prefix, its cache stored back for the
+    next turn; its answers and log-probabilities are those of the single-stream server."""
+    from scripted import LocalServer
+    from test_prompt_store import PairCatalog
+
+    def turns(url):
+        msgs, out = [], []
+        for q in ("Tell me about the sea.", "And the sky?", "Why?"):
+            msgs.append({"role": "user", "content": q})
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": "pair", "temperature": 0, "max_tokens": 8, "messages": msgs, "logprobs": True})
+            assert r.status_code == 200, r.text
+            j = r.json()
+            text = j["choices"][0]["message"]["content"]
+            out.append((text, [round(e["logprob"], 3) for e in j["choices"][0]["logprobs"]["content"]],
+                        j["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            msgs.append({"role": "assistant", "content": text})
+        return out
+
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
+        want = turns(srv.url)
+    with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=4) as srv:
+        got = turns(srv.url)
+        assert srv.worker.batch_summary()["served_alone"] == 3
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert got[0][2] == 0 and 0 < got[1][2] < got[2][2]  # turns 2 and 3 from the stored prefix

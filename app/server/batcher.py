@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 from mlx_dflash import stream_generate
 from mlx_dflash.batch import BatchEngine, BatchError, batchable
 from mlx_dflash.prompt_store import PromptStore
+from mlx_dflash.target import Target
 
 _END = object()
 
@@ -194,8 +195,14 @@ class Batcher:
     def _alone(self, uid: int, ids, cfg, q) -> None:
         self.alone += 1
         q.put(uid)
+        store = self.store_of() if self.store_of is not None else None
+        pc = target = None
+        if store is not None:  # its longest cached prefix, as for a row; its cache goes back after
+            target, d = Target(self.lm.model), self.lm.drafter
+            pc, _ = store.take(target, ids, d, cfg.keeps_drafter_context(d, len(ids)))
+        gen = stream_generate(self.lm.model, self.lm.tokenizer, ids, self.lm.drafter, prompt_cache=pc, config=cfg)
         try:
-            for r in stream_generate(self.lm.model, self.lm.tokenizer, ids, self.lm.drafter, config=cfg):
+            for r in gen:
                 with self.cv:
                     if uid in self.cancels:
                         self.cancels.remove(uid)
@@ -203,4 +210,11 @@ class Batcher:
                         return
                 q.put(r)
         except BaseException as e:  # the serving thread reports it (ValueError: the request's fault)
+            pc = None  # may be half-written: not stored
             q.put(e)
+        finally:
+            gen.close()
+            if pc is not None:
+                store.put(pc, target)
+                if self.on_store is not None:
+                    self.on_store()
