@@ -11,7 +11,7 @@ drafts, some accepted): these tests cannot pass on plain decoding."""
 
 import mlx.core as mx
 import pytest
-from drafters import OracleDrafter
+from drafters import FixedDrafter, OracleDrafter
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
@@ -173,6 +173,33 @@ def test_constrained_rolls_back_and_never_errs(pairs):
             assert got == fresh[len(gen)], gen
         assert not c.matcher.is_error()
     assert mask(c, good) == fresh[-1]
+
+
+@pytest.mark.parametrize("drafter", ["fixed", "dflash2"])
+def test_sampled_dflash_with_processors_keeps_the_distribution(pairs, drafter):
+    """The joint law of 3 tokens sampled by DFlash with a logit_bias that moves
+    the mass off the likeliest tokens vs plain sampling with the same bias: drafts
+    on the biased greedy path (a one-hot proposal, often accepted), or a DFlash 2
+    drafter's sampled proposal rows q (the residual max(p - q, 0) of processed p)."""
+    d = pairs("qwen3", version=2, block_size=8)
+    model, tok, dflash2 = load(str(d / "target"), str(d / "drafter"))
+    prompt = "def f(x):"
+    top = generate(model, tok, prompt, None, max_tokens=3).token_ids
+    bias = {t: -1.5 for t in top}
+    greedy = generate(model, tok, prompt, None, max_tokens=3, logits_processors=make_logits_processors(bias)).token_ids
+    fixed = FixedDrafter(greedy[1:])
+    n, streams, accepted, drafted = 320, [], 0, 0
+    for s in range(n):
+        r = generate(model, tok, prompt, fixed if drafter == "fixed" else dflash2, seed=90_000 + s, block_size=3,
+                     guard=False, max_tokens=3, temperature=1.5, top_k=3,
+                     logits_processors=make_logits_processors(bias))
+        streams.append(r.token_ids)
+        accepted, drafted = accepted + r.stats.accepted, drafted + r.stats.drafted
+    pvalue, outcomes = like_plain_sampling(model, tok, prompt, streams, logits_processors=make_logits_processors(bias))
+    assert drafted > 0 and outcomes > 3
+    if drafter == "fixed":
+        assert 0 < accepted < drafted
+    assert pvalue > 1e-3
 
 
 def test_batch_rows_with_processors_equal_each_alone(pairs):
