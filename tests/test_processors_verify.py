@@ -16,6 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
 from test_batch import RowOracles, like_plain_sampling, model_of, run_engine
+from test_batch_lookup import MAXES, prompts_for
 
 from app.server.structured import Constrained, parse_format
 from mlx_dflash import DecodeConfig, generate, load
@@ -272,3 +273,23 @@ def test_batch_sampled_rows_with_processors_keep_the_distribution(pairs):
                                            logits_processors=make_logits_processors(bias))
     assert drafter.tried > 0 and accepted > 0 and outcomes > 3
     assert pvalue > 1e-3
+
+
+def test_batch_lookup_rows_with_processors_equal_each_alone(tok):
+    """Rows whose context repeats verify prompt-lookup drafts (the others the
+    oracle's), with and without processors: each row is mlx-lm's output with its
+    own processors."""
+    model, prompts = model_of("qwen3"), prompts_for("qwen3", tok)
+    kinds = ["bias", "ban", None, "repetition", "json", "bias"]
+
+    def procs(i):
+        return processors(kinds[i], tok, prompts[i], model) if kinds[i] else []
+
+    refs = [mlx_lm_tokens(model, tok, p, procs(i), m) for i, (p, m) in enumerate(zip(prompts, MAXES))]
+    oracle = RowOracles([(len(p), r) for p, r in zip(prompts, refs)], seed=5)
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(5))
+    out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=m, logits_processors=procs(i)))
+                                 for i, (p, m) in enumerate(zip(prompts, MAXES))])
+    for i, ref in enumerate(refs):
+        assert out[i] == ref, (i, kinds[i])
+    assert sum(last[i].stats.lookup_cycles for i in last if kinds[i]) > 0
