@@ -33,7 +33,9 @@ context and pending features, as the Decoder leaves it; `released()` hands
 those back for the caller to store.
 
 Rows may differ in sampling parameters, seed, stop strings, max tokens, block
-size and verify mode (a row with verify mode off verifies no drafts). What a
+size, verify mode (a row with verify mode off verifies no drafts) and logits
+processors (applied to the row's slice of each verify, row by row, after its
+own history: logits.py; the cycle then reads the drafts to the host). What a
 batch cannot do is refused with a one-line reason (`batchable`, `BatchError`):
 the caller runs that request alone (decoder.Decoder), never differently."""
 
@@ -56,10 +58,11 @@ from .costs import Observed
 from .decode_config import DecodeConfig
 from .decoder import cat_feats, encode
 from .drafter import Drafter
+from .logits import process, process_rows
 from .lookup import NgramIndex
 from .policy import DFLASH, LOOKUP
 from .prompt_cache import PromptCache, lookup_index, reuse
-from .sampling import SamplingParams, accept_sampled, probs, sample
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probs, sample
 from .stats import CycleResult, Emitter, GenerationResponse, GenerationStats
 from .target import Target
 
@@ -70,8 +73,8 @@ class BatchError(ValueError):
 
 def batchable(config: DecodeConfig) -> Optional[str]:
     """Why a request with this config must run alone (None: it can join a batch)."""
-    if config.logits_processors or config.logprobs or config.plain_reason:
-        return "logits processors, logprobs or constrained output run alone"
+    if config.logprobs or config.plain_reason:
+        return "logprobs or plain decoding run alone"
     if config.kv_bits is not None:
         return "a quantized KV cache runs alone (mlx-lm's batch caches are not quantized)"
     return None
@@ -100,6 +103,7 @@ class Row:
     pc: Optional[PromptCache] = None  # the caller's prompt cache: filled with this row's caches when it leaves
     tokens: List[int] = field(default_factory=list)  # the tokens in its target cache (with a prompt cache)
     index: Optional[NgramIndex] = None  # its tokens' n-gram index, when it may verify prompt-lookup drafts
+    hist: Optional[mx.array] = None  # with logits processors: the prompt + the ids emitted before its anchor
     cancelled: bool = False
     t_start: float = 0.0
     t_gen: float = 0.0
@@ -196,6 +200,8 @@ class BatchEngine:
         self._uid += 1
         row = Row(self._uid, cfg, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, key, drafts, cap,
                   drafts and fixed, list(ids), t_start=time.perf_counter())
+        if cfg.logits_processors:
+            row.hist = mx.array(ids, mx.int32)
         if prompt_cache is not None:
             self._start_from(row, prompt_cache, ids)
         # prompt lookup where the single-stream guard verifies it (a guarded width, lookup on)
@@ -400,6 +406,9 @@ class BatchEngine:
         return events
 
     def _first(self, row: Row, logits: mx.array) -> int:
+        """The first token, from the prompt's last logits (after the row's processors, as Decoder._pick)."""
+        if row.hist is not None:
+            logits = process(row.config.logits_processors, row.hist, logits)
         if row.sp.greedy:
             return int(mx.argmax(logits, axis=-1).item())
         return int(sample(probs(logits, row.sp), row.next_key()).item())
@@ -432,11 +441,24 @@ class BatchEngine:
             a = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
         else:
             a = mx.zeros((B,), mx.int32)
+        # rows with logits processors: their slice of the verify, processed row by row
+        # after their own history (the drafts read to the host: the one extra sync)
+        procd = {}
+        if any(r.hist is not None for r in rows):
+            D = toks.tolist()
+            for b, r in enumerate(rows):
+                if r.hist is not None:
+                    procd[b] = process_rows(r.config.logits_processors, r.hist, [anchors[b]] + D[b][: n[b]],
+                                            logits[b, : n[b] + 1])
         sampled = {}
         for b, r in enumerate(rows):
+            rl = procd[b] if b in procd else logits[b, : n[b] + 1]
             if not r.sp.greedy:
                 q = qs[b][: n[b]] if qs[b] is not None else None
-                sampled[b] = accept_sampled(probs(logits[b, : n[b] + 1], r.sp), toks[b, : n[b]], q, r.next_key())
+                sampled[b] = accept_sampled(probs(rl, r.sp), toks[b, : n[b]], q, r.next_key())
+            elif b in procd:  # (a (count, next token) pair, read back as a sampled row's)
+                ab, tb = accept_greedy(rl, toks[b, : n[b]])
+                sampled[b] = (ab, tb[ab])
         mx.eval(a, tgt, toks, [x for s in sampled.values() for x in s])
         t_wait = time.perf_counter()
         A, T, D = a.tolist(), tgt.tolist(), toks.tolist()
@@ -468,6 +490,8 @@ class BatchEngine:
             r.stats.generation_time = time.perf_counter() - r.t_gen
             if r.pc is not None:  # in its cache now: the anchor and the accepted drafts
                 r.tokens += [r.anchor] + outs[b][: A[b]]
+            if r.hist is not None:  # the ids before its next anchor, as the Decoder's
+                r.hist = mx.concatenate([r.hist, mx.array([r.anchor] + outs[b][: A[b]], mx.int32)])
             r.anchor = outs[b][-1]
             events += [(r.uid, x) for x in resps]
         self.cycles += 1

@@ -32,8 +32,12 @@ class DecodeConfig:
     lookup: bool = True  # the guard also verifies prompt-lookup drafts where they pay
     prefill_step_size: int = 2048
     max_context: Optional[int] = None  # longer prompts decode plainly
-    # mlx-lm logits processors, (tokens, logits [1, V]) -> logits, applied before sampling;
-    # they see one position at a time, so a call with any decodes plainly
+    # mlx-lm logits processors, (tokens, logits [1, V]) -> logits, applied before sampling,
+    # tokens = the prompt + the ids before that position. DFlash applies them to every row of
+    # a verify (logits.py), so a processor may be called with histories that are NOT
+    # extensions of the previous call's (a draft's row, then a rollback to the accepted
+    # prefix; rows past a rejected draft): a stateful processor must compare `tokens` with
+    # what it consumed and roll back (app/server/structured.py's Constrained does)
     logits_processors: List[Callable] = field(default_factory=list)
     logprobs: bool = False  # each response carries its step's log-probabilities (plain decoding)
     plain_reason: Optional[str] = None  # the caller's words for why this call decodes plainly
@@ -83,11 +87,11 @@ class DecodeConfig:
 
     @property
     def needs_plain(self) -> Optional[str]:
-        """Why this call must decode plainly, or None."""
+        """Why this call must decode plainly, or None (logits processors do not:
+        the verify applies them per row)."""
         if self.plain_reason:
             return self.plain_reason
-        why = (["logprobs"] if self.logprobs else []) + (["logits processors"] if self.logits_processors else [])
-        return f"{' and '.join(why)} requested (plain decoding applies them)" if why else None
+        return "logprobs requested (plain decoding reports them per step)" if self.logprobs else None
 
     @property
     def drafter_layout(self) -> tuple:

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode_config import DecodeConfig
+from .logits import process, process_rows
 from .modes import POLICIES, PolicyContext
 from .policy import DFLASH, LOOKUP, Draft, LoopState, Plain, Policy
 from .prompt_cache import PromptCache, lookup_index, reuse
@@ -77,7 +78,7 @@ class Decoder:
         self.sources: dict = {}  # draft source -> how many of n drafts it can offer now
         self.rows: list = []  # feature blocks of fed rows the drafter has not seen yet, in order
         self.emit: Optional[Emitter] = None
-        self.hist = None  # prompt + generated ids as an mx.array, for logits processors
+        self.hist = None  # prompt + the ids emitted before the anchor (mx.array), for logits processors
         self._due = None  # a decision taken between two plain tokens, run after the one in flight
         self._gen_tic = 0.0
 
@@ -192,16 +193,11 @@ class Decoder:
         if cfg.logits_processors:
             if fed is not None:
                 self.hist = mx.concatenate([self.hist, fed.reshape(1).astype(mx.int32)])
-            x = logits[None]
-            for p in cfg.logits_processors:
-                x = p(self.hist, x)
-            logits = x[0]
-        lp = None
-        if cfg.logits_processors or cfg.logprobs:
-            lp = logits - mx.logsumexp(logits, keepdims=True)
-            logits = lp
+            logits = process(cfg.logits_processors, self.hist, logits)  # (log-probabilities)
+        elif cfg.logprobs:
+            logits = logits - mx.logsumexp(logits, keepdims=True)
         tok = mx.argmax(logits, axis=-1) if self.sp.greedy else sample(probs(logits, self.sp))
-        return tok, (lp if cfg.logprobs else None)
+        return tok, (logits if cfg.logprobs else None)
 
     def prefill(self, rest: List[int], pending=None):
         """The prompt's uncached tokens, chunked like mlx-lm so the first logits
@@ -252,13 +248,20 @@ class Decoder:
 
     def verify(self, token: int, drafts: mx.array, q):
         """[anchor, drafts] through the target in one forward, accepted on the
-        device, lazily. Returns (the result row for `readback`, the captured features)."""
+        device, lazily. Returns (the result row for `readback`, the captured features).
+        With logits processors the drafts are read to the host first (their one
+        extra sync) and each row is processed after its own history (logits.py),
+        as plain decoding processes that position: `self.hist` is the ids before
+        the anchor."""
         vin = mx.concatenate([mx.array([token], mx.int32), drafts.astype(mx.int32)])[None]
         logits, f = self.target(vin, self.pc.target, self.capture)
+        rows = logits[0]
+        if self.config.logits_processors:
+            rows = process_rows(self.config.logits_processors, self.hist, [token] + drafts.tolist(), rows)
         if self.sp.greedy:
-            a, tgt = accept_greedy(logits[0], drafts)
+            a, tgt = accept_greedy(rows, drafts)
             return mx.concatenate([a[None], tgt]), f  # emitted = tgt[:a+1]
-        a, nxt = accept_sampled(probs(logits[0], self.sp), drafts, q)
+        a, nxt = accept_sampled(probs(rows, self.sp), drafts, q)
         return mx.concatenate([a[None], drafts.astype(mx.int32), nxt.astype(mx.int32)[None]]), f
 
     def readback(self, res: mx.array):
@@ -315,6 +318,8 @@ class Decoder:
         a, out = self.readback(res)
         t3 = time.perf_counter()
         self.rows.append(self.rollback(token, out, a, n, f))
+        if self.config.logits_processors:  # the ids before the next anchor (the bonus), as plain's
+            self.hist = mx.concatenate([self.hist, mx.array([token] + out[:a], mx.int32)])
         if self.index is not None:
             self.index.extend(out)
         cyc = CycleResult(n + 1, a, 0, t_draft=t2 - t0, t_verify=t3 - t2, t_book=time.perf_counter() - t3,

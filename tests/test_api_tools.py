@@ -125,7 +125,7 @@ def test_structured_output_constrains_the_decode(client):
     r = ask(client, "RAW:" + good, response_format=JSON_SCHEMA)  # what the model wants is valid (compact): untouched
     assert r.choices[0].message.content == good and r.choices[0].finish_reason == "stop"
     d = r.model_dump()["dflash"]
-    assert d["mode"] == "off" and "response_format json_schema" in d["fallback"]  # said, not hidden
+    assert d["mode"] == "dflash" and d["fallback"] is None and d["tau"] > 1  # the verify applies the mask
     streamed = "".join(c.choices[0].delta.content or "" for c in ask(
         client, "RAW:" + good, response_format=JSON_SCHEMA, stream=True) if c.choices)
     assert streamed == good

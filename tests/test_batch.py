@@ -238,15 +238,16 @@ def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
     assert sampled(False) == sampled(True)
 
 
-def like_plain_sampling(model, tok, prompt, streams) -> tuple:
+def like_plain_sampling(model, tok, prompt, streams, **options) -> tuple:
     """(chi-square p-value, outcomes seen): the joint law of the 3 tokens of each
-    sampled stream vs as many plain samples alone (temperature 1.5, top-k 3)."""
+    sampled stream vs as many plain samples alone (temperature 1.5, top-k 3;
+    `options`: more of the plain samples' decode options, e.g. logits_processors)."""
     from scipy.stats import chi2_contingency
 
     streams = list(streams)
     spec = Counter(tuple(v) for v in streams)
     plain = Counter(tuple(generate(model, tok, prompt, None, seed=s, verify_mode="off", max_tokens=3,
-                                   temperature=1.5, top_k=3).token_ids) for s in range(len(streams)))
+                                   temperature=1.5, top_k=3, **options).token_ids) for s in range(len(streams)))
     keys = sorted(set(plain) | set(spec))
     table = np.array([[plain[k] + 0.5 for k in keys], [spec[k] + 0.5 for k in keys]])
     return chi2_contingency(table).pvalue, len(keys)

@@ -114,8 +114,9 @@ def test_decode_config_from_settings_fits_the_drafter_and_takes_overrides():
 
 
 def test_logits_processors_and_logprobs_run_in_the_session(pairs):
-    """The engine's plain path applies mlx-lm logits processors and reports each
-    step's log-probabilities, as mlx-lm's generate_step does."""
+    """The engine's plain path (logprobs ask for it) applies mlx-lm logits
+    processors and reports each step's log-probabilities, as mlx-lm's
+    generate_step does."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -132,7 +133,9 @@ def test_logits_processors_and_logprobs_run_in_the_session(pairs):
     eos = set(tok.eos_token_ids)
     got = [r.token for r in rs if not (r.finish_reason == "stop" and r.token in eos)]
     assert got == want[: len(got)] and len(got) >= 8
-    assert rs[0].stats.mode == "off" and "logits processors" in rs[0].stats.fallback
+    # logprobs decode plainly (the entries are per plain step); processors alone would not
+    assert rs[0].stats.mode == "off" and "logprobs" in rs[0].stats.fallback
+    assert DecodeConfig(logits_processors=procs).needs_plain is None
     for r, lp in zip(rs, want_lp):
         assert mx.allclose(r.logprobs, lp, atol=1e-5).item()
 

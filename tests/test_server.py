@@ -182,7 +182,8 @@ def test_penalties_are_applied_not_ignored(server):
     pen = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
                                frequency_penalty=2.0, presence_penalty=2.0)
     d = pen.model_dump()
-    assert d["dflash"]["mode"] == "off" and "frequency_penalty" in d["dflash"]["fallback"]
+    # the verify applies the penalties per row: DFlash stays on (only logprobs decode plainly)
+    assert d["dflash"]["mode"] == "dflash" and d["dflash"]["fallback"] is None
     base_tokens = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
                                        logprobs=0).choices[0].logprobs.tokens
     pen_tokens = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0,
@@ -196,8 +197,11 @@ def test_penalties_are_applied_not_ignored(server):
     tok_id = 300
     r = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=3, temperature=0,
                              logit_bias={str(tok_id): 100}, logprobs=0)
-    assert "logit_bias" in r.model_dump()["dflash"]["fallback"]
+    assert "logprobs" in r.model_dump()["dflash"]["fallback"]  # (logprobs: plain decoding)
     assert r.usage.completion_tokens == 3 and len(set(r.choices[0].logprobs.tokens)) == 1
+    b = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=3, temperature=0,
+                             logit_bias={str(tok_id): 100})  # without logprobs: on DFlash, the same tokens
+    assert b.model_dump()["dflash"]["mode"] == "dflash" and b.choices[0].text == r.choices[0].text
 
 
 def test_eight_parallel_streams(server):

@@ -1,10 +1,10 @@
 """The server's batch thread (`max_batch` > 1): it alone drives the model,
 stepping mlx_dflash.batch.BatchEngine while rows run, and hands each request's
 responses to the thread serving that request (worker.Worker._serve reads them
-as it reads stream_generate's). A request the batch cannot run (logits
-processors, logprobs, a quantized KV cache, a model whose caches cannot be
-batched) runs alone on this same thread once the running rows are done: never
-two model forwards at once, never a different answer.
+as it reads stream_generate's). A request the batch cannot run (logprobs,
+a quantized KV cache, a model whose caches cannot be batched) runs alone on
+this same thread once the running rows are done: never two model forwards at
+once, never a different answer.
 
 With a prompt store (`store_of`: the worker's, for this model), a request
 takes its longest cached prefix as a single-stream request does, so its row

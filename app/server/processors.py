@@ -1,7 +1,7 @@
-"""What a request asks of each decoding step that DFlash's verify cannot
-apply (logprobs, penalties, logit_bias, a constrained format): mlx-lm logits
-processors for the engine's plain path (mlx_dflash.DecodeConfig), and the
-log-probability entries of the OpenAI APIs."""
+"""What a request asks of each decoding step: mlx-lm logits processors for its
+penalties, logit_bias and constrained format (mlx_dflash.DecodeConfig: DFlash's
+verify applies them per row, mlx_dflash/logits.py), and the log-probability
+entries of the OpenAI APIs (per plain step: logprobs decode plainly)."""
 
 from __future__ import annotations
 
@@ -15,22 +15,12 @@ from .structured import Constrained
 
 
 def fallback_reason(req) -> Optional[str]:
-    """Why this request needs plain decoding (options DFlash's verify step cannot apply)."""
-    why = []
+    """Why this request needs plain decoding (logprobs: the OpenAI entries are
+    per plain step), or None; penalties, logit_bias and a format do not (the
+    verify applies their processors)."""
     if req.n_logprobs() is not None:
-        why.append("logprobs")
-    for k in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, k):
-            why.append(k)
-    if req.repetition_penalty not in (None, 1.0):
-        why.append("repetition_penalty")
-    if req.logit_bias:
-        why.append("logit_bias")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None:
-        why.append(fmt.label)
-    return f"{', '.join(why)} requested (plain decoding applies {'them' if len(why) > 1 else 'it'})" \
-        if why else None
+        return "logprobs requested (plain decoding reports them per step)"
+    return None
 
 
 def logits_processors(req, tok, logit_width: int, n_prompt: int, max_tokens: int) -> List:

@@ -3,8 +3,9 @@
 grammar and gives, at every step, the set of tokens that keep the output a
 valid prefix; the others get -inf before sampling, so each token is drawn from
 the model's distribution restricted to valid tokens and renormalized (the
-constrained distribution, exactly). It runs on plain decoding, like the other
-logits processors: `dflash.mode` / `dflash.fallback` say so."""
+constrained distribution, exactly). Like the other logits processors it runs
+inside DFlash's verify (mlx_dflash/logits.py): each verify row is masked after
+its own history, so the accepted tokens are what plain decoding would draw."""
 
 from __future__ import annotations
 
@@ -85,20 +86,39 @@ def ll_tokenizer(tok, n_vocab: int):
 
 
 class Constrained:
-    """A logits processor for mlx-lm's generate_step: consumes the tokens drawn
-    so far, masks every token the grammar does not allow next."""
+    """A logits processor for mlx-lm's generate_step and DFlash's verify: masks
+    every token the grammar does not allow next. History-based: it keeps the
+    generated ids it consumed, and a call whose history is not an extension of
+    them (a verify row, then the accepted prefix) rolls the matcher back to the
+    common prefix first. The matcher never enters its error state: a history
+    with a token the grammar forbids (a row past a rejected draft) consumes its
+    valid prefix only and leaves that row's logits as they are (the acceptance
+    stops at that draft: the row before it forbids it)."""
 
     def __init__(self, fmt: Format, tok, n_vocab: int, n_prompt: int):
         import llguidance
 
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tok, n_vocab), fmt.grammar)
-        self.n_prompt, self.seen, self.n_vocab = n_prompt, 0, n_vocab
+        self.n_prompt, self.ids, self.n_vocab = n_prompt, [], n_vocab
 
     def __call__(self, tokens, logits):
-        new = tokens[self.n_prompt + self.seen:].tolist() if tokens.size > self.n_prompt + self.seen else []
-        for t in new:
-            self.matcher.consume_token(int(t))
-            self.seen += 1
+        ids = tokens[self.n_prompt:].tolist() if tokens.size > self.n_prompt else []
+        k = 0
+        for a, b in zip(self.ids, ids):
+            if a != b:
+                break
+            k += 1
+        if k < len(self.ids):
+            self.matcher.rollback(len(self.ids) - k)
+            del self.ids[k:]
+        new = ids[k:]
+        if new:
+            ok = self.matcher.validate_tokens(new)
+            if ok:
+                self.matcher.consume_tokens(new[:ok])
+                self.ids += new[:ok]
+            if ok < len(new):  # a history the grammar forbids: this row is never used
+                return logits
         if self.matcher.is_error():
             raise ValueError(f"constrained decoding failed: {self.matcher.get_error()}")
         return masked(self.matcher, logits)
@@ -113,4 +133,6 @@ def masked(matcher, logits):
     allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
     if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's words: never valid
         allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - allowed.shape[0], bool)])
+    if not allowed.any():
+        raise ValueError("constrained decoding failed: the grammar allows no next token")
     return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
