@@ -102,7 +102,7 @@ class DecodeConfig:
         """Whether decoding a prompt of that many tokens grows a drafter context
         (what a prompt store entry must cover to be reused for it)."""
         too_long = self.max_context is not None and prompt_tokens > self.max_context  # (decoder.py: plain)
-        return drafter is not None and self.verify_mode != "off" and not too_long
+        return drafter is not None and self.verify_mode != "off" and not too_long and not self.needs_plain
 
     def width(self, limit: int, what: str) -> int:
         """The verify width, checked against `limit` (the drafter's trained block size)."""

@@ -38,7 +38,7 @@ class GenRequest:
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, float]] = None
     template_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
-    response_format: Any = None  # structured.Format: a constrained decode (plain decoding applies it)
+    response_format: Any = None  # structured.Format: a constrained decode (inside the verify)
 
     def limit(self) -> Optional[int]:
         return self.max_tokens

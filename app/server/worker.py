@@ -444,8 +444,6 @@ class Worker:
             gen = split.stream(ids, cfg)
         elif batch is not None:  # decoded in the batch, the prompt store looked up there (batcher.py)
             gen = batch.stream(ids, cfg)
-        elif fallback:  # one request's own processors: nothing to share through the prompt store
-            gen = stream_generate(lm.model, tok, ids, lm.drafter, config=cfg)
         else:
             if self.store is None:
                 self.store = PromptStore(store_budget(self.catalog))
