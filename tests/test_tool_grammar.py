@@ -78,6 +78,7 @@ VALID = [
     '\n{\n  "name": "Bash",\n  "arguments": {"command": "ls", "timeout": [1, {"a": null}]}\n}\n</tool_call>',
     '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
     '\n{"name": "Wide", "arguments": {"k0": 1, "k2": 2, "k7": 3}}\n</tool_call>',
+    '\n{"arguments": {"file_path": "x"}, "name": "Read"}\n</tool_call>',
 ]
 INVALID = [  # (text, the piece the grammar must refuse)
     ('\n{"name": "calculator", "arguments": {}}\n</tool_call>', "calculator"),  # not offered

@@ -118,7 +118,8 @@ def grammar(tok, tools: List[dict]) -> str:
     for i, t in enumerate(tools):
         fn = t["function"]
         alts.append(f"c{i}")
-        rules.append(f'c{i}: "\\"name\\"" ws ":" ws {_lit(fn["name"])} ws "," ws "\\"arguments\\"" ws ":" ws a{i}')
+        name, args = f'"\\"name\\"" ws ":" ws {_lit(fn["name"])}', f'"\\"arguments\\"" ws ":" ws a{i}'
+        rules.append(f'c{i}: {name} ws "," ws {args} | {args} ws "," ws {name}')  # either order parses
         rules += _arguments(fn, f"a{i}")
     end = _marker_id(tok, tok.tool_call_end)
     head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", f"WS: /{WS}/",
