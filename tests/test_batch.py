@@ -253,14 +253,10 @@ def like_plain_sampling(model, tok, prompt, streams, **options) -> tuple:
     return chi2_contingency(table).pvalue, len(keys)
 
 
-def test_sampled_rows_keep_the_target_distribution(pairs):
-    """The joint law of 3 tokens, sampled by rows of a batch (a drafted fixed
-    block, DFlash 2's sampled selector path not involved) vs plain sampling alone."""
-    d = pairs("qwen3", version=1)
-    model, tok, _ = load(str(d / "target"))
-    prompt = "def f(x):"
-    greedy = generate(model, tok, prompt, None, max_tokens=3).token_ids
-    n = 320
+def sampled_rows(model, tok, prompt, block, n, seed, **options):
+    """n rows of a batch sampling 3 tokens of `prompt` (temperature 1.5, top-k 3,
+    `options`), each drafting `block` (a fixed proposal) every cycle at width 3.
+    Returns (each row's tokens, drafter proposals made, drafts accepted)."""
 
     class Fixed(RowOracles):
         def make_cache(self, window=None, sink=0):
@@ -268,11 +264,11 @@ def test_sampled_rows_keep_the_target_distribution(pairs):
 
         def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
             self.tried += 1
-            return Proposal(greedy[1:width], None, [1.0] * (width - 1))
+            return Proposal(block[1:width], None, [1.0] * (width - 1))
 
     drafter = Fixed([])
     eng = BatchEngine(model, tok, drafter, max_batch=8, policy=FixedBatchWidth(3))
-    uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3, seed=50_000 + s))
+    uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3, seed=seed + s, **options))
             for s in range(n)]
     got = {u: [] for u in uids}
     accepted = 0
@@ -280,8 +276,19 @@ def test_sampled_rows_keep_the_target_distribution(pairs):
         got[u].append(r.token)
         if r.finish_reason:
             accepted += r.stats.accepted
-    pvalue, outcomes = like_plain_sampling(model, tok, prompt, got.values())
-    assert drafter.tried > 0 and accepted > 0 and outcomes > 3
+    return list(got.values()), drafter.tried, accepted
+
+
+def test_sampled_rows_keep_the_target_distribution(pairs):
+    """The joint law of 3 tokens, sampled by rows of a batch (a drafted fixed
+    block, DFlash 2's sampled selector path not involved) vs plain sampling alone."""
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt = "def f(x):"
+    greedy = generate(model, tok, prompt, None, max_tokens=3).token_ids
+    got, tried, accepted = sampled_rows(model, tok, prompt, greedy, 320, 50_000)
+    pvalue, outcomes = like_plain_sampling(model, tok, prompt, got)
+    assert tried > 0 and accepted > 0 and outcomes > 3
     assert pvalue > 1e-3
 
 

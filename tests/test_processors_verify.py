@@ -13,16 +13,14 @@ import mlx.core as mx
 import pytest
 from drafters import FixedDrafter, OracleDrafter
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_logits_processors
-from test_batch import RowOracles, like_plain_sampling, model_of, run_engine
+from test_batch import RowOracles, like_plain_sampling, model_of, run_engine, sampled_rows
 from test_batch_lookup import MAXES, prompts_for
 
 from app.server.structured import Constrained, parse_format
 from mlx_dflash import DecodeConfig, generate, load
 from mlx_dflash.batch import BatchEngine
 from mlx_dflash.batch_policy import FixedBatchWidth
-from mlx_dflash.drafter import Proposal
 
 PROMPTS = ["def fibonacci(n):", "The answer is", "import os\nimport sys\nimport os\nimport"]
 MAX = 20
@@ -248,30 +246,10 @@ def test_batch_sampled_rows_with_processors_keep_the_distribution(pairs):
     top = generate(model, tok, prompt, None, max_tokens=3).token_ids
     bias = {t: -1.5 for t in top}
     greedy = generate(model, tok, prompt, None, max_tokens=3, logits_processors=make_logits_processors(bias)).token_ids
-    n = 320
-
-    class Fixed(RowOracles):
-        def make_cache(self, window=None, sink=0):
-            return [KVCache()]
-
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
-            self.tried += 1
-            return Proposal(greedy[1:width], None, [1.0] * (width - 1))
-
-    drafter = Fixed([])
-    eng = BatchEngine(model, tok, drafter, max_batch=8, policy=FixedBatchWidth(3))
-    uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3, seed=70_000 + s,
-                                            logits_processors=make_logits_processors(bias)))
-            for s in range(n)]
-    got = {u: [] for u in uids}
-    accepted = 0
-    for u, r in eng.run():
-        got[u].append(r.token)
-        if r.finish_reason:
-            accepted += r.stats.accepted
-    pvalue, outcomes = like_plain_sampling(model, tok, prompt, got.values(),
-                                           logits_processors=make_logits_processors(bias))
-    assert drafter.tried > 0 and accepted > 0 and outcomes > 3
+    got, tried, accepted = sampled_rows(model, tok, prompt, greedy, 320, 70_000,
+                                        logits_processors=make_logits_processors(bias))
+    pvalue, outcomes = like_plain_sampling(model, tok, prompt, got, logits_processors=make_logits_processors(bias))
+    assert tried > 0 and accepted > 0 and outcomes > 3
     assert pvalue > 1e-3
 
 
