@@ -160,12 +160,15 @@ def test_tool_choice_opens_the_call_in_the_prompt(tok):
     assert not all(allowed_path(tool_grammar.processor(req, tok, V, prompt), prompt, call_ids(tok, '{"command": "ls"}')))
 
 
-def test_formats_without_a_grammar_are_left_alone():
+def test_formats_without_a_grammar_are_left_alone(tok, monkeypatch):
     plain = SimpleNamespace(has_tool_calling=False)
     assert "no tool-call format" in tool_grammar.unsupported(plain)
     xml = SimpleNamespace(has_tool_calling=True, tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.qwen3_coder"),
                           tool_call_start="<tool_call>", tool_call_end="</tool_call>")
     assert "qwen3_coder" in tool_grammar.unsupported(xml)
+    assert grammar_for(tok) is not None
+    monkeypatch.setattr(tool_grammar, "llguidance", None)  # a platform without its wheel: calls as written
+    assert "llguidance" in tool_grammar.unsupported(tok) and grammar_for(tok) is None
 
 
 def generated(model, tok, prompt, procs, n=60):

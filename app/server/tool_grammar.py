@@ -1,13 +1,15 @@
 """Tool calls the client can run. Once the model opens a call (the tokenizer's
 tool-call start marker, as it chose to), the call is decoded under a grammar:
 a JSON object whose `name` is one of the offered tools and whose `arguments`
-are a JSON object (the tool's own schema when the client marked it `strict`),
-then the end marker. Before and after a call the model's text is untouched;
-inside one, each token is drawn from the model's distribution restricted to
-tokens that keep the call valid (llama.cpp's lazy tool grammar). A call the
-model writes validly is kept as written (any whitespace, any argument keys);
-one that would name a tool the client does not have, or never close its JSON,
-becomes a call the client can run, instead of text that is neither.
+fit that tool (`_arguments`: its keys and their value schemas when its schema
+allows no other keys, its whole schema when the client marked it `strict`, any
+JSON object otherwise), then the end marker. Before and after a call the model's
+text is untouched; inside one, each token is drawn from the model's
+distribution restricted to tokens that keep the call valid (llama.cpp's lazy
+tool grammar). A call the model writes validly is kept as written (any JSON
+layout, keys in any order); one that would name a tool the client does not
+have, repeat or invent a key, or never close its JSON, becomes a call the
+client can run, instead of text that is neither.
 
 The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
 Hermes) with single-token markers; other formats decode as the model writes.
@@ -17,6 +19,11 @@ from __future__ import annotations
 
 import json
 from typing import List, Optional
+
+try:
+    import llguidance
+except ImportError:  # (a dependency; where its wheel is missing, calls are served as the model writes them)
+    llguidance = None
 
 from .structured import ll_tokenizer, masked
 from .tools import GenRequest, forced_name, parser_name, template_tools
@@ -32,6 +39,8 @@ def _marker_id(tok, marker: Optional[str]) -> Optional[int]:
 
 def unsupported(tok) -> Optional[str]:
     """Why this tokenizer's tool calls get no grammar (None: they do)."""
+    if llguidance is None:
+        return "llguidance is not installed (pip install llguidance)"
     if not getattr(tok, "has_tool_calling", False):
         return "the model has no tool-call format"
     if parser_name(tok) != "json_tools":
@@ -47,8 +56,6 @@ def _lit(s: str) -> str:
 
 
 def _compiles(schema) -> bool:
-    import llguidance
-
     try:
         return not llguidance.LLMatcher.validate_grammar(
             llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
@@ -151,8 +158,6 @@ class ToolCallGrammar:
                 self._open(0)
 
     def _open(self, at: int) -> None:
-        import llguidance
-
         self.matcher = llguidance.LLMatcher(self.llt, self.text)
         if at == 0 and self.pre:
             if self.matcher.validate_tokens(self.pre) < len(self.pre):
