@@ -27,6 +27,8 @@ from mlx_lm.models.cache import KVCache
 
 import pytest
 
+import mlx_dflash
+from mlx_dflash.discovery import models_dir
 from mlx_dflash.drafter import Proposal
 
 # Qwen2.5-style tool template (mlx-lm infers its json_tools parser from it)
@@ -230,6 +232,17 @@ class OneModelCatalog:
 
     def prompt_cache_bytes(self):
         return self.budget
+
+
+class EmbeddedCatalog(OneModelCatalog):
+    """The server's worker on the embedded pair (target + DFlash 2 drafter), with `settings`."""
+
+    def __init__(self, settings, budget_mb=64):
+        super().__init__("embedded/target", settings, budget_mb << 20)
+
+    def load(self, model_id):  # on the worker's thread: MLX streams belong to the thread that made them
+        model, tok, drafter = mlx_dflash.load(str(models_dir() / "target"), str(models_dir() / "dflash2"))
+        return SimpleNamespace(id=self.model_id, model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
 class ScriptCatalog(OneModelCatalog):

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from scripted import Script, ScriptCatalog, tool_tokenizer
+import uvicorn
+from scripted import EmbeddedCatalog, Script, ScriptCatalog, tool_tokenizer
 
 from app.server import create_app
 from app.server.security import STATS_KEY
+from mlx_dflash.settings_schema import ModelSettings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -135,12 +137,9 @@ def clis():
     return bins
 
 
-@pytest.fixture(scope="module")
-def server(pairs, tmp_path_factory):
-    import uvicorn
-
-    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("agent-tok"))
-    app = Recorder(create_app(AgentCatalog(tok), model="script", api_key=KEY))
+def _serve(catalog, model):
+    """create_app(catalog) behind a Recorder on a free loopback port: (recorder, url, server, its thread)."""
+    app = Recorder(create_app(catalog, model=model, api_key=KEY))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -150,17 +149,33 @@ def server(pairs, tmp_path_factory):
         assert time.monotonic() < deadline and thread.is_alive(), "test server did not start"
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    yield app, f"http://127.0.0.1:{port}"
+    return app, f"http://127.0.0.1:{port}", srv, thread
+
+
+@pytest.fixture(scope="module")
+def server(pairs, tmp_path_factory):
+    tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("agent-tok"))
+    app, url, srv, thread = _serve(AgentCatalog(tok), "script")
+    yield app, url
     srv.should_exit = True
     thread.join(10)
 
 
-def _claude_env(home, url):
+@pytest.fixture(scope="module")
+def embedded_server():
+    """The embedded model with the default settings."""
+    app, url, srv, thread = _serve(EmbeddedCatalog(ModelSettings()), "embedded/target")
+    yield app, url
+    srv.should_exit = True
+    thread.join(10)
+
+
+def _claude_env(home, url, model="script"):
     # the README's configuration: the server's URL and key; the model names until the
     # server answers any name with the served model (issue 22, item 2)
     env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": KEY,
-           "ANTHROPIC_MODEL": "script", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "script",
-           "ANTHROPIC_SMALL_FAST_MODEL": "script",
+           "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+           "ANTHROPIC_SMALL_FAST_MODEL": model,
            "API_TIMEOUT_MS": "1800000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
            "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     env.pop("ANTHROPIC_API_KEY", None)
@@ -206,6 +221,39 @@ def test_claude_code_tool_round_trip(clis, server, tmp_path):
     assert out["result"].startswith("Answer: ") and NOTE in out["result"]  # the model read the tool's output
     calls = _api_calls(seen, "/v1/messages")
     assert len(calls) >= 2 and calls[-1]["cached"] > 0  # the second turn continued from the cached first
+    assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)
+
+
+SMALL_SYSTEM = "You are a coding agent. To read a file, call the Read tool with its file_path."
+
+
+def test_claude_code_runs_the_embedded_models_own_tool_call(clis, embedded_server, tmp_path):
+    """The README's small-model configuration of Claude Code against the embedded
+    model with default settings: the model's own call, held to the offered tool and
+    its keys by the tool-call grammar, is one Claude Code accepts and runs, and its
+    result goes back to the model (up to Claude Code's --max-turns); every API request
+    is answered 200."""
+    app, url = embedded_server
+    home, work = _work(tmp_path)
+    start = len(app.seen)
+    env = {**_claude_env(home, url, "embedded/target"), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}
+    r = subprocess.run([str(clis["claude"]), "-p", "What is hello.txt for?", "--max-turns", "3", "--output-format",
+                        "json", "--allowedTools", "Read", "--tools", "Read", "--system-prompt", SMALL_SYSTEM],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
+    seen = app.seen[start:]
+    _report("claude -p (embedded model)", seen)
+    out = json.loads(r.stdout)
+    assert out["subtype"] in ("success", "error_max_turns"), (r.stdout[-2000:], r.stderr[-2000:])
+    blocks = [b for f in (home / ".claude" / "projects").glob("*/*.jsonl") for line in f.read_text().splitlines()
+              for b in (json.loads(line).get("message") or {}).get("content") or [] if isinstance(b, dict)]
+    uses = [b for b in blocks if b.get("type") == "tool_use"]
+    results = [b for b in blocks if b.get("type") == "tool_result"]
+    assert uses and all(u["name"] == "Read" and "file_path" in u["input"] for u in uses), uses
+    assert len(results) == len(uses)  # each call was run and its result sent back
+    assert not any("InputValidationError" in json.dumps(x.get("content")) for x in results)  # inputs fit the schema
+    calls = _api_calls(seen, "/v1/messages")
+    # the next request carries the result, from the cached conversation
+    assert len(calls) >= 2 and all(c["cached"] > 0 for c in calls[1:])
     assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)
 
 

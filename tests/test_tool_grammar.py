@@ -22,7 +22,7 @@ from app.server.tools import GenRequest, ToolStream  # noqa: E402
 from mlx_dflash import DecodeConfig, load, stream_generate  # noqa: E402
 from mlx_dflash.discovery import models_dir  # noqa: E402
 from mlx_dflash.settings_schema import ModelSettings  # noqa: E402
-from scripted import LocalServer, OneModelCatalog  # noqa: E402
+from scripted import EmbeddedCatalog, LocalServer  # noqa: E402
 
 V = 4096
 READ = {"type": "function", "function": {
@@ -232,17 +232,6 @@ def test_grammar_json_is_valid_lark(tok):
 
     assert not llguidance.LLMatcher.validate_grammar(text)
     assert json.dumps(json.dumps("Read")) in text  # the name as a literal of the grammar
-
-
-class EmbeddedCatalog(OneModelCatalog):
-    """The server's worker on the embedded pair, with the given settings."""
-
-    def __init__(self, settings):
-        super().__init__("embedded/target", settings, 16 << 20)
-
-    def load(self, model_id):  # on the worker's thread: MLX streams belong to the thread that made them
-        model, tok, drafter = load(str(models_dir() / "target"), str(models_dir() / "dflash2"))
-        return SimpleNamespace(id=self.model_id, model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
 AGENT_SYSTEM = "You are a coding agent. To read a file, call the Read tool with its file_path."
