@@ -35,10 +35,13 @@ BASH = {"type": "function", "function": {"name": "Bash", "parameters": {
 STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city", "days"], "additionalProperties": False}}}
+ODD = {"type": "function", "function": {"name": "Look", "parameters": {  # keys JSON must escape, or not ASCII
+    "type": "object", "properties": {"naïve": {"type": "string"}, 'q"uote': {"type": "string"}},
+    "additionalProperties": False}}}
 WIDE = {"type": "function", "function": {"name": "Wide", "parameters": {  # past ANY_ORDER: the schema's order
     "type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(tool_grammar.ANY_ORDER + 2)},
     "required": ["k2"], "additionalProperties": False}}}
-TOOLS = [READ, BASH, STRICT, WIDE]
+TOOLS = [READ, BASH, STRICT, WIDE, ODD]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,7 @@ VALID = [
     '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
     '\n{"name": "Wide", "arguments": {"k0": 1, "k2": 2, "k7": 3}}\n</tool_call>',
     '\n{"arguments": {"file_path": "x"}, "name": "Read"}\n</tool_call>',
+    '\n{"name": "Look", "arguments": {"q\\"uote": "a", "naïve": "b"}}\n</tool_call>',
 ]
 INVALID = [  # (text, the piece the grammar must refuse)
     ('\n{"name": "calculator", "arguments": {}}\n</tool_call>', "calculator"),  # not offered

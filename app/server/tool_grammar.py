@@ -54,8 +54,8 @@ def unsupported(tok) -> Optional[str]:
 
 
 def _lit(s: str) -> str:
-    """A JSON string as a Lark literal."""
-    return json.dumps(json.dumps(s))
+    """A JSON string as a Lark literal (non-ASCII as itself, as models write it)."""
+    return json.dumps(json.dumps(s, ensure_ascii=False))
 
 
 def _compiles(schema) -> bool:
