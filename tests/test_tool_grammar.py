@@ -276,3 +276,51 @@ def test_server_calls_through_the_grammar(pair, on):
             assert [u.name for u in uses] == ["Read"] and "file_path" in uses[0].input and m.stop_reason == "tool_use"
         else:
             assert all(u.name != "Read" or "file_path" in u.input for u in uses)
+
+
+def odd_schema(rng, depth=0):
+    """A JSON schema of the kinds clients send, odd ones included."""
+    leaf = [{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "number"}, {"type": "boolean"},
+            {"type": "null"}, {"type": ["string", "null"]}, {"enum": ["a", 1, None]}, {"const": "x"},
+            {"type": "string", "format": "date-time"}, {"type": "string", "pattern": "^[a-z]+$"}, {},
+            {"$ref": "#/$defs/nowhere"}, {"type": "string", "minLength": 5, "maxLength": 2}, {"not": {}},
+            {"type": "weird"}, {"oneOf": [{"type": "string"}, {"type": "integer"}]}, True]
+    if depth > 2 or rng.random() < 0.5:
+        return rng.choice(leaf)
+    if rng.random() < 0.3:
+        return {"type": "array", "items": odd_schema(rng, depth + 1), "maxItems": rng.choice([1, 3])}
+    props = {rng.choice(["path", "q", "n", "é", "a b", "x\"y", "k"]) + str(i): odd_schema(rng, depth + 1)
+             for i in range(rng.randint(0, 9))}
+    return {"type": "object", "properties": props, "required": rng.sample(list(props) + ["missing"], k=min(2, len(props))),
+            "additionalProperties": rng.choice([True, False, {"type": "string"}]),
+            "$defs": {"x": {"type": "string"}}}
+
+
+def test_any_tool_schema_gives_a_grammar_or_none(tok):
+    """Tools as clients send them, odd schemas included: the request gets a grammar
+    (a call can still be completed) or none (its calls go as written), never an error."""
+    rng = random.Random(1)
+    start = tok.encode("<tool_call>", add_special_tokens=False)
+    got = 0
+    for _ in range(40):
+        tools = [{"type": "function", "function": {"name": f"t{i}", "strict": rng.random() < 0.3,
+                                                   "parameters": odd_schema(rng)}} for i in range(rng.randint(1, 4))]
+        proc = grammar_for(tok, tools)
+        if proc is None:
+            continue
+        got += 1
+        h = start + call_ids(tok, '\n{"name": "t0", "arguments": ')
+        logits = mx.zeros((1, V))
+        for i in range(len(h) + 1):
+            m = proc(mx.array([1, 2, 3] + h[:i]), logits)
+        assert (m[0] > -float("inf")).any()  # something may follow
+    assert got > 30
+
+
+def test_an_unclosed_call_earlier_in_the_conversation_opens_nothing(tok):
+    """With tool_choice auto the grammar starts outside a call, whatever earlier
+    turns hold (an unclosed call the model once wrote, kept as text)."""
+    prompt = [1] + tok.encode('<tool_call>\n{"name": "Read", "arguments": {"file_pa', add_special_tokens=False) + [5]
+    proc = grammar_for(tok, prompt=prompt)
+    logits = mx.random.normal((1, V))
+    assert mx.array_equal(proc(mx.array(prompt), logits), logits)

@@ -29,7 +29,7 @@ except ImportError:  # (a dependency; where its wheel is missing, calls are serv
     llguidance = None
 
 from .structured import ll_tokenizer, masked
-from .tools import GenRequest, forced_name, parser_name, template_tools
+from .tools import GenRequest, forced_name, forced_prefix, parser_name, template_tools
 
 
 def _marker_id(tok, marker: Optional[str]) -> Optional[int]:
@@ -149,26 +149,31 @@ _LOCK = threading.Lock()
 
 def _compiled(llt, text: str):
     """A fresh matcher at the grammar's start: a copy of one compiled once (compiling
-    an agent's 24 tools takes ~0.1 s; a copy, microseconds)."""
+    an agent's 24 tools takes ~0.1 s; a copy, microseconds); None if the grammar
+    does not compile (tools whose schemas it cannot take: their calls go as written)."""
     with _LOCK:
         key = (id(llt), text)
         if key not in _COMPILED:
-            _COMPILED[key] = (llt, llguidance.LLMatcher(llt, text))
+            try:
+                m = llguidance.LLMatcher(llt, text)
+            except Exception:  # (it reports errors in the matcher; a raise is not expected)
+                m = None
+            _COMPILED[key] = (llt, None if m is None or m.is_error() else m)
             if len(_COMPILED) > 8:
                 _COMPILED.popitem(last=False)
         _COMPILED.move_to_end(key)
-        return _COMPILED[key][1].deep_copy()
+        m = _COMPILED[key][1]
+        return None if m is None else m.deep_copy()
 
 
 class ToolCallGrammar:
     """A logits processor (the engine's contract: it may be called with histories
     that are not extensions of the last call, as verify rows and rollbacks make
-    them; it keeps its state as a function of the history). `prompt_ids` end
-    inside an open call when tool_choice opened one in the prompt."""
+    them; it keeps its state as a function of the history). `opened`: tool_choice
+    opened the call in the prompt (`prompt_ids` end inside it)."""
 
-    def __init__(self, tok, text: str, n_vocab: int, prompt_ids: List[int]):
-        self.llt = ll_tokenizer(tok, n_vocab)
-        self.text = text
+    def __init__(self, tok, llt, text: str, prompt_ids: List[int], opened: bool = False):
+        self.llt, self.text = llt, text
         self.start = _marker_id(tok, tok.tool_call_start)
         self.n_prompt = len(prompt_ids)
         self.gen: List[int] = []  # the generated ids the state below reflects
@@ -177,11 +182,9 @@ class ToolCallGrammar:
         self.n_in = 0  # generated ids the open call's matcher consumed
         self.dead: Optional[int] = None  # the first position the open call's grammar refused
         self.pre: List[int] = []  # the open call's body already in the prompt (tool_choice)
-        if self.start in prompt_ids:
-            i = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.start)
-            if tok.tool_call_end is None or _marker_id(tok, tok.tool_call_end) not in prompt_ids[i:]:
-                self.pre = list(prompt_ids[i + 1:])
-                self._open(0)
+        if opened and self.start in prompt_ids:
+            self.pre = list(prompt_ids[len(prompt_ids) - prompt_ids[::-1].index(self.start):])
+            self._open(0)
 
     def _open(self, at: int) -> None:
         self.matcher = _compiled(self.llt, self.text)
@@ -257,4 +260,7 @@ def processor(req: GenRequest, tok, n_vocab: int, prompt_ids: List[int]) -> Opti
         return None
     if forced_name(req.tool_choice):
         tools = [t for t in tools if t["function"]["name"] == forced_name(req.tool_choice)]
-    return ToolCallGrammar(tok, grammar(tok, tools), n_vocab, prompt_ids)
+    llt, text = ll_tokenizer(tok, n_vocab), grammar(tok, tools)
+    if _compiled(llt, text) is None:
+        return None
+    return ToolCallGrammar(tok, llt, text, prompt_ids, opened=bool(forced_prefix(req, tok)))
