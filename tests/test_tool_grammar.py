@@ -61,7 +61,7 @@ def call_ids(tok, body: str):
 
 def grammar_for(tok, tools=TOOLS, prompt=None):
     req = GenRequest(model=None, messages=[], tools=tools)
-    return tool_grammar.processor(req, tok, V, prompt or [1, 2, 3])
+    return tool_grammar.call_grammar(req, tok, V, prompt or [1, 2, 3])
 
 
 def allowed_path(proc, prompt, gen):
@@ -158,10 +158,10 @@ def test_tool_choice_opens_the_call_in_the_prompt(tok):
     prompt: the grammar starts inside it."""
     prompt = [5, 6] + tok.encode('<tool_call>\n{"name": "Read", "arguments": ', add_special_tokens=False)
     req = GenRequest(model=None, messages=[], tools=TOOLS, tool_choice={"name": "Read"})
-    proc = tool_grammar.processor(req, tok, V, prompt)
+    proc = tool_grammar.call_grammar(req, tok, V, prompt)
     ok = allowed_path(proc, prompt, call_ids(tok, '{"file_path": "a"}}\n</tool_call>'))
     assert all(ok)
-    assert not all(allowed_path(tool_grammar.processor(req, tok, V, prompt), prompt, call_ids(tok, '{"command": "ls"}')))
+    assert not all(allowed_path(tool_grammar.call_grammar(req, tok, V, prompt), prompt, call_ids(tok, '{"command": "ls"}')))
 
 
 def test_formats_without_a_grammar_are_left_alone(tok, monkeypatch):
@@ -200,7 +200,7 @@ def test_the_embedded_model_calls_an_offered_tool(pair):
     for tools in ([READ], [READ, BASH]):
         prompt = agent_prompt(tok, tools)
         req = GenRequest(model=None, messages=[], tools=tools)
-        out = generated(model, tok, prompt, [tool_grammar.processor(req, tok, V, prompt)])
+        out = generated(model, tok, prompt, [tool_grammar.call_grammar(req, tok, V, prompt)])
         ts = ToolStream(tok, tools)
         calls = [e[1] for e in ts.feed(tok.decode(out)) + ts.finish() if e[0] == "call"]
         assert calls, tok.decode(out)
@@ -221,9 +221,9 @@ def test_dflash_with_the_grammar_is_mlx_lm_with_it(pair, width):
                      ([BASH], "Say hi.")):
         prompt = agent_prompt(tok, tools, q)
         req = GenRequest(model=None, messages=[], tools=tools)
-        want = generated(model, tok, prompt, [tool_grammar.processor(req, tok, V, prompt)], 48)
+        want = generated(model, tok, prompt, [tool_grammar.call_grammar(req, tok, V, prompt)], 48)
         cfg = DecodeConfig(max_tokens=48, block_size=width, verify_mode="dflash",
-                           logits_processors=[tool_grammar.processor(req, tok, V, prompt)])
+                           logits_processors=[tool_grammar.call_grammar(req, tok, V, prompt)])
         rs = list(stream_generate(model, tok, prompt, drafter, config=cfg))
         got = [r.token for r in rs if r.token not in tok.eos_token_ids]
         assert got == want, (tok.decode(got), tok.decode(want))

@@ -253,7 +253,7 @@ class ToolCallGrammar:
         return masked(self.matcher, logits)
 
 
-def processor(req: GenRequest, tok, n_vocab: int, prompt_ids: List[int]) -> Optional[ToolCallGrammar]:
+def call_grammar(req: GenRequest, tok, n_vocab: int, prompt_ids: List[int]) -> Optional[ToolCallGrammar]:
     """The request's tool-call grammar, or None (no tools offered, or a format without one)."""
     tools = template_tools(req)
     if not tools or unsupported(tok) is not None:

@@ -26,7 +26,7 @@ from .catalog import Counters, Job, store_budget, context_limit
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .reasoning import ThinkStream, opens_thinking
-from . import tool_grammar
+from .tool_grammar import call_grammar
 from .prompt_ids import prompt_ids, text_chars, too_long
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
@@ -430,7 +430,7 @@ class Worker:
         procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens or settings.max_tokens)
         # (a split target runs no processors: its ranks would each need the same state)
         if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and split is None:
-            calls = tool_grammar.processor(req, tok, n_vocab, ids)
+            calls = call_grammar(req, tok, n_vocab, ids)
             if calls is not None:
                 procs.append(calls)
         cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
