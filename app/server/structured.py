@@ -103,11 +103,7 @@ class Constrained:
 
     def __call__(self, tokens, logits):
         ids = tokens[self.n_prompt:].tolist() if tokens.size > self.n_prompt else []
-        k = 0
-        for a, b in zip(self.ids, ids):
-            if a != b:
-                break
-            k += 1
+        k = common_prefix(self.ids, ids)
         if k < len(self.ids):
             self.matcher.rollback(len(self.ids) - k)
             del self.ids[k:]
@@ -122,6 +118,14 @@ class Constrained:
         if self.matcher.is_error():
             raise ValueError(f"constrained decoding failed: {self.matcher.get_error()}")
         return masked(self.matcher, logits)
+
+
+def common_prefix(seen: list, ids: list) -> int:
+    """How many of the ids a processor consumed (`seen`) begin the history `ids`
+    (all of them, the usual case, is checked at C speed)."""
+    if ids[: len(seen)] == seen:
+        return len(seen)
+    return next(i for i, (a, b) in enumerate(zip(seen, ids + [None])) if a != b)
 
 
 def masked(matcher, logits):

@@ -28,7 +28,7 @@ try:
 except ImportError:  # (a dependency; where its wheel is missing, calls are served as the model writes them)
     llguidance = None
 
-from .structured import ll_tokenizer, masked
+from .structured import common_prefix, ll_tokenizer, masked
 from .tools import GenRequest, forced_name, forced_prefix, parser_name, template_tools
 
 
@@ -241,9 +241,7 @@ class ToolCallGrammar:
 
     def __call__(self, tokens, logits):
         gen = tokens[self.n_prompt:].tolist() if tokens.size > self.n_prompt else []
-        k = len(self.gen)
-        if gen[:k] != self.gen:  # a verify row or a rollback: back to the common prefix
-            k = next(i for i, (a, b) in enumerate(zip(self.gen, gen + [None])) if a != b)
+        k = common_prefix(self.gen, gen)  # shorter than what it has: a verify row or a rollback
         if k < len(self.gen):
             self._rewind(k)
         for t in gen[k:]:
