@@ -11,29 +11,26 @@ import subprocess
 import sys
 
 import mlx_dflash  # (fast BLAS before anything imports mlx)
-from mlx_dflash import fastblas
+from app.errors import UserError
+from mlx_dflash.platform import fastblas
 
 # name -> module under app/
 COMMANDS = {
-    "generate": "app.generate_cmd",
+    "generate": "app.commands.generate",
     "chat": "app.chat",
     "serve": "app.server",
-    "models": "app.models_cmd",
-    "settings": "app.settings_cmd",
-    "bench": "app.bench",
-    "train-drafter": "app.train_cmd",
-    "inspect": "app.inspect_cmd",
-    "doctor": "app.doctor",
+    "models": "app.commands.models",
+    "settings": "app.commands.settings",
+    "bench": "app.bench.command",
+    "train-drafter": "app.commands.train",
+    "inspect": "app.commands.inspect",
+    "doctor": "app.commands.doctor",
 }
 
 
-class UserError(Exception):
-    """An error the user caused; printed as one line, no traceback."""
-
-
 def _user_errors():
-    from mlx_dflash.hub import HubError
-    from mlx_dflash.target import TargetError
+    from mlx_dflash.platform.hub import HubError
+    from mlx_dflash.target.adapter import TargetError
 
     return (UserError, HubError, TargetError, ValueError, FileNotFoundError, PermissionError)
 
@@ -71,7 +68,7 @@ def _first_start(argv) -> None:
     if fastblas.ready() or os.environ.get("MLX_DFLASH_PREPARED") == "1":
         return
     sys.stderr.write("mlx-dflash: preparing the fast BLAS for this machine (once, about a minute)...\n")
-    r = subprocess.run([sys.executable, "-c", "from mlx_dflash import fastblas; fastblas.prepare()"])
+    r = subprocess.run([sys.executable, "-c", "from mlx_dflash.platform import fastblas; fastblas.prepare()"])
     os.environ["MLX_DFLASH_PREPARED"] = "1"  # whatever happened: never a loop of restarts
     if r.returncode == 0:
         sys.stdout.flush()

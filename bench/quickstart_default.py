@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.bench_prompts import load_prompts  # noqa: E402
+from app.bench.prompts import load_prompts  # noqa: E402
 from mlx_dflash import generate  # noqa: E402
-from mlx_dflash.manager import load_model  # noqa: E402
-from mlx_dflash.settings_checks import settings_store  # noqa: E402
+from mlx_dflash.models.manager import load_model  # noqa: E402
+from mlx_dflash.models.settings_checks import settings_store  # noqa: E402
 
 
 def main():

@@ -40,9 +40,9 @@ SYSTEM = ("You are a coding agent working in the mlx-dflash repository (speculat
           "Read the files you are given with care, answer precisely, cite function names, and propose small, "
           "tested changes. Never invent APIs. Keep answers short.\n\n# Tools\n"
           + "\n".join(json.dumps(t) for t in TOOLS) + "\n\n# Repository guide\n" + (ROOT / "README.md").read_text()[:6000])
-FILES = ["mlx_dflash/decode_config.py", "mlx_dflash/prompt_cache.py", "mlx_dflash/decoder.py", "mlx_dflash/modes.py",
-         "mlx_dflash/costs.py", "mlx_dflash/calibrate.py", "mlx_dflash/policy.py", "mlx_dflash/drafter.py",
-         "mlx_dflash/target.py", "mlx_dflash/prompt_store.py", "mlx_dflash/stats.py", "mlx_dflash/sampling.py"]
+FILES = ["mlx_dflash/engine/decode_config.py", "mlx_dflash/cache/prompt_cache.py", "mlx_dflash/engine/decoder.py", "mlx_dflash/policy/registry.py",
+         "mlx_dflash/policy/costs.py", "mlx_dflash/engine/calibrate.py", "mlx_dflash/policy/guard.py", "mlx_dflash/drafting/drafter.py",
+         "mlx_dflash/target/adapter.py", "mlx_dflash/cache/prompt_store.py", "mlx_dflash/engine/stats.py", "mlx_dflash/engine/sampling.py"]
 QUESTIONS = ["What does this file define? List its public names.", "Which function here would a long prompt slow "
              "down, and why?", "Write a one-line docstring for the first class.", "Where is state mutated here?",
              "Which of these functions could raise on bad input?", "Summarise the control flow in three steps."]

@@ -1,7 +1,7 @@
 """Concurrency benchmark (issue 24): N streams arrive at once; aggregate
 tokens/s, per-stream time to first token and inter-token latency, for
 
-- dflash-batched: mlx_dflash.batch.BatchEngine (the batch guard picks each
+- dflash-batched: mlx_dflash.engine.batch.BatchEngine (the batch guard picks each
   cycle's width from c(w, B) and live acceptance; plain batched where drafting
   does not pay),
 - dflash-batched-w5: the same engine at a fixed width 5 (drafting every cycle),
@@ -39,9 +39,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 from mlx_dflash import DecodeConfig, stream_generate  # noqa: E402
-from mlx_dflash.batch import BatchEngine  # noqa: E402
-from mlx_dflash.batch_policy import FixedBatchWidth  # noqa: E402
-from mlx_dflash.loader import load  # noqa: E402
+from mlx_dflash.engine.batch import BatchEngine  # noqa: E402
+from mlx_dflash.policy.batch import FixedBatchWidth  # noqa: E402
+from mlx_dflash.models.loader import load  # noqa: E402
 import bench_lookup  # noqa: E402
 
 
@@ -149,8 +149,8 @@ def rollback_cost(model, B: int, context: int, w: int, rounds: int = 5) -> dict:
     vs when rows drop different counts (rows rolled right by the difference)."""
     import random
 
-    from mlx_dflash import batch_cache as bc
-    from mlx_dflash.target import Target
+    from mlx_dflash.engine import batch_cache as bc
+    from mlx_dflash.target.adapter import Target
 
     t = Target(model)
     ids = ((mx.arange(context) * 7919 + 11) % t.vocab_size).tolist()

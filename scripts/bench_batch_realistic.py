@@ -1,12 +1,12 @@
 """Concurrency benchmark in the realistic regime (issue 24, item 6): N streams
 arrive at once on a target of a published shape (random weights) with a
 drafter of the published DFlash 2 shape whose forward runs for real and whose
-accuracy is replayed (app/bench_realistic.py: each row proposes its own
+accuracy is replayed (app/bench/realistic.py: each row proposes its own
 target's greedy continuation for an accept length drawn with the published
 tau, then wrong tokens). Aggregate tokens/s, per-stream time to first token
 and inter-token latency for
 
-- dflash-batched: mlx_dflash.batch.BatchEngine with the batch guard (width per
+- dflash-batched: mlx_dflash.engine.batch.BatchEngine with the batch guard (width per
   cycle from c(w, B) and live acceptance; plain batched where drafting does not
   pay), its batched drafter forward paid, each row's drafts replayed,
 - dflash-batched-wW (--fixed-widths): the same engine drafting at width W every cycle,
@@ -45,19 +45,19 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
-from app.bench_realistic import (TARGETS, Replay, ReplayDrafter, alpha_for, build_drafter, build_target,  # noqa: E402
+from app.bench.realistic import (TARGETS, Replay, ReplayDrafter, alpha_for, build_drafter, build_target,  # noqa: E402
                                  word_tokenizer)
-from app.bench_report import machine_info  # noqa: E402
-from app.bench_runs import run_mlx_lm as run_single  # noqa: E402
-from app.bench_runs import run_ours  # noqa: E402
+from app.bench.report import machine_info  # noqa: E402
+from app.bench.runs import run_mlx_lm as run_single  # noqa: E402
+from app.bench.runs import run_ours  # noqa: E402
 from bench_batch import run_mlx_lm as run_plain_batched  # noqa: E402
 from bench_batch import summarize  # noqa: E402
 from mlx_dflash import DecodeConfig  # noqa: E402
-from mlx_dflash.batch import BatchEngine  # noqa: E402
-from mlx_dflash.batch_costs import MEASURED_B, BatchCosts, measure  # noqa: E402
-from mlx_dflash.batch_policy import FixedBatchWidth  # noqa: E402
-from mlx_dflash.calibrate import Calibration  # noqa: E402
-from mlx_dflash.costs import Costs, interpolate  # noqa: E402
+from mlx_dflash.engine.batch import BatchEngine  # noqa: E402
+from mlx_dflash.engine.batch_costs import MEASURED_B, BatchCosts, measure  # noqa: E402
+from mlx_dflash.policy.batch import FixedBatchWidth  # noqa: E402
+from mlx_dflash.engine.calibrate import Calibration  # noqa: E402
+from mlx_dflash.policy.costs import Costs, interpolate  # noqa: E402
 
 
 class ReplayBatchEngine(BatchEngine):

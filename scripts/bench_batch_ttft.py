@@ -13,8 +13,8 @@ import time
 from bench_batch import prompts, summarize
 
 from mlx_dflash import DecodeConfig
-from mlx_dflash.batch import BatchEngine
-from mlx_dflash.loader import load
+from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.models.loader import load
 
 
 def run(model, tok, drafter, ps, max_tokens, together):

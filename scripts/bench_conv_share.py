@@ -12,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: F401,E402
-from mlx_dflash import generate, load  # noqa: E402
+from mlx_dflash import generate
+from mlx_dflash import load  # noqa: E402
 
 PROMPTS = [json.loads(l)["messages"] for l in open("runs/data/gsm8k_dev.jsonl")][:8] if Path("runs/data/gsm8k_dev.jsonl").exists() else None
 

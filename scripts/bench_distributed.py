@@ -19,16 +19,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the fixtures: make_test_pair, tiny_families
 
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from make_test_pair import make_drafter  # noqa: E402
 from tiny_families import build, config  # noqa: E402
 
-from mlx_dflash.calibrate import measure_costs  # noqa: E402
-from mlx_dflash.distributed import (DistributedCalibration, ShardedTarget, forward_ops, measure_comm,  # noqa: E402
-                                    split_model, world)
+from mlx_dflash.engine.calibrate import measure_costs  # noqa: E402
+from mlx_dflash.engine.distributed import DistributedCalibration, ShardedTarget, forward_ops, measure_comm, split_model, world
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=3072, num_attention_heads=16,
              num_key_value_heads=8, head_dim=64, vocab_size=16384)

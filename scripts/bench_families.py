@@ -27,8 +27,8 @@ from drafters import OracleDrafter, PrefixOracle, reference_tokens  # noqa: E402
 from tiny_families import FAMILIES, build  # noqa: E402
 
 from mlx_dflash import generate  # noqa: E402
-from mlx_dflash.rollback import leaves  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.target.rollback import leaves  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
 
 QUANT = {"qwen3:q4": dict(bits=4, group_size=64), "qwen3_next:q4": dict(bits=4, group_size=32),
          "gpt_oss:q8": dict(bits=8, group_size=32), "lfm2:mixed": dict(bits="mixed", group_size=32),

@@ -2,7 +2,7 @@
 and bounded to a sink + window (issue 23; bench/long_context.md).
 
 A DFlash 2 drafter of the published shape for a Qwen3-0.6B-shaped target
-(app/bench_realistic.py's build_target / build_drafter: random weights, cost
+(app/bench/realistic.py's build_target / build_drafter: random weights, cost
 does not depend on them) gets `n` context rows (random target features), then
 each timed draft takes `new` fresh rows into its context and runs the drafter's
 forward over a block of `width` (the context update and the layers: the part of
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_dflash  # noqa: E402,F401 (first: it binds mlx-cpu to the fast BLAS, fastblas.py)
 import mlx.core as mx  # noqa: E402
 
-from app.bench_realistic import build_drafter, build_target  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from app.bench.realistic import build_drafter, build_target  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
 
 
 def fill(drafter, target, cache, n: int, feat_dim: int, chunk: int = 4096) -> None:

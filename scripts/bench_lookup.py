@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: E402,F401
 import mlx.core as mx  # noqa: E402
 
-from mlx_dflash.lookup import NgramIndex  # noqa: E402
+from mlx_dflash.drafting.lookup import NgramIndex  # noqa: E402
 
 
 def edit(p: dict, which: int):
@@ -78,7 +78,7 @@ def replay(prompt_ids, answer_ids, width):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="mlx_dflash_models/target")
+    ap.add_argument("--model", default="models/target")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--widths", default="5,8,16")

@@ -1,6 +1,6 @@
 """What `max_batch auto` picks for a model on this machine, and from what: the
 plain batched step's seconds at 1, 2, 4, 8, 16 rows (the batch guard's curves,
-mlx_dflash/batch_costs.py), the aggregate gain of each doubling, the memory
+mlx_dflash/engine/batch_costs.py), the aggregate gain of each doubling, the memory
 budget. Measures in a scratch home (nothing cached is reused); --rounds N
 repeats the whole measurement N times (the machine's load drifts)."""
 
@@ -18,10 +18,10 @@ os.environ["MLX_DFLASH_HOME"] = tempfile.mkdtemp(prefix="mlx-dflash-bench-")  # 
 
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 from mlx_dflash import load  # noqa: E402
-from mlx_dflash.batch_costs import AUTO_B, BatchCosts, free_memory, pick_max_batch, row_bytes  # noqa: E402
-from mlx_dflash.calibrate import Calibration  # noqa: E402
-from mlx_dflash.drafter import Drafter  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.engine.batch_costs import AUTO_B, BatchCosts, free_memory, pick_max_batch, row_bytes  # noqa: E402
+from mlx_dflash.engine.calibrate import Calibration  # noqa: E402
+from mlx_dflash.drafting.drafter import Drafter  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
 
 
 def main():

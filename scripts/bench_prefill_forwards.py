@@ -10,9 +10,9 @@ import time
 from bench_batch import prompts
 
 import mlx.core as mx
-from mlx_dflash import batch_cache as bc
-from mlx_dflash.loader import load
-from mlx_dflash.target import Target
+from mlx_dflash.engine import batch_cache as bc
+from mlx_dflash.models.loader import load
+from mlx_dflash.target.adapter import Target
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Logits processors inside DFlash's verify (mlx_dflash/logits.py) on the
+"""Logits processors inside DFlash's verify (mlx_dflash/engine/logits.py) on the
 embedded pair (target + DFlash 2 drafter), greedy: per processor (none,
 logit_bias + repetition penalty, a constrained JSON schema), plain decoding
 with the processors vs DFlash with them at a fixed width (guard off, so the
@@ -19,8 +19,9 @@ from pathlib import Path
 from mlx_lm.sample_utils import make_logits_processors
 
 from app.server.structured import Constrained, parse_format
-from mlx_dflash import generate, load
-from mlx_dflash.discovery import default_pair
+from mlx_dflash import generate
+from mlx_dflash import load
+from mlx_dflash.models.discovery import default_pair
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

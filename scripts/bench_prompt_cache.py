@@ -1,6 +1,6 @@
 """Time to first token of a SECOND conversation that shares the first one's
 system prompt (an agent's long instructions), with the prompt cache across
-requests (mlx_dflash.prompt_store) and without it (prompt_cache_mb = 0).
+requests (mlx_dflash.cache.prompt_store) and without it (prompt_cache_mb = 0).
 
 Two real server processes run side by side in one run, same model; requests
 alternate between them, one at a time. Per repeat: conversation 1 (system S +

@@ -6,7 +6,7 @@ nothing about quality and only the memory and losslessness columns mean much).
         [--configs none,8:64,4:32,4:64,4:128] [--out bench/quant]
 
 Each configuration loads the drafter afresh, quantizes it as `load_model` does
-(mlx_dflash.manager.quantize_drafter: Linear layers whose input dim divides the
+(mlx_dflash.models.manager.quantize_drafter: Linear layers whose input dim divides the
 group size, bfloat16 scales; activations in the target's dtype) and decodes the
 same greedy prompts. Writes OUT.json and OUT.md with this exact command."""
 
@@ -23,18 +23,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # the fixtures: make_test_pair, tiny_families
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dflash import load, stream_generate  # noqa: E402
-from mlx_dflash.drafter import load_drafter, validate  # noqa: E402
-from mlx_dflash.discovery import default_pair  # noqa: E402
-from mlx_dflash.dtype_choice import cast as _cast, param_dtype as _param_dtype  # noqa: E402
-from mlx_dflash.drafter_precision import quantize_drafter  # noqa: E402
-from mlx_dflash.drafter_precision import param_bytes
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.drafting.drafter import load_drafter, validate  # noqa: E402
+from mlx_dflash.models.discovery import default_pair  # noqa: E402
+from mlx_dflash.models.dtype_choice import cast as _cast, param_dtype as _param_dtype  # noqa: E402
+from mlx_dflash.models.drafter_precision import quantize_drafter  # noqa: E402
+from mlx_dflash.models.drafter_precision import param_bytes
+from mlx_dflash.target.adapter import Target  # noqa: E402
 
 CONFIGS = "none,8:64,4:32,4:64,4:128"  # bits:group size; "none" (the reference) always runs first
 

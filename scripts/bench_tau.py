@@ -2,8 +2,8 @@
 """Greedy tau of DFlash 1 vs DFlash 2 drafters, and end-to-end tok/s against plain
 decoding, on GSM8K dev and HumanEval prompts -> bench/tau_ablation.{json,md}.
 
-    python scripts/bench_tau.py [--target mlx_dflash_models/target] [--dflash1 mlx_dflash_models/dflash1]
-        [--dflash2 mlx_dflash_models/dflash2] [--gsm 30] [--humaneval 20] [--max-tokens 128]
+    python scripts/bench_tau.py [--target models/target] [--dflash1 models/dflash1]
+        [--dflash2 models/dflash2] [--gsm 30] [--humaneval 20] [--max-tokens 128]
         [--widths 5 8] [--out bench/tau_ablation]
 
 GSM8K dev = the last 473 problems of /work/shared/data/gsm8k/train.jsonl (never
@@ -92,9 +92,9 @@ def write(res, out):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=str(ROOT / "mlx_dflash_models" / "target"))
-    ap.add_argument("--dflash1", default=str(ROOT / "mlx_dflash_models" / "dflash1"))
-    ap.add_argument("--dflash2", default=str(ROOT / "mlx_dflash_models" / "dflash2"))
+    ap.add_argument("--target", default=str(ROOT / "models" / "target"))
+    ap.add_argument("--dflash1", default=str(ROOT / "models" / "dflash1"))
+    ap.add_argument("--dflash2", default=str(ROOT / "models" / "dflash2"))
     ap.add_argument("--gsm", type=int, default=30)
     ap.add_argument("--humaneval", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -117,13 +117,13 @@ def main(argv=None):
         return
 
     from mlx_dflash import load
-    from mlx_dflash.drafter import load_drafter
+    from mlx_dflash.drafting.drafter import load_drafter
 
     model, tok, _ = load(a.target)
     drafters = {}
     for name, path in (("dflash1", a.dflash1), ("dflash2", a.dflash2)):
         d = load_drafter(path)
-        mlx_dflash.dtype_choice.cast(d, mlx_dflash.dtype_choice.param_dtype(model))  # same precision as the target
+        mlx_dflash.models.dtype_choice.cast(d, mlx_dflash.models.dtype_choice.param_dtype(model))  # same precision as the target
         drafters[name] = d
     widths = sorted({w for w in a.widths if all(w <= d.block_size for d in drafters.values())}
                     | {min(d.block_size for d in drafters.values())})
@@ -133,7 +133,7 @@ def main(argv=None):
     res = {"command": "python scripts/bench_tau.py " + " ".join(shlex.quote(x) for x in argv),
            "target": a.target, "drafters": {"dflash1": a.dflash1, "dflash2": a.dflash2},
            "max_tokens": a.max_tokens, "widths": widths, "machine": f"{platform.machine()} {platform.system()}, "
-           f"mlx CPU backend ({mlx_dflash.fastblas.STATE['blas']})", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           f"mlx CPU backend ({mlx_dflash.platform.fastblas.STATE['blas']})", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "sets": {}}
     # warm-up (first-call graph building must not count against anyone)
     for name, d, w in configs:

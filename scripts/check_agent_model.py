@@ -142,7 +142,7 @@ def main():
         for n in a.long:
             from transformers import PreTrainedTokenizerFast
 
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "mlx_dflash_models/target/tokenizer.json"))
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "models/target/tokenizer.json"))
             body = tok.decode(tok.encode(text)[: n - 400])
             msgs = [{"role": "user", "content": "Read Lib/big.py."},
                     {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",

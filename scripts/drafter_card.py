@@ -2,7 +2,7 @@
 """Write the model card (README.md) of an exported drafter from its training run and
 the tau benchmark.
 
-    python scripts/drafter_card.py mlx_dflash_models/dflash2 --run runs/drafters/dflash2 \
+    python scripts/drafter_card.py models/dflash2 --run runs/drafters/dflash2 \
         [--bench bench/tau_ablation.json] [--commands scripts/train_drafters.sh]
 
 A run started from a saved drafter (`train-drafter --init`) is carded as a refresh;
@@ -34,7 +34,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from mlx.utils import tree_flatten
 
-    from mlx_dflash.drafter import load_drafter
+    from mlx_dflash.drafting.drafter import load_drafter
 
     model, run = Path(a.model), Path(a.run)
     d = load_drafter(str(model))
@@ -61,11 +61,11 @@ def main(argv=None):
         L += [f"**Refreshed**: fine-tuned from the previous weights of this drafter (`{refresh}` as it was "
               "before the run) on the current target's own greedy responses, at a lower learning rate; "
               "see Training and the before/after table.", ""]
-    L += [(f"The default drafter of the embedded pair: a {name} drafter for `mlx_dflash_models/target`, trained with "
+    L += [(f"The default drafter of the embedded pair: a {name} drafter for `models/target`, trained with "
           "`mlx-dflash train-drafter`." if c.version == 2 else
           f"The {name} drafter of the embedded pair, kept for the DFlash 1 vs DFlash 2 ablation "
           "(`bench/tau_ablation.md`); it was trained with exactly the same layers, block size, data, steps and "
-          f"seed as `mlx_dflash_models/{other}`."), "",
+          f"seed as `models/{other}`."), "",
           "## Model", "",
           "| field | value |", "|---|---|",
           f"| architecture | `{c.to_dict()['architectures'][0]}` |",

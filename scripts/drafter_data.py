@@ -128,7 +128,7 @@ def main(argv=None):
         tok_dir = Path(a.tool_tokenizer)
         if not (tok_dir / "tokenizer_config.json").is_file():
             sys.exit(f"--tool-tokenizer {tok_dir} has no tokenizer_config.json; pass the target's folder "
-                     "(e.g. mlx_dflash_models/target)")
+                     "(e.g. models/target)")
         write_tool_prompts(out / "prompts_tools.jsonl", train_rows, files, a.tools, a.seed, a.tool_max_chars, tok_dir)
     print(f"{out}: {len(prompt_rows)} GSM8K prompts, {len(pick)} code prompts (of {len(prefixes)} documented "
           f"functions), corpus {len(corpus_rows)} GSM8K chats + {a.corpus_code} stdlib windows")

@@ -11,7 +11,7 @@ Code's `Read` (a long description, an absolute-path key, optional offset / limit
 Per answer: a call at all, a call to an offered name, the expected tool, argument keys that
 the tool's schema has (required ones present).
 
-    PYTHONPATH=. python scripts/eval_tool_choice.py --model mlx_dflash_models/target [--n 12] [--out F.json]
+    PYTHONPATH=. python scripts/eval_tool_choice.py --model models/target [--n 12] [--out F.json]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def score(text: str, case: dict) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "mlx_dflash_models" / "target"))
+    ap.add_argument("--model", default=str(ROOT / "models" / "target"))
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)

@@ -85,7 +85,7 @@ case $KIND in
   metal) want='mx.metal.is_available()' ;;
   *) want='True' ;;
 esac
-if ! step backend 30 "$PY" -c "import mlx_dflash, mlx.core as mx; from mlx_dflash.conv import kernel_backend
+if ! step backend 30 "$PY" -c "import mlx_dflash, mlx.core as mx; from mlx_dflash.drafting.conv import kernel_backend
 assert $want, 'the $KIND backend is not available'
 print('mlx', mx.__version__, mx.default_device(), 'conv kernel:', kernel_backend())"; then
   printf '%s\n' "${ROWS[@]}"

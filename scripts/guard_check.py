@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: E402,F401
 import mlx_lm  # noqa: E402
 
-from app.bench_prompts import load_prompts  # noqa: E402
+from app.bench.prompts import load_prompts  # noqa: E402
 from mlx_dflash import load, stream_generate  # noqa: E402
 
-model, tok, d2 = load("mlx_dflash_models/target", "mlx_dflash_models/dflash2")
+model, tok, d2 = load("models/target", "models/dflash2")
 spec, N, MT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 REPS = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2
 ps = [p["prompt"] for p in load_prompts(spec, tok, N)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
-from app.bench_prompts import load_prompts  # noqa: E402
+from app.bench.prompts import load_prompts  # noqa: E402
 from mlx_dflash import load, stream_generate  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -26,7 +26,7 @@ ap.add_argument("--widths", default="3,5,8")
 ap.add_argument("--reps", type=int, default=1)
 args = ap.parse_args()
 
-model, tok, d2 = load("mlx_dflash_models/target", "mlx_dflash_models/dflash2", dtype=args.dtype)
+model, tok, d2 = load("models/target", "models/dflash2", dtype=args.dtype)
 ps = [p["prompt"] for p in load_prompts(args.prompts, tok, args.n)]
 
 

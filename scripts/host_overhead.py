@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 import importlib  # noqa: E402
 
-G = importlib.import_module("mlx_dflash.generate")  # the module (the package exports a function of that name)
+G = importlib.import_module("mlx_dflash.engine.generate")  # the module (the package exports a function of that name)
 from mlx_dflash import load  # noqa: E402
 
 BUILD = [0.0]
@@ -73,9 +73,9 @@ PROMPTS = [
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="mlx_dflash_models/target")
-    ap.add_argument("--drafter2", default="mlx_dflash_models/dflash2")
-    ap.add_argument("--drafter1", default="mlx_dflash_models/dflash1")
+    ap.add_argument("--model", default="models/target")
+    ap.add_argument("--drafter2", default="models/dflash2")
+    ap.add_argument("--drafter1", default="models/dflash1")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/host_overhead")

@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
-from mlx_dflash import fastblas, load  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.platform import fastblas
+from mlx_dflash import load  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 

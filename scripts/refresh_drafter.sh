@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Refresh the embedded DFlash 2 drafter after its target changed (issue 22 item 6):
-# fine-tune the published drafter (`--init mlx_dflash_models/dflash2`) on the NEW
+# fine-tune the published drafter (`--init models/dflash2`) on the NEW
 # target's own greedy responses, at a lower lr, for a time budget. Sized for a
 # busy 2-core machine: one process at a time throughout.
 #
@@ -17,15 +17,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. OPENBLAS_NUM_THREADS=1
 PY=${PY:-python}
-TARGET=${TARGET:-mlx_dflash_models/target}
-INIT=${INIT:-mlx_dflash_models/dflash2}
+TARGET=${TARGET:-models/target}
+INIT=${INIT:-models/dflash2}
 RUN=${RUN:-runs/refresh}
 STEPS=${STEPS:-3000} BUDGET=${BUDGET:-25} LR=${LR:-7e-4}   # minutes of training; whichever of STEPS/BUDGET first
 STAGE=${STAGE:-data} UNTIL=${UNTIL:-bench}
 GSM=${GSM:-1500} CODE=${CODE:-600} TOOLS=${TOOLS:-150} GEN_TOKENS=${GEN_TOKENS:-256}
 # seconds per prompt set, in order (the session-9 run's: a second code box after GSM8K)
 GEN_BOXES=${GEN_BOXES:-"code=780 tools=260 gsm=540 code=300"}
-MODELS=${MODELS:-mlx_dflash_models} BENCH=${BENCH:-bench/tau_embedded_tools_refresh.json}
+MODELS=${MODELS:-models} BENCH=${BENCH:-bench/tau_embedded_tools_refresh.json}
 mkdir -p "$RUN"
 stages=(data gen train bench export)
 idx() { for i in "${!stages[@]}"; do [[ ${stages[$i]} == "$1" ]] && echo "$i"; done; }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The exact commands that made the embedded DFlash 1 and DFlash 2 drafters
-# (mlx_dflash_models/dflash1, mlx_dflash_models/dflash2) for mlx_dflash_models/target, and their benchmark.
+# (models/dflash1, models/dflash2) for models/target, and their benchmark.
 # An honest ablation: both drafters share the layers, block size, data, step
 # cap, time budget, seed and initial weights (DFlash 2 starts as the DFlash 1
-# function). The defaults are the shipped run's (session 4, mlx_dflash_models/*/README.md;
+# function). The defaults are the shipped run's (session 4, models/*/README.md;
 # there DFlash 2 stopped on the time budget and was continued with --resume
 # --time-budget 60 to DFlash 1's 3000 steps: the same step budget).
 #
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. OPENBLAS_NUM_THREADS=1   # mlx-cpu elementwise ops are single-threaded anyway
 PY=${PY:-python}
-TARGET=${TARGET:-mlx_dflash_models/target}
+TARGET=${TARGET:-models/target}
 RUN=${RUN:-runs/drafters}
 STEPS=${STEPS:-3000}
 BUDGET=${BUDGET:-50}            # minutes per drafter: whichever of STEPS and BUDGET comes first ends it
@@ -59,7 +59,7 @@ if at train; then
   wait
 fi
 
-# 4. export (bf16 weights + config, metrics log, loss curve) into mlx_dflash_models/
+# 4. export (bf16 weights + config, metrics log, loss curve) into models/
 if at export; then
   for v in 1 2; do
     mkdir -p "$MODELS/dflash$v"

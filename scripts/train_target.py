@@ -9,12 +9,12 @@ Sub-commands (run from the repository root, with PYTHONPATH=. so that
   python scripts/train_target.py train  --preset target --steps N [--resume]
   python scripts/train_target.py train  --preset target --resume --new-phase --ul-data RESPONSES.jsonl
                                           # + unlikelihood on the model's own greedy loops
-  python scripts/train_target.py export --preset target      # -> mlx_dflash_models/target/
+  python scripts/train_target.py export --preset target      # -> models/target/
   python scripts/train_target.py evaluate --preset target    # generations, repetition rate
   python scripts/train_target.py card   --preset target      # README.md model card + loss curve
 
 `--preset draft` does the same for the small classic autoregressive draft
-model (runs/draft-ar -> mlx_dflash_models/draft-ar).
+model (runs/draft-ar -> models/draft-ar).
 
 Data (real text only):
   * the .py files of the running interpreter's standard library
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(ROOT))
 import mlx_dflash  # noqa: E402,F401  (must precede mlx: loads OpenBLAS)
-from mlx_dflash import fastblas  # noqa: E402
+from mlx_dflash.platform import fastblas  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -442,7 +442,7 @@ def main():
     ap.add_argument("--bench-steps", type=int, default=8)
     ap.add_argument("--n-gsm", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. mlx_dflash_models/target)")
+    ap.add_argument("--out", default=None, help="export: the model folder (default: the preset's, e.g. models/target)")
     ap.add_argument("--alpha", type=float, default=0.8, help="interpolate: the share of --new")
     ap.add_argument("--new", default=None, help="interpolate: the exported model folder of the last phase")
     ap.add_argument("--old", default=None, help="interpolate: the exported model folder it started from")

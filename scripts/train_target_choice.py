@@ -31,7 +31,7 @@ import numpy as np
 from train_target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
 from train_target_tools import ASK_DIR, call, conversations, system_msgs, tool_list
 
-SHIPPED = ROOT / "mlx_dflash_models" / "target"
+SHIPPED = ROOT / "models" / "target"
 
 PATH_KEYS = ["path", "file_path", "filename", "filepath", "file", "target_file"]
 DIR_KEYS = ["path", "directory", "dir", "folder", "dir_path"]

@@ -181,7 +181,7 @@ self-contained model {'pair' if args.preset == 'target' else 'family'} with no d
 under-trained toy ({last['tokens']/1e6:.1f}M tokens on 2 shared CPU cores): it has learned the *format* of
 GSM8K answers (`<<calc>>` lines ending in `#### N`, then `<|im_end|>`) and the layout of Python
 source, but its content is mostly wrong, and greedy decoding fell into an endless loop{loop_txt} (see Quality check). Weights: `model.safetensors` (bfloat16, tied
-embeddings), tokenizer shared by `mlx_dflash_models/target` and `mlx_dflash_models/draft-ar`.
+embeddings), tokenizer shared by `models/target` and `models/draft-ar`.
 
 ## Architecture
 

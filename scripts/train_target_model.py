@@ -9,12 +9,12 @@ PRESETS = {
     "target": dict(
         model=dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=96, intermediate_size=1024),
-        lr=2e-3, batch=8, run="runs/target", out="mlx_dflash_models/target",
+        lr=2e-3, batch=8, run="runs/target", out="models/target",
         title="mlx-dflash default target model"),
     "draft": dict(
         model=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=64, intermediate_size=1024),
-        lr=3e-3, batch=8, run="runs/draft-ar", out="mlx_dflash_models/draft-ar",
+        lr=3e-3, batch=8, run="runs/draft-ar", out="models/draft-ar",
         title="mlx-dflash classic autoregressive draft model"),
 }
 VAL_SEQ = 512  # fixed, so val losses stay comparable when --seq changes

@@ -35,7 +35,7 @@ ORIGINAL_CONTEXT = 2048
 # YaRN as published models configure it (e.g. Qwen3's long-context note): factor = new / original
 ROPE_SCALING = {"rope_type": "yarn", "factor": MAX_CONTEXT / ORIGINAL_CONTEXT,
                 "original_max_position_embeddings": ORIGINAL_CONTEXT}
-SRC_TOKENIZER = ROOT / "mlx_dflash_models" / "target"  # the 2,048-context tokenizer it starts from
+SRC_TOKENIZER = ROOT / "models" / "target"  # the 2,048-context tokenizer it starts from
 
 CHAT_TEMPLATE = """\
 {%- macro text(c) -%}

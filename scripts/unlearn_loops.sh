@@ -5,10 +5,10 @@
 # model's own looping responses to training prompts (never the GSM8K dev split):
 #   round 1 (shipped): the phase-3 target's responses made by
 #            scripts/train_drafters.sh (stage gen, session 3): exact loops only;
-#   round 2 (ROUNDS=2; tried, not shipped: mlx_dflash_models/target/README.md): fresh
+#   round 2 (ROUNDS=2; tried, not shipped: models/target/README.md): fresh
 #            responses of the round-1 model to other training prompts, plus round
 #            1's: exact loops and every token completing a repeated 8-gram.
-# Starts from the phase-3 checkpoint in runs/target/ckpt; ends with mlx_dflash_models/target.
+# Starts from the phase-3 checkpoint in runs/target/ckpt; ends with models/target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. OPENBLAS_NUM_THREADS=1

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from app.chat import ChatApp, ManagerBackend
-from app.chat_history import HistoryStore
+from app.chat.history import HistoryStore
 
 SIZE = (80, 24)  # the smallest common terminal: everything must fit and work here
 

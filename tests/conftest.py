@@ -15,7 +15,7 @@ if "MLX_DFLASH_HOME" not in os.environ:  # measured costs and settings go to a s
 # machine) in a child, so that this process loads it before anything imports mlx.
 import subprocess  # noqa: E402
 
-subprocess.run([sys.executable, "-c", "from mlx_dflash import fastblas; fastblas.prepare()"], cwd=ROOT, check=False)
+subprocess.run([sys.executable, "-c", "from mlx_dflash.platform import fastblas; fastblas.prepare()"], cwd=ROOT, check=False)
 
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before anything imports mlx)
 import pytest  # noqa: E402
@@ -58,7 +58,7 @@ def chat_backend(pairs, tmp_path, monkeypatch):
     folder in a scratch MLX_DFLASH_HOME (tests/chat_pilot.py drives the app on it)."""
     from chat_pilot import FolderBackend
 
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # no models from the user's cache

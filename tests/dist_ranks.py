@@ -18,19 +18,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from make_test_pair import make_drafter  # noqa: E402
 from tiny_families import config, build  # noqa: E402
 
-from mlx_dflash.decode_config import DecodeConfig  # noqa: E402
-from mlx_dflash.decoder import Decoder  # noqa: E402
-from mlx_dflash.distributed import Leader, Session, follow, lost_rank, split_model, world  # noqa: E402
-from mlx_dflash.drafter import Proposal  # noqa: E402
-from mlx_dflash.prompt_cache import PromptCache  # noqa: E402
-from mlx_dflash.calibrate import Calibration  # noqa: E402
+from mlx_dflash.engine.decode_config import DecodeConfig  # noqa: E402
+from mlx_dflash.engine.decoder import Decoder  # noqa: E402
+from mlx_dflash.engine.distributed import Leader, Session, follow, lost_rank, split_model, world  # noqa: E402
+from mlx_dflash.drafting.drafter import Proposal  # noqa: E402
+from mlx_dflash.cache.prompt_cache import PromptCache  # noqa: E402
+from mlx_dflash.engine.calibrate import Calibration  # noqa: E402
 
 # (family, split, config overrides): kv heads divisible by the two ranks for tensor parallelism
 CASES = [("qwen3", "tensor", dict(num_key_value_heads=2)), ("qwen2", "pipeline", {})]

@@ -1,11 +1,11 @@
-"""Test drafters with the `propose` interface of mlx_dflash.drafter.Drafter, and
+"""Test drafters with the `propose` interface of mlx_dflash.drafting.drafter.Drafter, and
 the mlx-lm reference they are checked against."""
 
 import random
 
 from mlx_lm.models.cache import KVCache
 
-from mlx_dflash.drafter import Proposal
+from mlx_dflash.drafting.drafter import Proposal
 
 
 class _Cfg:

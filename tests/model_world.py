@@ -44,7 +44,7 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
     """Embedded: target + dflash2 (block 8) + draft-ar; folders: a flat target, a
     DFlash 1 drafter, a drafter for a wider model; HF cache: a target, a DFlash 2
     drafter, a tiny draft model, a dataset and a repo without weights."""
-    from mlx_dflash.settings_checks import settings_store
+    from mlx_dflash.models.settings_checks import settings_store
 
     v2, v1 = pairs(version=2, block_size=8), pairs(version=1)
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
@@ -54,7 +54,7 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
     copy_model(v2 / "target", emb / "target")
     copy_model(v2 / "drafter", emb / "dflash2")
     copy_model(v2 / "target", emb / "draft-ar", mlx_dflash={"role": "draft"})
-    monkeypatch.setattr("mlx_dflash.discovery.models_dir", lambda: emb)
+    monkeypatch.setattr("mlx_dflash.models.discovery.models_dir", lambda: emb)
     mdirs = tmp_path / "models"
     copy_model(v1 / "target", mdirs / "flat-target")
     copy_model(v1 / "drafter", mdirs / "org" / "v1-drafter")
@@ -73,6 +73,6 @@ def make_world(tmp_path, monkeypatch, pairs) -> dict:
 
 
 def by_id(store):
-    from mlx_dflash.discovery import discover
+    from mlx_dflash.models.discovery import discover
 
     return {e.id: e for e in discover(store)}

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dflash.drafter import Drafter
-from mlx_dflash.drafter_config import ARCH_V1, ARCH_V2, DrafterConfig
+from mlx_dflash.drafting.drafter import Drafter
+from mlx_dflash.drafting.drafter_config import ARCH_V1, ARCH_V2, DrafterConfig
 
 H, V, TL = 64, 256, 4  # hidden, vocabulary, target layers
 

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import KVCache
 import pytest
 
 import mlx_dflash
-from mlx_dflash.discovery import models_dir
-from mlx_dflash.drafter import Proposal
+from mlx_dflash.models.discovery import models_dir
+from mlx_dflash.drafting.drafter import Proposal
 
 # Qwen2.5-style tool template (mlx-lm infers its json_tools parser from it)
 TOOL_TEMPLATE = (
@@ -249,7 +249,7 @@ class ScriptCatalog(OneModelCatalog):
     """The catalog the server's worker loads from: one scripted model, "script"."""
 
     def __init__(self, tok, budget_mb=64, max_tokens=256, drafter=True):
-        from mlx_dflash.settings_schema import ModelSettings
+        from mlx_dflash.settings.schema import ModelSettings
 
         super().__init__("script", ModelSettings(max_tokens=max_tokens, block_size=4), budget_mb << 20)
         self.tok, self.with_drafter = tok, drafter

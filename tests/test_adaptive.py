@@ -7,11 +7,14 @@ import json
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import calibrate, costs, generate, load, stream_generate
-from mlx_dflash.costs import Costs
-from mlx_dflash.adaptive import AdaptiveWidth
-from mlx_dflash.policy import DFLASH, Draft, LoopState, Plain
-from mlx_dflash.stats import CycleResult
+from mlx_dflash import generate
+from mlx_dflash.engine import calibrate
+from mlx_dflash.policy.guard import costs
+from mlx_dflash import load, stream_generate
+from mlx_dflash.policy.costs import Costs
+from mlx_dflash.policy.adaptive import AdaptiveWidth
+from mlx_dflash.policy.base import DFLASH, Draft, LoopState, Plain
+from mlx_dflash.engine.stats import CycleResult
 
 PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
            "class Stack:\n    def push(self, x):", "The answer is", "while True:"]
@@ -204,8 +207,9 @@ def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
 
 # -- the default mode's guard (policy.Guard): pure, no model ------------------------------
 
-from mlx_dflash.costs import Observed  # noqa: E402
-from mlx_dflash.policy import Fixed, Guard  # noqa: E402
+from mlx_dflash.policy.costs import Observed  # noqa: E402
+from mlx_dflash.policy.base import Fixed
+from mlx_dflash.policy.guard import Guard  # noqa: E402
 
 
 def _costs(k, w=5):
@@ -365,7 +369,7 @@ def test_default_mode_guard_in_the_loop(pairs):
 def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     """The default mode measures the widths it chooses among (up to the drafter's
     block size) once, then reads the cache."""
-    from mlx_dflash.modes import GUARD_WIDTHS
+    from mlx_dflash.policy.registry import GUARD_WIDTHS
 
     d = pairs("qwen3", version=2)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
@@ -397,7 +401,7 @@ def _accepting(g, a, n):
 
 
 def test_guard_chooses_the_width_that_pays_best():
-    from mlx_dflash.policy import monotone
+    from mlx_dflash.policy.guard import monotone
 
     assert monotone([1.0, 1.5, 1.3, 1.4, 3.0]) == pytest.approx([1.0, 1.4, 1.4, 1.4, 3.0])  # noise pooled
     ws = (1, 2, 3, 5, 8)

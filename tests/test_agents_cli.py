@@ -25,7 +25,7 @@ from scripted import EmbeddedCatalog, Script, ScriptCatalog, tool_tokenizer
 
 from app.server import create_app
 from app.server.security import STATS_KEY
-from mlx_dflash.settings_schema import ModelSettings
+from mlx_dflash.settings.schema import ModelSettings
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,4 @@
-"""The batch engine (mlx_dflash/batch.py): every stream in a batch is exactly
+"""The batch engine (mlx_dflash/engine/batch.py): every stream in a batch is exactly
 the same request run alone.
 
 Greedy token ids of each row equal mlx-lm's own stream_generate of that
@@ -22,15 +22,16 @@ from drafters import reference_tokens
 from mlx_lm.models.cache import ArraysCache, KVCache
 from tiny_families import build
 
-from mlx_dflash import DecodeConfig, generate, load
-from mlx_dflash import batch_cache as bc
-from mlx_dflash import batch_costs
-from mlx_dflash.batch import BatchEngine, BatchError
-from mlx_dflash.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
-from mlx_dflash.calibrate import Calibration
-from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
-from mlx_dflash.drafter import Proposal
-from mlx_dflash.target import Target
+from mlx_dflash import DecodeConfig, load
+from mlx_dflash import generate
+from mlx_dflash.engine import batch_cache as bc
+from mlx_dflash.engine import batch_costs
+from mlx_dflash.engine.batch import BatchEngine, BatchError
+from mlx_dflash.engine.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
+from mlx_dflash.engine.calibrate import Calibration
+from mlx_dflash.policy.batch import BatchGuard, FixedBatchWidth
+from mlx_dflash.drafting.drafter import Proposal
+from mlx_dflash.target.adapter import Target
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:", "Natalia sold clips to 48 of her friends in April",

@@ -20,11 +20,12 @@ from test_batch import PROMPTS, RowOracles, WrongDrafter, like_plain_sampling, m
 from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig
-from mlx_dflash.batch import BatchEngine
-from mlx_dflash.batch_policy import BatchGuard, FixedBatchWidth
-from mlx_dflash.lookup import NgramIndex
-from mlx_dflash.policy import DFLASH, LOOKUP, LookupGate
-from mlx_dflash.prompt_cache import PromptCache
+from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.policy.batch import BatchGuard, FixedBatchWidth
+from mlx_dflash.drafting.lookup import NgramIndex
+from mlx_dflash.policy.base import DFLASH, LOOKUP
+from mlx_dflash.policy.guard import LookupGate
+from mlx_dflash.cache.prompt_cache import PromptCache
 
 REPEATED = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",

@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 from tiny_families import build
 
-from mlx_dflash import batch_costs
-from mlx_dflash.batch_costs import PREFILL_GAIN, prefill_together_pays
+from mlx_dflash.engine import batch_costs
+from mlx_dflash.engine.batch_costs import PREFILL_GAIN, prefill_together_pays
 
 
 def test_probe_times_both_ways_and_follows_the_measured_share(monkeypatch):

@@ -10,10 +10,10 @@ from drafters import reference_tokens
 from test_batch import PROMPTS, RowOracles, model_of
 
 from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.batch import BatchEngine
-from mlx_dflash.batch_policy import FixedBatchWidth
-from mlx_dflash.prompt_cache import PromptCache
-from mlx_dflash.target import Target
+from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.policy.batch import FixedBatchWidth
+from mlx_dflash.cache.prompt_cache import PromptCache
+from mlx_dflash.target.adapter import Target
 
 # KV; KV + sliding windows (they wrap: the prompts grow past the window); gated-delta and short-conv recurrent
 FAMILIES = ["qwen3", "gemma3_text", "qwen3_next", "lfm2"]

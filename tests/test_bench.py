@@ -6,7 +6,7 @@ import json
 import pytest
 
 from app import bench
-from app.bench_report import OURS
+from app.bench.report import OURS
 from app.cli import main
 
 
@@ -82,7 +82,8 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
-    from mlx_dflash import costs, load
+    from mlx_dflash.policy.guard import costs
+    from mlx_dflash import load
 
     m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
     cached = costs.load_cached(costs.cost_key(m, dr), widest)
@@ -130,9 +131,9 @@ def test_bad_prompt_file(pairs, tmp_path, capsys):
 
 
 def test_missing_embedded_pair_is_one_line(tmp_path, capsys, monkeypatch):
-    import mlx_dflash.discovery
+    import mlx_dflash.models.discovery
 
-    monkeypatch.setattr(mlx_dflash.discovery, "default_pair", lambda: (tmp_path / "target", tmp_path / "dflash2"))
+    monkeypatch.setattr(mlx_dflash.models.discovery, "default_pair", lambda: (tmp_path / "target", tmp_path / "dflash2"))
     rc = main(["bench", "--quick", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "embedded target is missing" in err and len(err.splitlines()) == 1
@@ -215,7 +216,7 @@ def test_default_output_folder_is_ignored_by_git(tmp_path):
 
 
 def test_chart_title_names_model_drafter_and_machine():
-    from app.bench_report import title
+    from app.bench.report import title
 
     res = {"meta": {"models": {"model": "/x/models/target", "dflash2": "/x/models/dflash2"},
                     "machine": {"machine": "x86_64", "cpus": 2, "device": "Device(cpu, 0)", "mlx": "0.32.4"}}}
@@ -227,7 +228,7 @@ def test_chart_title_names_model_drafter_and_machine():
 
 
 def test_alpha_replays_the_published_mean():
-    from app.bench_realistic import alpha_for
+    from app.bench.realistic import alpha_for
 
     a = alpha_for(6.5)
     assert 1 + sum(a ** i for i in range(1, 16)) == pytest.approx(6.5, abs=1e-6)
@@ -270,7 +271,7 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
 def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
     """A name `models list` prints, as `generate --model` takes it: its saved or
     best compatible drafter (the embedded pair's DFlash 2)."""
-    from mlx_dflash.discovery import default_pair
+    from mlx_dflash.models.discovery import default_pair
 
     if not (default_pair()[1] / "config.json").exists():
         pytest.skip("no embedded pair in this install")

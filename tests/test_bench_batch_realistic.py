@@ -11,9 +11,9 @@ import pytest
 
 import bench_batch_realistic as bbr
 from app import bench_realistic as br
-from app.bench_runs import run_mlx_lm
+from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
-from mlx_dflash.batch_policy import FixedBatchWidth
+from mlx_dflash.policy.batch import FixedBatchWidth
 
 TINY = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)

@@ -11,8 +11,8 @@ from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
 from app.chat.engine import Prefill
 from app.chat.screens import ConfirmScreen
-from app.chat_history import Chat, HistoryStore
-from app.chat_history import Message as ChatMessage
+from app.chat.history import Chat, HistoryStore
+from app.chat.history import Message as ChatMessage
 
 
 def saved_chat(tmp_path, app) -> dict:

@@ -10,8 +10,8 @@ from chat_pilot import SIZE, drive, press_for, press_to_close, say, screen_lines
 
 from app.chat import SettingsScreen, build_prompt
 from app.chat.screens import ConfirmScreen, HelpScreen, ListScreen, PromptScreen
-from app.chat_history import Chat, HistoryStore
-from app.chat_history import Message as ChatMessage
+from app.chat.history import Chat, HistoryStore
+from app.chat.history import Message as ChatMessage
 
 
 async def open_settings(pilot):
@@ -191,7 +191,7 @@ def test_settings_panel_is_usable_at_80x24(chat_backend, tmp_path):
         s = chat_backend.store.model("target")
         assert (s.max_tokens, s.dtype) == (9, "bfloat16")
         await until(pilot, lambda: app.loaded is not None and app.loaded.settings.dtype == "bfloat16", "the reload")
-        from mlx_dflash.loader import model_dtype
+        from mlx_dflash.models.loader import model_dtype
 
         assert model_dtype(app.loaded.model) == "bfloat16"
 

@@ -32,7 +32,8 @@ def main(*argv):
 
 
 def test_generate_json_matches_python_api(pairs):
-    from mlx_dflash import generate, load
+    from mlx_dflash import generate
+    from mlx_dflash import load
 
     d = pairs("qwen3", version=1)
     r = cli("generate", "--model", str(d / "target"), "--drafter", str(d / "drafter"), "--prompt",
@@ -102,7 +103,7 @@ def test_doctor_json():
 @pytest.fixture
 def listed(pairs):
     """The random pair registered as a model folder: listed as `target` and `drafter`."""
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     d = pairs("qwen3", version=1)
     SettingsStore().set_global(model_dirs=[str(d)])
@@ -110,7 +111,7 @@ def listed(pairs):
 
 
 def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
-    from mlx_dflash.settings_checks import settings_store
+    from mlx_dflash.models.settings_checks import settings_store
 
     settings_store().set_model("target", max_tokens=4, block_size=3)
     assert main("generate", "--model", "TARGET", "--drafter", "drafter", "--prompt", "hi", "--json") == 0
@@ -124,7 +125,7 @@ def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
 
 
 def test_generate_dtype_flag_and_setting(listed, capsys):
-    from mlx_dflash.settings_checks import settings_store
+    from mlx_dflash.models.settings_checks import settings_store
 
     settings_store().set_model("target", dtype="bfloat16")
     assert main("generate", "--model", "target", "--prompt", "hi", "--max-tokens", "2", "--json") == 0
@@ -143,7 +144,7 @@ def test_generate_embedded_name(capsys):
 
 
 def test_generate_help_lists_every_verify_mode(capsys):
-    from mlx_dflash.modes import VERIFY_MODES
+    from mlx_dflash.policy.registry import VERIFY_MODES
 
     with pytest.raises(SystemExit) as e:
         main("generate", "--help")
@@ -228,7 +229,7 @@ def test_settings_cli_refuses_unknown_names(listed, capsys):
     assert "unknown drafter 'drafterr' (did you mean 'drafter'?)" in capsys.readouterr().err
     assert main("settings", "set", "default_model", "TARGET") == 0
     assert main("settings", "set", "Target", "top_k", "3") == 0  # stored under the listed id
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     assert SettingsStore().explicit("target") == {"top_k": 3}
 
@@ -271,7 +272,7 @@ def test_inspect_refuses_truncated_weights_and_takes_listed_names(pairs, tmp_pat
 
 
 def test_settings_set_without_a_value_says_the_value_is_missing(listed, capsys):
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     for argv, want in ((("settings", "set", "target", "block_size"), "settings set target block_size VALUE"),
                        (("settings", "set", "port"), "settings set port VALUE")):
@@ -284,11 +285,11 @@ def test_settings_set_without_a_value_says_the_value_is_missing(listed, capsys):
 def test_an_unknown_model_gets_one_message_everywhere(listed, capsys, monkeypatch):
     """generate (which may download) and serve / settings (which do not) name the
     mistake with the same words: model_names.unknown_model."""
-    from mlx_dflash.discovery import discover
-    from mlx_dflash.model_names import resolve
-    from mlx_dflash.settings_checks import settings_store
-    from mlx_dflash.model_names import unknown_model
-    from mlx_dflash.settings_schema import SettingsError
+    from mlx_dflash.models.discovery import discover
+    from mlx_dflash.models.model_names import resolve
+    from mlx_dflash.models.settings_checks import settings_store
+    from mlx_dflash.models.model_names import unknown_model
+    from mlx_dflash.settings.schema import SettingsError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     store = settings_store()
@@ -301,19 +302,27 @@ def test_an_unknown_model_gets_one_message_everywhere(listed, capsys, monkeypatc
     assert err.count("\n") == 1 and want in err, err
 
 
-def test_the_editable_install_has_the_simple_layout():
-    """Each package in the folder of its own name and package-dir {"" = "."}: setuptools
-    then installs an editable checkout as one .pth line, without the import finder
-    that prints its "Editable installation ... same name as your package" block."""
+def test_every_package_folder_is_listed_and_the_models_are_top_level():
+    """Each package listed in pyproject.toml is a folder (package-dir: the checkout's
+    root, and `mlx_dflash_models` -> the top-level `models/` the design card names),
+    every folder with Python modules is listed, and the embedded pair is found there."""
     import tomllib
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert cfg["package-dir"] == {"": "."}
-    for pkg in cfg["packages"]:
-        assert ROOT.joinpath(*pkg.split(".")).is_dir(), pkg
-    from mlx_dflash.discovery import default_pair, models_dir
+    assert cfg["package-dir"] == {"": ".", "mlx_dflash_models": "models"}
 
-    assert models_dir() == ROOT / "mlx_dflash_models" and (default_pair()[0] / "config.json").exists()
+    def folder(pkg):
+        head, *rest = pkg.split(".")
+        return ROOT.joinpath(cfg["package-dir"].get(head, head), *rest)
+
+    for pkg in cfg["packages"]:
+        assert folder(pkg).is_dir(), pkg
+    for top in ("mlx_dflash", "app"):
+        for init in (ROOT / top).rglob("__init__.py"):
+            assert ".".join(init.parent.relative_to(ROOT).parts) in cfg["packages"], init.parent
+    from mlx_dflash.models.discovery import default_pair, models_dir
+
+    assert models_dir() == ROOT / "models" and (default_pair()[0] / "config.json").exists()
 
 
 def test_bootstrap_explains_its_own_modes_and_installs_nothing_for_help(tmp_path):

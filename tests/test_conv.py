@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dflash import conv
-from mlx_dflash.conv import KERNEL_BODY, DynamicConv, dynamic_conv, kernel_backend
+from mlx_dflash.drafting import conv
+from mlx_dflash.drafting.conv import KERNEL_BODY, DynamicConv, dynamic_conv, kernel_backend
 
 # The GPU kernel body, compiled as C: the thread index becomes a loop (the body
 # returns once elem runs past the end), and SIDE/BS/G become arguments.

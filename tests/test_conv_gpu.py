@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash.conv import DynamicConv, dynamic_conv, kernel_backend
+from mlx_dflash.drafting.conv import DynamicConv, dynamic_conv, kernel_backend
 
 pytestmark = pytest.mark.skipif(kernel_backend() == "mlx-ops", reason="no GPU: the fused kernel does not run here")
 

@@ -1,4 +1,4 @@
-"""The decode session (mlx_dflash.decoder.Decoder), its policy interface and
+"""The decode session (mlx_dflash.engine.decoder.Decoder), its policy interface and
 registry (modes.py), and DecodeConfig."""
 
 import threading
@@ -7,9 +7,11 @@ import mlx.core as mx
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import DecodeConfig, Decoder, generate, load, modes
-from mlx_dflash.policy import DFLASH, LOOKUP, Draft, Plain, Policy
-from mlx_dflash.settings_schema import ModelSettings
+from mlx_dflash import DecodeConfig, Decoder, load
+from mlx_dflash import generate
+from mlx_dflash.policy.guard import registry as modes
+from mlx_dflash.policy.base import DFLASH, LOOKUP, Draft, Plain, Policy
+from mlx_dflash.settings.schema import ModelSettings
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\nimport os\nimport", "The answer is", "while True:",
            "class Stack:\n    def push(self, x):", "for line in open(path):"]
@@ -144,8 +146,8 @@ def test_a_long_prompt_is_priced_at_its_length(pairs, monkeypatch):
     """No fallback by length: a prompt past LONG_FROM tokens in the default mode
     measures (once) a second cost curve at the first length that covers it, and
     the guard prices its cycles there; the output stays mlx-lm's."""
-    from mlx_dflash import calibrate
-    from mlx_dflash.modes import LONG_CONTEXTS, LONG_FROM
+    from mlx_dflash.engine import calibrate
+    from mlx_dflash.policy.registry import LONG_CONTEXTS, LONG_FROM
 
     monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     d = pairs("qwen3", version=2)

@@ -8,7 +8,7 @@ import pytest
 
 from app import doctor
 from app.cli import main
-from mlx_dflash import fastblas
+from mlx_dflash.platform import fastblas
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def test_warns_when_the_large_probe_fails_the_check_or_the_threads_are_slow():
 def test_quick_shows_the_guards_cached_cost_curves_by_context(tiny_probes, tmp_path, monkeypatch, capsys):
     """--quick measures nothing: it lists the guard's curves cached on this machine,
     one row per context length, as the guard stored them (base length and long ones)."""
-    from mlx_dflash.costs import CostBook, Costs
+    from mlx_dflash.policy.costs import CostBook, Costs
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     assert main(["doctor", "--quick", "--json"]) == 0

@@ -9,11 +9,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_dflash import generate
-from mlx_dflash.loader import load
-from mlx_dflash.drafter import Drafter, load_drafter, param_counts, save_drafter, validate
-from mlx_dflash.drafter_config import ARCH_V2, DrafterConfig, DrafterError
-from mlx_dflash.hub import HubError
-from mlx_dflash.target import Target
+from mlx_dflash.models.loader import load
+from mlx_dflash.drafting.drafter import Drafter, load_drafter, param_counts, save_drafter, validate
+from mlx_dflash.drafting.drafter_config import ARCH_V2, DrafterConfig, DrafterError
+from mlx_dflash.platform.hub import HubError
+from mlx_dflash.target.adapter import Target
 
 PROMPTS = ["def fibonacci(n):", "Janet's ducks lay 16 eggs per day.", "import os\n", "class A:", "The answer is"]
 
@@ -241,7 +241,7 @@ def test_inspect_prints_every_field_and_its_effect(tmp_path, capsys):
     import argparse
 
     from app import inspect_cmd
-    from mlx_dflash.drafter_config import FIELDS
+    from mlx_dflash.drafting.drafter_config import FIELDS
 
     cfg = {"architectures": [ARCH_V2], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 5,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,

@@ -5,8 +5,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dflash.drafter import load_drafter
-from mlx_dflash.drafter_config import DrafterConfig, DrafterError
+from mlx_dflash.drafting.drafter import load_drafter
+from mlx_dflash.drafting.drafter_config import DrafterConfig, DrafterError
 from reference_configs import H, SLIDE, base_config, write_published
 
 

@@ -1,4 +1,4 @@
-"""`dtype auto` (mlx_dflash/dtype_choice.py): the compute dtype a model runs in
+"""`dtype auto` (mlx_dflash/models/dtype_choice.py): the compute dtype a model runs in
 where nothing else is asked for. On mlx-cpu the faster of the checkpoint's dtype
 and float32, measured once per model and machine (cached), float32 only where it
 fits in memory; on Metal the checkpoint's. Greedy output stays token for token
@@ -9,10 +9,11 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlx_dflash import dtype_choice, generate
-from mlx_dflash.drafter_precision import resolve_quant_bits
-from mlx_dflash.loader import model_dtype
-from mlx_dflash.manager import load_model
+from mlx_dflash.models import dtype_choice
+from mlx_dflash import generate
+from mlx_dflash.models.drafter_precision import resolve_quant_bits
+from mlx_dflash.models.loader import model_dtype
+from mlx_dflash.models.manager import load_model
 
 PROMPT = "Natalia sold clips to 48 of her friends in April"
 
@@ -116,7 +117,7 @@ def test_step_times_measures_each_dtype_and_choose_restores_the_checkpoint(no_en
 
 
 def test_drafter_quant_bits_auto(monkeypatch):
-    from mlx_dflash import drafter_precision
+    from mlx_dflash.models import drafter_precision
 
     monkeypatch.setattr(drafter_precision, "on_cpu", lambda: True)
     assert resolve_quant_bits("auto")[0] is None and "mlx-cpu" in resolve_quant_bits("auto")[1]

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 import train_target_tools as TT
-from mlx_dflash.discovery import models_dir
+from mlx_dflash.models.discovery import models_dir
 
 TARGET = models_dir() / "target"
 TOOLS = [TT.tool_schema("calculator"), TT.tool_schema("read_file")]

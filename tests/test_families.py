@@ -14,7 +14,7 @@ from drafters import OracleDrafter, PrefixOracle, reference_tokens
 from tiny_families import FAMILIES, build
 
 from mlx_dflash import generate
-from mlx_dflash.target import Target
+from mlx_dflash.target.adapter import Target
 
 QUANT = {"qwen3:q4": dict(bits=4, group_size=64), "qwen3_next:q4": dict(bits=4, group_size=32)}
 ALL = list(FAMILIES) + list(QUANT)
@@ -145,8 +145,8 @@ def _write_checkpoint(out, family, model, dtype):
 def test_bf16_checkpoint_stays_bf16_and_equals_mlx_lm_generate(tmp_path, monkeypatch):
     import mlx_lm
 
-    from mlx_dflash.loader import load
-    from mlx_dflash.loader import model_dtype
+    from mlx_dflash.models.loader import load
+    from mlx_dflash.models.loader import model_dtype
 
     monkeypatch.delenv("MLX_DFLASH_DTYPE", raising=False)
     _write_checkpoint(tmp_path / "t", "gemma3_text", model_of("gemma3_text"), mx.bfloat16)
@@ -169,8 +169,8 @@ def test_unsupported_family_is_refused_before_its_weights_load(tmp_path):
     with one line naming the reason, at the lazy load (no weight is read)."""
     from mlx_lm.utils import _get_classes
 
-    from mlx_dflash.loader import load
-    from mlx_dflash.target import TargetError
+    from mlx_dflash.models.loader import load
+    from mlx_dflash.target.adapter import TargetError
 
     cfg = dict(model_type="deepseek_v41", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=32,

@@ -1,4 +1,4 @@
-"""The BLAS shim's few-row kernel (mlx_dflash/fastblas.py, blas_shim.py) against
+"""The BLAS shim's few-row kernel (mlx_dflash/platform/fastblas.py, blas_shim.py) against
 numpy, its routing, threads and concurrent first builds."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_dflash import fastblas
+from mlx_dflash.platform import fastblas
 import mlx.core as mx
 
 pytestmark = pytest.mark.skipif(fastblas.STATE["shim"] is None, reason="no BLAS shim on this platform")
@@ -180,9 +180,9 @@ def test_switch_routes_to_openblas():
     np.testing.assert_allclose(on, off, rtol=1e-5, atol=1e-5)
 
 
-_PREPARE = "from mlx_dflash import fastblas\nfastblas.prepare()\n"
+_PREPARE = "from mlx_dflash.platform import fastblas\nfastblas.prepare()\n"
 _IMPORT = ("import mlx_dflash, mlx.core as mx\n"
-           "from mlx_dflash import fastblas\n"
+           "from mlx_dflash.platform import fastblas\n"
            "assert fastblas.STATE['shim'], fastblas.STATE\n"
            "x = mx.ones((4, 64)) @ mx.ones((64, 64)).T\n"
            "print(fastblas.STATE['threads'], float(x[0, 0]))\n")
@@ -216,7 +216,7 @@ _NO_WORK = ("import subprocess, os\n"
             "subprocess.Popen.__init__ = refuse\n"
             "os.fork = refuse\n"
             "import mlx_dflash\n"
-            "from mlx_dflash import fastblas\n"
+            "from mlx_dflash.platform import fastblas\n"
             "assert fastblas.STATE['shim'] is None and 'doctor' in fastblas.STATE['error'], fastblas.STATE\n"
             "assert not fastblas.ready()\n")
 

@@ -13,12 +13,12 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, tr
 from tiny_families import build, config
 
 from mlx_dflash import stream_generate
-from mlx_dflash.decode_config import DecodeConfig
-from mlx_dflash.drafter import ContextCache, Drafter
-from mlx_dflash.drafter_config import DrafterConfig
-from mlx_dflash.prompt_cache import PromptCache, common_prefix
-from mlx_dflash.prompt_store import cache_bytes
-from mlx_dflash.target import Target
+from mlx_dflash.engine.decode_config import DecodeConfig
+from mlx_dflash.drafting.drafter import ContextCache, Drafter
+from mlx_dflash.drafting.drafter_config import DrafterConfig
+from mlx_dflash.cache.prompt_cache import PromptCache, common_prefix
+from mlx_dflash.cache.prompt_store import cache_bytes
+from mlx_dflash.target.adapter import Target
 
 H = 64
 _models = {}
@@ -347,8 +347,8 @@ def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatc
     of them random K/V rows (a step's cost depends on shapes, not values): the
     session prefills at most SYNTHETIC_FROM tokens, and every attention layer
     holds the full context (a sliding one its window) when the steps are timed."""
-    from mlx_dflash import calibrate
-    from mlx_dflash.decoder import Decoder
+    from mlx_dflash.engine import calibrate
+    from mlx_dflash.engine.decoder import Decoder
 
     model, d = model_of(family), _pair(tmp_path, family)
     fed, seen = [], []

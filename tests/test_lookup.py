@@ -6,8 +6,9 @@ import random
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import generate, load
-from mlx_dflash.lookup import NgramIndex
+from mlx_dflash import generate
+from mlx_dflash import load
+from mlx_dflash.drafting.lookup import NgramIndex
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "x = 1\ny = 2\nx = 1\n",
@@ -110,14 +111,15 @@ def test_lookup_sampling_is_seeded_and_exact_at_tiny_temperature(pairs):
 
 def _curve(c5, d5=0.0):
     """Measured widths 1 and 5 only, as the guard calibrates; plain token = 1-token step."""
-    from mlx_dflash.costs import Costs
+    from mlx_dflash.policy.costs import Costs
 
     return Costs(0.01, {1: 1.0, 5: c5}, {1: 0.0, 5: d5}, t_plain=0.01)
 
 
 def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
-    from mlx_dflash.policy import LOOKUP, Guard
-    from mlx_dflash.stats import CycleResult
+    from mlx_dflash.policy.base import LOOKUP
+    from mlx_dflash.policy.guard import Guard
+    from mlx_dflash.engine.stats import CycleResult
 
     assert Guard(5, _curve(2.4)).lookup is None  # only when asked for
     g = Guard(5, _curve(2.4), lookup=True)
@@ -143,7 +145,7 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
     """The default mode (guard) with a drafter that never pays (plain steps) and
     one that mostly does: lookup cycles happen in both, the drafter's context
     stays in step (the oracle checks it), and every output is mlx-lm's."""
-    from mlx_dflash import calibrate
+    from mlx_dflash.engine import calibrate
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     vocab = model.args.vocab_size
@@ -172,7 +174,7 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
 def test_lookup_index_is_kept_with_the_prompt_cache(pairs):
     """A next turn that extends the last call's text indexes only its new tokens;
     a prompt that does not is indexed afresh. Outputs stay mlx-lm's."""
-    from mlx_dflash.prompt_cache import PromptCache
+    from mlx_dflash.cache.prompt_cache import PromptCache
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     pc = PromptCache()
@@ -192,7 +194,7 @@ def test_lookup_index_is_kept_with_the_prompt_cache(pairs):
 def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
     """A DFlash cycle costing 4.5 plain tokens at width 5 (w / k < 1.25): the drafter is
     never run (nor its features captured), lookup drafts still are; exact."""
-    from mlx_dflash import calibrate
+    from mlx_dflash.engine import calibrate
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     prompt = PROMPTS[0]
@@ -210,9 +212,10 @@ def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
 
 
 def test_guard_carries_lookup_acceptance_to_the_next_request():
-    from mlx_dflash.costs import Observed
-    from mlx_dflash.policy import LOOKUP, Guard
-    from mlx_dflash.stats import CycleResult
+    from mlx_dflash.policy.costs import Observed
+    from mlx_dflash.policy.base import LOOKUP
+    from mlx_dflash.policy.guard import Guard
+    from mlx_dflash.engine.stats import CycleResult
 
     g = Guard(5, _curve(2.0), lookup=True)
     for _ in range(4):
@@ -227,8 +230,8 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
 def test_guard_where_dflash_cannot_pay_keeps_the_prompt_cache_reusable(pairs):
     """With a prompt cache (chat, server) the drafter still never runs, but the
     features are kept, so a later call reuses the whole cached prefix."""
-    from mlx_dflash import calibrate
-    from mlx_dflash.prompt_cache import PromptCache, reusable
+    from mlx_dflash.engine import calibrate
+    from mlx_dflash.cache.prompt_cache import PromptCache, reusable
 
     model, tok, _ = load(str(pairs("qwen3", version=1) / "target"))
     prompt = PROMPTS[0]

@@ -3,7 +3,8 @@
 import pytest
 
 from drafters import OracleDrafter, reference_tokens
-from mlx_dflash import generate, load, stream_generate
+from mlx_dflash import generate
+from mlx_dflash import load, stream_generate
 
 PROMPTS = [
     "def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
@@ -165,7 +166,7 @@ def test_verify_mode_off_is_plain_decoding(pairs):
 def test_untrimmable_cache_falls_back(pairs, capsys):
     from mlx_lm.models.cache import KVCache
 
-    from mlx_dflash.prompt_cache import PromptCache
+    from mlx_dflash.cache.prompt_cache import PromptCache
 
     class NoTrim(KVCache):
         def is_trimmable(self):
@@ -181,7 +182,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
 
 
 def test_prompt_cache_reuse_is_lossless(pairs):
-    from mlx_dflash.prompt_cache import PromptCache
+    from mlx_dflash.cache.prompt_cache import PromptCache
 
     model, tok, drafter = load_pair(pairs)
     pc = PromptCache()
@@ -201,7 +202,7 @@ def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
     """Verify mode off runs pipelined (the next step is queued before a token is read):
     after a max-tokens stop, a stop string, or a caller that walks away mid-stream,
     the cached rows still match the cached tokens, so the next turn stays exact."""
-    from mlx_dflash.prompt_cache import PromptCache
+    from mlx_dflash.cache.prompt_cache import PromptCache
 
     model, tok, _ = load_pair(pairs, drafter=False)
     pc = PromptCache()
@@ -228,9 +229,9 @@ def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monk
     """Rows fed since the drafter's last draft (accepted rows, the guard's plain
     runs) stay with the cache as pending features: the next turn reuses every
     cached token, even after a caller that stops mid-run, and stays exact."""
-    from mlx_dflash import calibrate
-    from mlx_dflash.costs import Costs
-    from mlx_dflash.prompt_cache import PromptCache, reusable
+    from mlx_dflash.engine import calibrate
+    from mlx_dflash.policy.costs import Costs
+    from mlx_dflash.cache.prompt_cache import PromptCache, reusable
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))  # this test's cost curve stays with it
     monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())

@@ -10,12 +10,12 @@ import mlx.core as mx
 import pytest
 from model_world import by_id, copy_model, files_size
 
-from mlx_dflash.hub import HubError
-from mlx_dflash.manager import acceptance_warning, load_model, pull, remove
-from mlx_dflash.discovery import discover, pair_problem
-from mlx_dflash.model_names import resolve
-from mlx_dflash.discovery import list_targets, weights_problem
-from mlx_dflash.settings_schema import ModelSettings, SettingsError
+from mlx_dflash.platform.hub import HubError
+from mlx_dflash.models.manager import acceptance_warning, load_model, pull, remove
+from mlx_dflash.models.discovery import discover, pair_problem
+from mlx_dflash.models.model_names import resolve
+from mlx_dflash.models.discovery import list_targets, weights_problem
+from mlx_dflash.settings.schema import ModelSettings, SettingsError
 
 
 def test_discovery(world):
@@ -157,7 +157,7 @@ def test_damaged_model_folder_is_one_line_naming_the_file(world, damage, msg):
 
 
 def test_acceptance_warning_rule():
-    from mlx_dflash.stats import GenerationStats
+    from mlx_dflash.engine.stats import GenerationStats
 
     s = GenerationStats(mode="dflash", cycles=60, drafted=240, accepted=2)
     why = acceptance_warning(s, "org/d")

@@ -9,11 +9,11 @@ import pytest
 from model_world import by_id
 
 from mlx_dflash import generate
-from mlx_dflash.manager import load_model
-from mlx_dflash.drafter_precision import safe_activation_dtype, set_activation_dtype
-from mlx_dflash.drafter_precision import param_bytes
-from mlx_dflash.settings_schema import SettingsError
-from mlx_dflash.target import Target
+from mlx_dflash.models.manager import load_model
+from mlx_dflash.models.drafter_precision import safe_activation_dtype, set_activation_dtype
+from mlx_dflash.models.drafter_precision import param_bytes
+from mlx_dflash.settings.schema import SettingsError
+from mlx_dflash.target.adapter import Target
 
 
 def _greedy(lm, prompt, **kw):

@@ -1,4 +1,4 @@
-"""Logits processors inside DFlash's verify (mlx_dflash/logits.py): each verify
+"""Logits processors inside DFlash's verify (mlx_dflash/engine/logits.py): each verify
 row is processed after its own history, so DFlash and prompt-lookup drafts with
 processors give token for token what plain decoding with the same processors
 gives (greedy), which is mlx-lm's own generate_step(logits_processors=...), and
@@ -18,9 +18,10 @@ from test_batch import RowOracles, like_plain_sampling, model_of, run_engine, sa
 from test_batch_lookup import MAXES, prompts_for
 
 from app.server.structured import Constrained, parse_format
-from mlx_dflash import DecodeConfig, generate, load
-from mlx_dflash.batch import BatchEngine
-from mlx_dflash.batch_policy import FixedBatchWidth
+from mlx_dflash import DecodeConfig, load
+from mlx_dflash import generate
+from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.policy.batch import FixedBatchWidth
 
 PROMPTS = ["def fibonacci(n):", "The answer is", "import os\nimport sys\nimport os\nimport"]
 MAX = 20

@@ -1,4 +1,4 @@
-"""mlx_dflash.prompt_store: several cached prefixes across conversations, with
+"""mlx_dflash.cache.prompt_store: several cached prefixes across conversations, with
 the test pair (tiny random target + DFlash drafter) through the real engine.
 A warm run must give exactly the tokens of a cold one; the budget only costs speed."""
 
@@ -6,9 +6,10 @@ import mlx.core as mx
 import pytest
 from scripted import OneModelCatalog
 
-from mlx_dflash import generate, load
-from mlx_dflash.prompt_store import PromptStore, cache_bytes, tokens_of
-from mlx_dflash.target import Target
+from mlx_dflash import generate
+from mlx_dflash import load
+from mlx_dflash.cache.prompt_store import PromptStore, cache_bytes, tokens_of
+from mlx_dflash.target.adapter import Target
 
 pytestmark = pytest.mark.timeout(300)
 N = 10
@@ -167,7 +168,7 @@ class PairCatalog(OneModelCatalog):
     """The test pair behind a server, with a prompt-cache budget in bytes."""
 
     def __init__(self, folder, budget):
-        from mlx_dflash.settings_schema import ModelSettings
+        from mlx_dflash.settings.schema import ModelSettings
 
         super().__init__("pair", ModelSettings(max_tokens=N, block_size=W), budget)
         self.folder = folder

@@ -25,9 +25,9 @@ from mlx.utils import tree_flatten
 pytest.importorskip("dflash")  # skipped only when the reference is not installed (bootstrap installs it)
 import dflash.model_mlx as ref  # noqa: E402  (installed but broken: fail, do not skip)
 
-from mlx_dflash.drafter import Drafter, load_drafter, save_drafter  # noqa: E402
-from mlx_dflash.drafter_config import DrafterConfig  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.drafting.drafter import Drafter, load_drafter, save_drafter  # noqa: E402
+from mlx_dflash.drafting.drafter_config import DrafterConfig  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
 from reference_configs import H, SLIDE, TL, V, VARIANTS, _randomize, base_config, write_published  # noqa: E402
 
 
@@ -220,7 +220,7 @@ def _generations_agree(tmp_path, ref_load, pairs, cfg, prompts, w, n, seed=8):
     import mlx_lm
     from mlx_lm.models.cache import KVCache
 
-    from mlx_dflash.generate import generate
+    from mlx_dflash.engine.generate import generate
 
     d = pairs("qwen3", version=1, hidden=64, layers=4, vocab=512)
     write_published(tmp_path / "drafter", cfg, seed=seed)

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from mlx_dflash import discovery
-from mlx_dflash.loader import load
-from mlx_dflash.registry import Found, base_name, find_drafter, known_drafters
+from mlx_dflash.models import discovery
+from mlx_dflash.models.loader import load
+from mlx_dflash.models.registry import Found, base_name, find_drafter, known_drafters
 
 QWEN8 = "z-lab/Qwen3-8B-DFlash-b16"
 
@@ -115,8 +115,8 @@ def test_missing_drafter_offline_is_one_line(pairs, tmp_path, monkeypatch, capsy
 
 
 def test_pull_fetches_the_target_and_its_drafter(tmp_path, monkeypatch):
-    from mlx_dflash import manager
-    from mlx_dflash.hub import HubError
+    from mlx_dflash.models import manager
+    from mlx_dflash.platform.hub import HubError
 
     got = []
 
@@ -144,7 +144,7 @@ def test_pull_fetches_the_target_and_its_drafter(tmp_path, monkeypatch):
 
 
 def test_settings_model_dirs_are_scanned(tmp_path, monkeypatch):
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLX_DFLASH_MODELS_DIR", raising=False)

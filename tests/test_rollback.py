@@ -1,4 +1,4 @@
-"""Rollback after a verify, per cache kind (mlx_dflash/rollback.py): a cache
+"""Rollback after a verify, per cache kind (mlx_dflash/target/rollback.py): a cache
 that ran L tokens and dropped the last n must behave like one that only ever
 ran the L-n accepted tokens: same recurrent states, same next logits, across
 many cycles so every sliding window wraps."""
@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from tiny_families import build
 
-from mlx_dflash.rollback import RollbackError, leaves
-from mlx_dflash.target import Target
+from mlx_dflash.target.rollback import RollbackError, leaves
+from mlx_dflash.target.adapter import Target
 
 # one family per cache mix: KV, sliding + KV, recurrent + KV, short-conv + KV,
 # Mamba2 + KV (and layers without a cache), CacheList(recurrent, KV), 4-bit hybrid
@@ -177,7 +177,7 @@ def test_concatenate_cache_drops_its_rows():
 def test_long_forward_keeps_no_replay_inputs():
     """A prefill chunk longer than a verify holds no activations for a rollback:
     it can only be undone whole."""
-    from mlx_dflash.target import MAX_REPLAY
+    from mlx_dflash.target.adapter import MAX_REPLAY
 
     t = Target(build("qwen3_next"))
     c = t.make_cache()
@@ -205,7 +205,7 @@ def test_recurrent_rollback_is_a_selection_with_the_same_bits(family, monkeypatc
     kept length is selected from what the verify kept (no mixer is run again)
     and is the state of a cache that only ever ran the kept rows (up to the last
     bits a 1-row and an L-row matmul may differ by), with the same next logits."""
-    from mlx_dflash.rollback import Mixer
+    from mlx_dflash.target.rollback import Mixer
 
     def no_replay(*a, **k):
         raise AssertionError("a recurrent mixer was run again")
@@ -243,7 +243,7 @@ def test_replay_where_no_selection_applies(family, monkeypatch):
     batches) the mixer runs again on the kept rows, its projections and conv
     outputs handed back from the verify: the same states as never having run
     the rejected rows."""
-    from mlx_dflash.rollback import Call
+    from mlx_dflash.target.rollback import Call
 
     monkeypatch.setattr(Call, "select", lambda self, keep: False)
     model = build(family)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash.sampling import SamplingParams, accept_speculative, probs
+from mlx_dflash.engine.sampling import SamplingParams, accept_speculative, probs
 
 V = 5
 
@@ -85,7 +85,8 @@ def test_end_to_end_sampling_distribution(pairs):
     from scipy.stats import chi2_contingency
 
     from drafters import FixedDrafter
-    from mlx_dflash import generate, load
+    from mlx_dflash import generate
+    from mlx_dflash import load
 
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
@@ -126,7 +127,8 @@ def test_end_to_end_sampling_distribution_dflash2(pairs):
 
     from scipy.stats import chi2_contingency
 
-    from mlx_dflash import generate, load
+    from mlx_dflash import generate
+    from mlx_dflash import load
 
     d = pairs("qwen3", version=2)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dflash.selector import PathSelector, selector_param_count
+from mlx_dflash.drafting.selector import PathSelector, selector_param_count
 
 V, H, R = 50, 32, 8
 
@@ -194,7 +194,7 @@ def test_param_count():
 
 @pytest.mark.parametrize("P,V,k", [(3, 50, 4), (4, 8192, 16), (2, 5000, 16), (15, 40000, 16), (1, 2048, 8)])
 def test_top_k_ids(P, V, k):
-    from mlx_dflash.selector import top_k_ids
+    from mlx_dflash.drafting.selector import top_k_ids
 
     logits = mx.random.normal((P, V), key=mx.random.key(V))
     got = np.sort(np.array(top_k_ids(logits, k)), -1)

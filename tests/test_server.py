@@ -25,7 +25,8 @@ def server(serve_models):
 @pytest.fixture(scope="module")
 def ref(serve_models):
     """The same model in this process, for reference generations (plain decoding)."""
-    from mlx_dflash import generate, load
+    from mlx_dflash import generate
+    from mlx_dflash import load
 
     model, tok, _ = load(str(serve_models[0] / "qwen"))
 

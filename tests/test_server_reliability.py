@@ -15,10 +15,10 @@ import httpx
 import pytest
 from serve_process import ROOT, Server, api_error
 
-from mlx_dflash.model_names import resolve
-from mlx_dflash.settings_checks import check_settings
-from mlx_dflash.settings import SettingsStore
-from mlx_dflash.settings_schema import ModelSettings, SettingsError
+from mlx_dflash.models.model_names import resolve
+from mlx_dflash.models.settings_checks import check_settings
+from mlx_dflash.settings.store import SettingsStore
+from mlx_dflash.settings.schema import ModelSettings, SettingsError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -252,7 +252,7 @@ def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from app.server.prompt_ids import CHUNK_CHARS, COUNT_SLACK, max_token_chars, pieces
-    from mlx_dflash.discovery import default_pair
+    from mlx_dflash.models.discovery import default_pair
 
     tok = load_tokenizer(Path(default_pair()[0]))
     rnd = random.Random(0)

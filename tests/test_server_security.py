@@ -386,7 +386,7 @@ def test_error_messages_lose_folders(tmp_path):
 def test_model_folder_with_wrong_config_types_is_no_500(setup, tmp_path, monkeypatch):
     """A config.json that parses but holds nonsense (a null layer count) made
     the model listing a 500 TypeError."""
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
     from starlette.testclient import TestClient
 
     from app.server import ManagerCatalog, create_app

@@ -12,7 +12,7 @@ from drafters import OracleDrafter, reference_tokens
 from tiny_families import build
 
 from mlx_dflash import generate
-from mlx_dflash.target import Target
+from mlx_dflash.target.adapter import Target
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "Janet's ducks lay 16 eggs per day. She eats",
            "import os\nimport sys\nimport json\n", "class Stack:\n    def push(self, x):"]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dflash.settings import SettingsStore, atomic_write, remove_stale_temps
-from mlx_dflash.settings_schema import GlobalSettings, ModelSettings, SettingsError
-from mlx_dflash.settings_schema import parse_value, verify_modes
+from mlx_dflash.settings.store import SettingsStore, atomic_write, remove_stale_temps
+from mlx_dflash.settings.schema import GlobalSettings, ModelSettings, SettingsError
+from mlx_dflash.settings.schema import parse_value, verify_modes
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     empty = tmp_path / "embedded"
     empty.mkdir()
-    monkeypatch.setattr("mlx_dflash.discovery.models_dir", lambda: empty)
+    monkeypatch.setattr("mlx_dflash.models.discovery.models_dir", lambda: empty)
     return SettingsStore()
 
 
@@ -62,7 +62,7 @@ def test_generation_kwargs_fit_stream_generate():
     from dataclasses import fields
 
     from mlx_dflash import DecodeConfig
-    from mlx_dflash.modes import VERIFY_MODES
+    from mlx_dflash.policy.registry import VERIFY_MODES
 
     kw = ModelSettings(block_size=3, temperature=0.5).generation_kwargs()
     assert set(kw) <= {f.name for f in fields(DecodeConfig)}  # what stream_generate takes
@@ -169,7 +169,7 @@ def test_a_read_during_an_editors_save_loses_nothing(store, capsys):
 
 
 def test_a_running_process_keeps_its_last_good_settings(store, capsys, monkeypatch):
-    monkeypatch.setattr("mlx_dflash.settings.SETTLE", 0.05)
+    monkeypatch.setattr("mlx_dflash.settings.store.SETTLE", 0.05)
     store.set_model("m", top_k=4)
     assert store.model("m").top_k == 4
     store.path.write_text('{"version": 1, "models": {"m": {"top_k": 9')  # saved broken
@@ -249,7 +249,7 @@ def test_settings_do_not_import_the_manager():
     """One-way: manager -> settings. The checks that need model files come in as a checker."""
     import ast
 
-    import mlx_dflash.settings as S
+    import mlx_dflash.settings.store as S
 
     tree = ast.parse(Path(S.__file__).read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \

@@ -8,13 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from app.chat_history import Chat, HistoryStore
-from mlx_dflash.settings import SettingsStore
+from app.chat.history import Chat, HistoryStore
+from mlx_dflash.settings.store import SettingsStore
 
 ROOT = Path(__file__).resolve().parent.parent
 KILLED_WRITER = """
 import os, sys, time
-from mlx_dflash.settings import atomic_write
+from mlx_dflash.settings.store import atomic_write
 os.replace = lambda *a: (print("written", flush=True), time.sleep(600))  # killed before the rename
 atomic_write(__import__("pathlib").Path(sys.argv[1]), "x" * 100)
 """

@@ -20,8 +20,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from app.server import tool_grammar  # noqa: E402
 from app.server.tools import GenRequest, ToolStream  # noqa: E402
 from mlx_dflash import DecodeConfig, load, stream_generate  # noqa: E402
-from mlx_dflash.discovery import models_dir  # noqa: E402
-from mlx_dflash.settings_schema import ModelSettings  # noqa: E402
+from mlx_dflash.models.discovery import models_dir  # noqa: E402
+from mlx_dflash.settings.schema import ModelSettings  # noqa: E402
 from scripted import EmbeddedCatalog, LocalServer  # noqa: E402
 
 V = 4096

@@ -13,12 +13,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from app.cli import main
 from mlx_dflash import generate
-from mlx_dflash import train as T
-from mlx_dflash import train_data as TD
-from mlx_dflash import train_init as TI
-from mlx_dflash import train_loss as TL
-from mlx_dflash.drafter import load_drafter, save_drafter, validate
-from mlx_dflash.target import Target
+from mlx_dflash.train.loop import loop as T
+from mlx_dflash.train.loop import data as TD
+from mlx_dflash.train.loop import init as TI
+from mlx_dflash.train.loop import loss as TL
+from mlx_dflash.drafting.drafter import load_drafter, save_drafter, validate
+from mlx_dflash.target.adapter import Target
 
 B = 8
 
@@ -320,7 +320,7 @@ def test_training_features_are_the_inference_features(family):
     gated-delta layers), where the old hand-written layer loop differed."""
     from tiny_families import build
 
-    from mlx_dflash.train_init import target_features
+    from mlx_dflash.train.init import target_features
 
     model = build(family)
     t = Target(model)

@@ -11,6 +11,8 @@ a newline; F1 lists the rest."""
 
 from __future__ import annotations
 
+from app.errors import UserError
+
 from .app import ChatApp
 from .engine import ManagerBackend, build_prompt
 from .settings_panel import SettingsScreen
@@ -28,8 +30,6 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..cli import UserError
-
     try:
         backend = ManagerBackend()
         entry = backend.resolve(args.model)  # unknown model / missing embedded pair: one line, before the UI
@@ -38,7 +38,7 @@ def run(args) -> int:
     if entry.kind != "target":
         raise UserError(f"'{entry.id}' is a {entry.kind_label}, not a chat model; pick a target from "
                         "`mlx-dflash models list --targets`")
-    from mlx_dflash.model_names import check_files
+    from mlx_dflash.models.model_names import check_files
 
     check_files(entry.path)  # a damaged folder: one line naming the file, before the UI
     ChatApp(entry.id, backend=backend, reopen_last=not args.new).run()

@@ -23,9 +23,9 @@ from textual.containers import VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
-from ..chat_history import Chat, HistoryStore
-from ..chat_history import Message as ChatMessage
 from .engine import RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, generate_job, one_line
+from .history import Chat, HistoryStore
+from .history import Message as ChatMessage
 from .screens import ConfirmScreen, HelpScreen, ListScreen
 from .settings_panel import SettingsScreen
 from .widgets import AnswerBubble, ChatInput, UserBubble, details_rows, resolved_auto, status_markup
@@ -323,7 +323,7 @@ class ChatApp(App):
         self.submit(generate_job, self.post_message, self.flush_s, turn, history, self.prompt_cache)
 
     def _check_acceptance(self, turn: Turn, stats: dict) -> None:
-        from mlx_dflash.manager import acceptance_warning
+        from mlx_dflash.models.manager import acceptance_warning
 
         if self.warned_acceptance or turn.loaded is not self.loaded:
             return

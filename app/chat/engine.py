@@ -13,7 +13,7 @@ from textual.message import Message
 
 from mlx_dflash import DecodeConfig, stream_generate
 
-from ..chat_history import Chat
+from .history import Chat
 
 
 class ManagerBackend:
@@ -21,22 +21,22 @@ class ManagerBackend:
     with these methods."""
 
     def __init__(self, store=None):
-        from mlx_dflash.settings_checks import settings_store
+        from mlx_dflash.models.settings_checks import settings_store
 
         self.store = store if store is not None else settings_store()
 
     def resolve(self, model_id):
-        from mlx_dflash.model_names import resolve
+        from mlx_dflash.models.model_names import resolve
 
         return resolve(model_id, self.store, download=True)
 
     def targets(self) -> list:
-        from mlx_dflash.discovery import list_targets
+        from mlx_dflash.models.discovery import list_targets
 
         return list_targets(self.store)
 
     def load(self, model_id):
-        from mlx_dflash.manager import load_model
+        from mlx_dflash.models.manager import load_model
 
         return load_model(model_id, self.store)
 

@@ -50,7 +50,7 @@ class SettingsScreen(ModalScreen):
         return f"auto ({r} here)" if r else "auto"
 
     def compose(self) -> ComposeResult:
-        from mlx_dflash.settings_schema import COMPUTE_DTYPES, verify_modes
+        from mlx_dflash.settings.schema import COMPUTE_DTYPES, verify_modes
 
         s = self.settings
         with Vertical(classes="dialog"):
@@ -130,7 +130,7 @@ class SettingsScreen(ModalScreen):
         w.display = bool(form)
 
     def action_save(self) -> None:
-        from mlx_dflash.settings_schema import MODEL_KEYS, SettingsError
+        from mlx_dflash.settings.schema import MODEL_KEYS, SettingsError
 
         changes, errors = self.values()
         if errors:

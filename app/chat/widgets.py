@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 
-from mlx_dflash.drafter_precision import quant_label
+from mlx_dflash.models.drafter_precision import quant_label
 
 DRAFT_STYLE = "#7ee787"  # accepted draft tokens
 TARGET_STYLE = "#79c0ff"  # the target's own tokens (first token, bonus tokens, plain decoding)

@@ -25,9 +25,9 @@ three APIs), processors (a request's logits processors, logprob entries), cli.
 import mlx_dflash  # noqa: F401  (fast BLAS before anything imports mlx)
 
 from .app import create_app
+from .catalog import ManagerCatalog
 from .cli import add_parser, run
 from .errors import APIError
 from .worker import Worker
-from .catalog import ManagerCatalog
 
 __all__ = ["create_app", "add_parser", "run", "APIError", "ManagerCatalog", "Worker"]

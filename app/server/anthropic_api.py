@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from .relay import ClientGone, collect, count, events, progress_comment, start, stats_fields
 from .errors import APIError, ContextTooLong, bad_request
+from .relay import ClientGone, collect, count, events, progress_comment, start, stats_fields
 from .schemas import MAX_STOP, Schema, ignored, thinking_kwargs
 from .tools import GenRequest, check_tool_choice
 

@@ -13,25 +13,25 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-import mlx_dflash
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+import mlx_dflash
+
 from .anthropic_api import error_response as messages_error
 from .anthropic_api import register as register_messages
+from .catalog import Job, ManagerCatalog
 from .errors import APIError, bad_request, error_line
 from .openai_api import register as register_openai
 from .responses_api import register as register_responses
 from .schemas import validation_error
 from .security import CUT_KEY, MAX_BODY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
 from .worker import Worker
-from .catalog import Job
-from .catalog import ManagerCatalog
 
 ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
 NAMES_TTL = 10.0  # seconds a resolved model name is remembered (a newly downloaded model shows up after it)

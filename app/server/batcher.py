@@ -1,5 +1,5 @@
 """The server's batch thread (`max_batch` > 1): it alone drives the model,
-stepping mlx_dflash.batch.BatchEngine while rows run, and hands each request's
+stepping mlx_dflash.engine.batch.BatchEngine while rows run, and hands each request's
 responses to the thread serving that request (worker.Worker._serve reads them
 as it reads stream_generate's). A request the batch cannot run (logprobs,
 a quantized KV cache, a model whose caches cannot be batched) runs alone on
@@ -21,9 +21,9 @@ import traceback
 from typing import Callable, Dict, List, Optional
 
 from mlx_dflash import stream_generate
-from mlx_dflash.batch import BatchEngine, BatchError, batchable
-from mlx_dflash.prompt_store import PromptStore
-from mlx_dflash.target import Target
+from mlx_dflash.cache.prompt_store import PromptStore
+from mlx_dflash.engine.batch import BatchEngine, BatchError, batchable
+from mlx_dflash.target.adapter import Target
 
 _END = object()
 

@@ -10,29 +10,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from mlx_dflash.discovery import discover
-from mlx_dflash.settings_checks import check_settings
-from mlx_dflash.model_names import find
-
+from mlx_dflash.models.discovery import discover
+from mlx_dflash.models.model_names import find
+from mlx_dflash.models.settings_checks import check_settings
 
 # -- models ---------------------------------------------------------------------------------
 
 class ManagerCatalog:
-    """The models the model manager knows (mlx_dflash.manager); ids are its ids."""
+    """The models the model manager knows (mlx_dflash.models.manager); ids are its ids."""
 
     def __init__(self, store=None):
-        from mlx_dflash.settings import SettingsStore
+        from mlx_dflash.settings.store import SettingsStore
 
         self.store = store or SettingsStore()
 
     def targets(self) -> List[dict]:
-        from mlx_dflash.discovery import list_targets
+        from mlx_dflash.models.discovery import list_targets
 
         return [{"id": e.id, "owned_by": e.source, "drafters": list(e.compatible_drafters)}
                 for e in list_targets(self.store)]
 
     def default(self) -> str:
-        from mlx_dflash.model_names import resolve
+        from mlx_dflash.models.model_names import resolve
 
         return resolve(None, self.store).id
 
@@ -67,7 +66,7 @@ class ManagerCatalog:
         check_settings(model_id, settings, self.store, explicit_block=False)
 
     def load(self, model_id: str):
-        from mlx_dflash.manager import load_model
+        from mlx_dflash.models.manager import load_model
 
         return load_model(model_id, self.store)
 
@@ -75,7 +74,7 @@ class ManagerCatalog:
         try:
             return self.store.globals().prompt_cache_mb << 20
         except (ValueError, AttributeError):  # unreadable settings: the default budget
-            from mlx_dflash.settings_schema import GlobalSettings
+            from mlx_dflash.settings.schema import GlobalSettings
 
             return GlobalSettings().prompt_cache_mb << 20
 
@@ -150,6 +149,6 @@ def store_budget(catalog) -> int:
     f = getattr(catalog, "prompt_cache_bytes", None)
     if f is not None:
         return int(f())
-    from mlx_dflash.settings_schema import GlobalSettings
+    from mlx_dflash.settings.schema import GlobalSettings
 
     return GlobalSettings().prompt_cache_mb << 20

@@ -11,15 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from mlx_dflash.costs import cache_dir
-from mlx_dflash.distributed import world
-from mlx_dflash.settings import remove_stale_temps
-from mlx_dflash.settings_schema import SettingsError, check_global, check_type
+from mlx_dflash.engine.distributed import world
+from mlx_dflash.platform.paths import cache_dir
+from mlx_dflash.settings.schema import SettingsError, check_global, check_type
+from mlx_dflash.settings.store import remove_stale_temps
 
-from .errors import error_line
 from .app import create_app
-from .connections import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES, with_head_timeout
 from .catalog import ManagerCatalog
+from .connections import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES, with_head_timeout
+from .errors import error_line
 from .split import SplitServer
 
 KEY_ENV = "MLX_DFLASH_API_KEY"
@@ -91,7 +91,7 @@ def api_key(args, settings_key: Optional[str]) -> Optional[str]:
 def run(args) -> int:
     import socket
 
-    from mlx_dflash.settings import SettingsStore
+    from mlx_dflash.settings.store import SettingsStore
 
     store = SettingsStore()
     g = store.globals()
@@ -126,7 +126,7 @@ def run(args) -> int:
         if max_batch == "auto":  # a split target is measured and served one request at a time
             max_batch = 1
     elif args.model is not None:  # an id or a model folder; fail now, in one line, if neither
-        from mlx_dflash.model_names import resolve
+        from mlx_dflash.models.model_names import resolve
 
         entry = resolve(args.model, store)
         if entry.kind != "target":
@@ -134,7 +134,7 @@ def run(args) -> int:
                              "pick a target from `mlx-dflash models list`")
         model = entry.id
     else:
-        from mlx_dflash.model_names import resolve
+        from mlx_dflash.models.model_names import resolve
 
         try:
             resolve(None, store)

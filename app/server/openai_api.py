@@ -13,12 +13,10 @@ from typing import List, Optional
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .catalog import Job
 from .relay import progress_comment, report
 from .schemas import ChatRequest, CompletionRequest
 from .tools import call_id
-from .catalog import Job
-
-
 
 # -- response bodies -----------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What a request asks of each decoding step: mlx-lm logits processors for its
 penalties, logit_bias and constrained format (mlx_dflash.DecodeConfig: DFlash's
-verify applies them per row, mlx_dflash/logits.py), and the log-probability
+verify applies them per row, mlx_dflash/engine/logits.py), and the log-probability
 entries of the OpenAI APIs (per plain step: logprobs decode plainly)."""
 
 from __future__ import annotations

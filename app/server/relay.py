@@ -8,8 +8,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .errors import APIError
 from .catalog import Job
+from .errors import APIError
 
 
 class ClientGone(Exception):

@@ -15,10 +15,18 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from .relay import ClientGone, Result, collect, events, progress_comment, start, stats_fields
 from .errors import APIError, bad_request
-from .responses_items import (NamedTool, Tools, call_item, history_turn, msg_item, reasoning_item,
-                              to_messages, tool_choice)
+from .relay import ClientGone, Result, collect, events, progress_comment, start, stats_fields
+from .responses_items import (
+    NamedTool,
+    Tools,
+    call_item,
+    history_turn,
+    msg_item,
+    reasoning_item,
+    to_messages,
+    tool_choice,
+)
 from .schemas import Schema, effort_thinks, thinking_kwargs, unsupported
 from .tools import GenRequest
 

@@ -19,7 +19,7 @@ from typing import List, Literal, Optional
 from pydantic import Field, ValidationError
 
 from .errors import bad_request
-from .schemas import Schema, validation_error, ignored
+from .schemas import Schema, ignored, validation_error
 from .tools import arguments_dict, call_id, check_tool_choice
 
 

@@ -225,9 +225,8 @@ class ChatRequest(_Common):
 
     def gen(self):
         """The request as the worker runs it (app.server.tools.GenRequest)."""
-        from .tools import GenRequest, check_tool_choice
-
         from .structured import parse_format
+        from .tools import GenRequest, check_tool_choice
 
         rf = self.response_format
         fmt = parse_format(rf.type if rf else None, (rf.json_schema or {}).get("schema") if rf else None,

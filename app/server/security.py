@@ -33,7 +33,7 @@ from .errors import APIError
 
 MAX_BODY = 64 << 20  # bytes; far above any context this runs
 LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
-STATS_KEY = "mlx_dflash.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
+STATS_KEY = "mlx_dflash.engine.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
 CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the request (shutdown), for the log line
 
 

@@ -1,5 +1,5 @@
 """`mlx-dflash serve` under `mlx.launch`: the target split over the ranks
-(mlx_dflash.distributed). Rank 0 serves HTTP with one model, the one loaded at
+(mlx_dflash.engine.distributed). Rank 0 serves HTTP with one model, the one loaded at
 start; each request's prompt ids and settings go to the other ranks, which run
 it with rank 0 (`follow`) and never open a port. No prompt store (a cached
 conversation would have to be the same on every rank) and no logits processors
@@ -12,9 +12,9 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
-from mlx_dflash.distributed import DistributedError, Leader, Session, follow, load, lost_rank
-from mlx_dflash.manager import LoadedModel
-from mlx_dflash.model_names import model_path, resolve
+from mlx_dflash.engine.distributed import DistributedError, Leader, Session, follow, load, lost_rank
+from mlx_dflash.models.manager import LoadedModel
+from mlx_dflash.models.model_names import model_path, resolve
 
 from .catalog import ManagerCatalog
 

@@ -4,7 +4,7 @@ grammar and gives, at every step, the set of tokens that keep the output a
 valid prefix; the others get -inf before sampling, so each token is drawn from
 the model's distribution restricted to valid tokens and renormalized (the
 constrained distribution, exactly). Like the other logits processors it runs
-inside DFlash's verify (mlx_dflash/logits.py): each verify row is masked after
+inside DFlash's verify (mlx_dflash/engine/logits.py): each verify row is masked after
 its own history, so the accepted tokens are what plain decoding would draw."""
 
 from __future__ import annotations

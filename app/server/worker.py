@@ -1,5 +1,5 @@
 """The one worker thread that owns the loaded model and its prompt store
-(mlx_dflash.prompt_store: cached prefixes across requests; the engine runs one
+(mlx_dflash.cache.prompt_store: cached prefixes across requests; the engine runs one
 generation at a time). Jobs, counters and the model catalog are in catalog.py.
 Tool calls are split from the text here (tools.ToolStream), so every API gets
 the same ("token" | "call" | "end") events."""
@@ -17,17 +17,17 @@ import traceback
 from typing import Dict, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.batch_costs import auto_max_batch, prefill_together_pays
-from mlx_dflash.prompt_store import PromptStore
-from mlx_dflash.target import Target
+from mlx_dflash.cache.prompt_store import PromptStore
+from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
+from mlx_dflash.target.adapter import Target
 
 from .batcher import Batcher
-from .catalog import Counters, Job, store_budget, context_limit
+from .catalog import Counters, Job, context_limit, store_budget
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
+from .prompt_ids import prompt_ids, text_chars, too_long
 from .reasoning import ThinkStream, opens_thinking
 from .tool_grammar import call_grammar
-from .prompt_ids import prompt_ids, text_chars, too_long
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
@@ -60,7 +60,7 @@ class Worker:
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
         self.lm_load = None  # the settings it was loaded with that only a load applies (_load_key)
         self.refused = None  # the last refusal of changed settings (logged once)
-        self.store = None  # its PromptStore (mlx_dflash.prompt_store)
+        self.store = None  # its PromptStore (mlx_dflash.cache.prompt_store)
         self.cache_summary = None  # (model id, store summary) for /metrics
         self.metrics: Dict[str, Counters] = {}
         self.lock = threading.Lock()  # guards metrics

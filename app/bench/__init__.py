@@ -1,0 +1,1 @@
+"""`mlx-dflash bench`: side-by-side speed against mlx-lm, its modes and reports."""

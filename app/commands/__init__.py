@@ -1,0 +1,1 @@
+"""The CLI commands, one module each (app/cli.py dispatches)."""

@@ -1,0 +1,193 @@
+"""Calibration: measuring what speculation costs for one model (+ drafter) on
+this machine, by timing the decode session's own steps (decoder.Decoder:
+prefill, verify + readback, draft, and its pipelined plain decoding), so what
+the policies are told is what runs.
+
+`measure_costs` times them in interleaved rounds (ratios within a round,
+median over rounds: load drift cancels), within a wall-clock budget.
+`Calibration` is what a session asks for costs and the guard's carried-over
+state: held per loaded model in a `costs.CostBook`, curves cached on disk per
+model, drafter and machine and measured again when older than a month. The
+default mode's guard needs only widths 1 and w (~0.2 s once per machine);
+verify mode `adaptive` needs every width. Nothing here decides anything:
+policy.py does, from these numbers."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from ..cache.prompt_cache import PromptCache
+from ..drafting.drafter import Drafter
+from ..policy.base import PlainOnly
+from ..policy.costs import COST_CONTEXT, CostBook, Costs, Observed, need
+from .decode_config import DecodeConfig
+from .decoder import Decoder
+from .emitter import Emitter
+from .stats import GenerationStats
+
+COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
+
+
+# Past this many tokens of context the timed steps run over random K/V rows: a
+# step's cost depends on the shapes, not the values, and a real prefill of the
+# 16k-64k contexts the guard prices would stall a user's first long request for
+# minutes on a slow machine (seen: 20 min for 16k on a busy 2-core CPU).
+SYNTHETIC_FROM = 2048
+
+
+def extend_with_random_rows(cache: list, rows: int, seed: int = 0) -> None:
+    """Grow every attention layer's K/V in `cache` by `rows` random rows, in
+    pieces as a prefill grows it (a sliding-window layer up to its window);
+    recurrent layers keep their fixed-size state. The cache must hold at least
+    one real row (its shapes and dtype are taken from it)."""
+    for i, c in enumerate(cache):
+        if not isinstance(c, (KVCache, RotatingKVCache)) or c.keys is None:
+            continue
+        left = rows if not isinstance(c, RotatingKVCache) else max(0, min(rows, c.max_size - c.offset))
+        k, v = c.keys, c.values
+        while left > 0:
+            m = min(4096, left)
+            key = mx.random.key(seed + 7919 * i + left)
+            c.update_and_fetch(mx.random.normal((*k.shape[:2], m, k.shape[3]), key=key).astype(k.dtype),
+                               mx.random.normal((*v.shape[:2], m, v.shape[3]), key=key).astype(v.dtype))
+            left -= m
+        mx.eval(c.keys, c.values)
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
+                  budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25,
+                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, session=None) -> Costs:
+    """Time, over `context` cached tokens and capturing the drafter's tapped
+    layers as the loop does: verifies of 1..max_width rows (the session's
+    verify and its one readback), drafts of 2..max_width positions, and a run of
+    `plain_steps` tokens of the session's pipelined plain decoding. `session`:
+    what builds the session (default Decoder; a split target's on every rank)."""
+    real = isinstance(drafter, Drafter)  # test doubles have no cost worth measuring
+    pc = PromptCache()
+    s = (session or Decoder)(model, None, drafter, DecodeConfig(verify_mode="off"), pc)
+    target = s.target
+    s.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
+    pc.target = target.make_cache()
+    real_rows = context if context <= SYNTHETIC_FROM else SYNTHETIC_FROM // 2
+    ids = ((mx.arange(real_rows) * 7919 + 11) % target.vocab_size).tolist()
+    anchor, _, feats = s.prefill(ids)
+    if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
+        extend_with_random_rows(pc.target, context - real_rows)
+        if feats is not None:
+            feats = mx.concatenate([feats, mx.random.normal((1, context - real_rows, feats.shape[2]),
+                                                            key=mx.random.key(1)).astype(feats.dtype)], axis=1)
+    mx.eval([c.state for c in pc.target])
+    restore = target.checkpoint(pc.target)  # timing steps leave the cache exactly as it was
+    if real:
+        s.use, pc.drafter, s.rows = drafter, drafter.make_cache(), [feats]
+        mx.eval(s.draft(anchor, 2).tokens)  # fills the drafter's context once
+
+    def verify(w):
+        drafts = mx.array(ids[len(ids) - w + 1:] if w > 1 else [], mx.int32)
+        t0 = time.perf_counter()
+        res, f = s.verify(anchor, drafts, None)
+        s.readback(res)
+        if f is not None:
+            mx.eval(f)
+        dt = time.perf_counter() - t0
+        restore()
+        return dt
+
+    def draft(w):
+        t0 = time.perf_counter()
+        mx.eval(s.draft(anchor, w).tokens)
+        return time.perf_counter() - t0
+
+    def plain(n=plain_steps):
+        s.emit, s.stats, s.policy, s.sources, s.rows = Emitter(None, None, n), GenerationStats(), PlainOnly(), {}, []
+        t0 = time.perf_counter()
+        for _ in s.plain(anchor, None):
+            pass
+        dt = (time.perf_counter() - t0) / n
+        restore()
+        return dt
+
+    widths = sorted(set(widths or range(1, max_width + 1)) | {1})
+    dwidths = [w for w in widths if w > 1] if real else ()
+    for w in widths:  # warm-up: first calls at a new shape are slow
+        verify(w)
+    for w in dwidths:
+        draft(w)
+    plain(2)
+    tv = {w: [] for w in widths}
+    td = {w: [] for w in dwidths}
+    tp = []
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        for w in widths:
+            tv[w].append(verify(w))
+        for w in dwidths:
+            td[w].append(draft(w))
+        tp.append(plain())
+        if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+            break
+    # ratios within a round, then the median over rounds: the machine's load
+    # drifts between rounds and cancels within one; spikes fall out of the median
+    t1 = _median(tv[1])
+    c = {w: _median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
+    d = {1: 0.0}
+    d.update({w: (_median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0) for w in widths if w > 1})
+    # a plain token, as a ratio to the 1-token step within each round like c and d
+    # (the session's plain run includes the loop's own per-token work). The median:
+    # the fastest round (used before) picked a lucky round on a busy machine and
+    # made every cycle look ~2x dearer than fixed widths measured it
+    return Costs(t1, c, d, context, time.time(), t1 * _median([a / b for a, b in zip(tp, tv[1])]))
+
+
+class Calibration:
+    """What a decode session asks for: a model's cost curve (held, cached, else
+    measured now) and the guard's state carried from the last request."""
+
+    def __init__(self, book: Optional[CostBook] = None):
+        self.book = book or CostBook()
+
+    def costs(self, model, drafter=None, max_width: int = 0, refresh: bool = False,
+              widths: Sequence[int] = (), enough: Sequence[int] = (), at: Optional[int] = None,
+              **measure) -> Costs:
+        """The cost curve with widths 1..max_width (and `widths`): held here, or
+        cached on disk, else measured now (`measure`: budget and rounds for
+        measure_costs) and cached. A curve held or cached with the widths in
+        `enough` will do (the guard chooses among the widths it has). `at`: the
+        curve measured over that many cached tokens, kept apart from the default one."""
+        got = None if refresh else self.book.curve(model, drafter, max_width, enough or widths, at)
+        if got is None:
+            got = measure_costs(model, drafter, max(need(max_width, widths)), widths=sorted(need(max_width, widths)),
+                                **measure)
+            self.book.keep(model, drafter, got, context=at)
+        return got
+
+    def remember(self, model, drafter, costs: Costs) -> None:
+        """Use (and cache) a curve measured elsewhere, e.g. by a benchmark run."""
+        self.book.keep(model, drafter, costs)
+
+    def prior(self, model, drafter) -> Optional[Observed]:
+        return self.book.observed(model, drafter)
+
+    def keep(self, model, drafter, obs: Observed) -> None:
+        self.book.observe(model, drafter, obs)
+
+
+DEFAULT = Calibration()  # what stream_generate uses: one per process
+
+
+def get_costs(model, drafter=None, max_width: int = 0, refresh: bool = False, widths: Sequence[int] = (),
+              **measure) -> Costs:
+    return DEFAULT.costs(model, drafter, max_width, refresh, widths, **measure)
+
+
+def remember(model, drafter, costs: Costs) -> None:
+    DEFAULT.remember(model, drafter, costs)

@@ -1,0 +1,127 @@
+"""One generation's options (`DecodeConfig`), validated in one place and built
+the same way by every app: the saved model settings, then the request's or the
+command line's overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Callable, List, Optional, Sequence
+
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+from ..policy.registry import DEFAULT_BLOCK_SIZE, POLICIES
+from .sampling import SamplingParams
+
+KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class DecodeConfig:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    block_size: Optional[int] = None  # verify width; None: the default (5, guarded)
+    verify_mode: str = "dflash"
+    stop: Optional[Sequence[str]] = None
+    # verify mode dflash: None = guarded at the default width only; True / False force it
+    guard: Optional[bool] = None
+    lookup: bool = True  # the guard also verifies prompt-lookup drafts where they pay
+    prefill_step_size: int = 2048
+    max_context: Optional[int] = None  # longer prompts decode plainly
+    # mlx-lm logits processors, (tokens, logits [1, V]) -> logits, applied before sampling,
+    # tokens = the prompt + the ids before that position. DFlash applies them to every row of
+    # a verify (logits.py), so a processor may be called with histories that are NOT
+    # extensions of the previous call's (a draft's row, then a rollback to the accepted
+    # prefix; rows past a rejected draft): a stateful processor must compare `tokens` with
+    # what it consumed and roll back (app/server/structured.py's Constrained does)
+    logits_processors: List[Callable] = field(default_factory=list)
+    logprobs: bool = False  # each response carries its step's log-probabilities (plain decoding)
+    plain_reason: Optional[str] = None  # the caller's words for why this call decodes plainly
+    # long context (issue 23). The drafter attends to a sink of the first drafter_sink
+    # context rows plus a window of the last drafter_window (None: every row), so a
+    # draft costs the same at any length; layers the checkpoint gives a sliding window
+    # keep that window as published
+    drafter_window: Optional[int] = 1024
+    drafter_sink: int = 64
+    # the target's KV cache quantized as mlx-lm's generate_step(kv_bits=...) does it:
+    # each layer's cache becomes a QuantizedKVCache once it holds quantized_kv_start rows
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    # prefill_progress(done, total): called after each prefill chunk (tokens of this
+    # call's uncached prompt); an exception it raises cancels the call, the prompt
+    # cache keeps the chunks done
+    prefill_progress: Optional[Callable[[int, int], None]] = None
+
+    def __post_init__(self):
+        if self.verify_mode not in POLICIES:
+            raise ValueError(f"unknown verify mode '{self.verify_mode}'; valid: {', '.join(POLICIES)}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {self.block_size}")
+        self.sampling()  # validates temperature, top_p, top_k, min_p
+        if self.drafter_window is not None and self.drafter_window < 1:
+            raise ValueError(f"drafter_window must be >= 1 (or None: unbounded), got {self.drafter_window}")
+        if self.drafter_sink < 0:
+            raise ValueError(f"drafter_sink must be >= 0, got {self.drafter_sink}")
+        if self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        if self.quantized_kv_start < 0:
+            raise ValueError(f"quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+        if self.prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
+
+    @property
+    def default_width(self) -> bool:
+        return self.block_size in (None, DEFAULT_BLOCK_SIZE)
+
+    @property
+    def needs_plain(self) -> Optional[str]:
+        """Why this call must decode plainly, or None (logits processors do not:
+        the verify applies them per row)."""
+        if self.plain_reason:
+            return self.plain_reason
+        return "logprobs requested (plain decoding reports them per step)" if self.logprobs else None
+
+    @property
+    def drafter_layout(self) -> tuple:
+        """The drafter context's (window, sink) (Drafter.make_cache)."""
+        return (self.drafter_window, self.drafter_sink if self.drafter_window is not None else 0)
+
+    def keeps_drafter_context(self, drafter, prompt_tokens: int) -> bool:
+        """Whether decoding a prompt of that many tokens grows a drafter context
+        (what a prompt store entry must cover to be reused for it)."""
+        too_long = self.max_context is not None and prompt_tokens > self.max_context  # (decoder.py: plain)
+        return drafter is not None and self.verify_mode != "off" and not too_long and not self.needs_plain
+
+    def width(self, limit: int, what: str) -> int:
+        """The verify width, checked against `limit` (the drafter's trained block size)."""
+        w = self.block_size or min(DEFAULT_BLOCK_SIZE, limit)
+        if not 1 <= w <= limit:
+            raise ValueError(f"block size {w} must be between 1 and {what} {limit}")
+        return w
+
+    @classmethod
+    def from_settings(cls, settings, drafter=None, **overrides) -> "DecodeConfig":
+        """The model's saved settings (`ModelSettings.generation_kwargs()`), its
+        block size fitted to `drafter` as loading fits it, then `overrides` (None
+        values mean "not given": the saved setting stays)."""
+        kw = dict(settings.generation_kwargs())
+        if drafter is not None and kw.get("block_size"):
+            kw["block_size"] = min(kw["block_size"], drafter.block_size)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown decode option(s): {', '.join(unknown)}")
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**{k: v for k, v in kw.items() if k in names})

@@ -1,0 +1,252 @@
+"""What speculation costs for one model (+ drafter) on one machine, as data:
+the cost curve (`Costs`), the guard's carried-over live state (`Observed`),
+the curves' on-disk cache (per model, drafter and machine: `cost_key`), and
+`CostBook`, the per-loaded-model cache object that holds both in a process.
+Measuring is calibrate.py's; deciding is policy.py's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..platform import fastblas
+from ..platform.paths import cache_dir
+
+COST_CONTEXT = 256  # tokens of cached context the cost curve is measured at
+COST_MAX_AGE_S = 30 * 86400  # re-measure monthly: a curve taken on a busy day must not stick
+
+
+@dataclass
+class Costs:
+    """Measured on one model + drafter, on this machine."""
+
+    t1: float  # seconds of a 1-token target step (with feature capture), the unit below
+    c: Dict[int, float]  # verify cost c(w) = t(w tokens) / t1, w = 1..max_width
+    d: Dict[int, float]  # draft cost d(w) = t(draft w positions) / t1; d(1) = 0
+    context: int = COST_CONTEXT
+    measured_at: float = 0.0  # unix time
+    t_plain: float = 0.0  # seconds per token of pipelined plain decoding (0: not measured)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.c)
+
+    def to_json(self) -> dict:
+        return {"t1": self.t1, "c": {str(k): v for k, v in self.c.items()},
+                "d": {str(k): v for k, v in self.d.items()}, "context": self.context,
+                "measured_at": self.measured_at, "t_plain": self.t_plain}
+
+    @classmethod
+    def from_json(cls, j: dict) -> "Costs":
+        return cls(float(j["t1"]), {int(k): float(v) for k, v in j["c"].items()},
+                   {int(k): float(v) for k, v in j["d"].items()}, int(j.get("context", COST_CONTEXT)),
+                   float(j.get("measured_at", 0.0)), float(j.get("t_plain", 0.0)))
+
+
+# bumped when a measurement changes, so curves measured the old way are not reused
+# (2: 16 pipelined plain steps, not 4, and the fastest round: both inflated t_plain;
+# 3: timed through the decode session's own steps, plain steps with feature capture, a plain
+# token as the median ratio to the 1-token step)
+COST_METHOD = 3
+
+
+def interpolate(curve: Dict[int, float], w: int) -> float:
+    """A cost curve at width w, linear between the nearest measured widths (the
+    guard measures only 1 and its width; the realistic bench a few)."""
+    lo = max(x for x in curve if x <= w)
+    hi = min(x for x in curve if x >= w)
+    return curve[lo] if lo == hi else curve[lo] + (curve[hi] - curve[lo]) * (w - lo) / (hi - lo)
+
+
+@dataclass
+class Observed:
+    """The guard's live state worth carrying to the next request on the same
+    model objects (acceptance depends on the prompts, so it is not written to disk)."""
+
+    tau: Dict[int, float] = field(default_factory=dict)  # tokens per cycle, by width
+    backoff: int = 0  # the guard's next plain-run length (0: the first)
+    wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
+    lookup_alpha: Optional[float] = None  # share of the guard's lookup drafts accepted
+    p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)
+
+
+# -- the on-disk cache -----------------------------------------------------------------
+
+
+def _config_of(obj) -> dict:
+    args = getattr(obj, "args", None) or getattr(obj, "config", None)
+    if args is None:
+        return {"type": type(obj).__name__}
+    if hasattr(args, "to_dict"):
+        return args.to_dict()
+    try:
+        return asdict(args)
+    except TypeError:
+        return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def cost_key(model, drafter=None) -> dict:
+    """What the costs depend on. The model is identified by its config and its
+    parameters' shapes and dtypes (the mlx-lm model object does not know its
+    weights file; cost depends on shapes, dtypes and quantization, not values)."""
+    def params(m):
+        h = hashlib.sha1()
+        for k, v in tree_flatten(m.parameters()):
+            h.update(f"{k}:{tuple(v.shape)}:{v.dtype};".encode())
+        return h.hexdigest()[:16]
+
+    key = {
+        "method": COST_METHOD,
+        "model": _config_of(model), "model_params": params(model),
+        "drafter": _config_of(drafter) if drafter is not None else None,
+        "drafter_params": params(drafter) if hasattr(drafter, "parameters") else None,
+        "machine": {"platform": platform.platform(), "machine": platform.machine(),
+                    "processor": platform.processor(), "cpus": os.cpu_count(), "mlx": mx.__version__,
+                    "device": str(mx.default_device()), "blas": fastblas.STATE["blas"],
+                    "blas_threads": os.environ.get("MLX_DFLASH_BLAS_THREADS")},
+    }
+    return json.loads(json.dumps(key, default=str, sort_keys=True))
+
+
+def _path(key: dict, kind: str) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "calibration" / f"{kind}-{digest}.json"
+
+
+def cost_path(key: dict) -> Path:
+    return _path(key, "costs")
+
+
+def _read(p: Path, key: dict):
+    try:
+        j = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None  # missing or corrupt: measure again
+    return j if isinstance(j, dict) and j.get("key") == key else None
+
+
+def _write(p: Path, key: dict, body: dict) -> Path:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, **body}, indent=1))
+    os.replace(tmp, p)  # atomic: a concurrent reader never sees half a file
+    return p
+
+
+def load_cached(key: dict, max_width: int = 0, widths: Sequence[int] = ()) -> Optional[Costs]:
+    """The cached curve if it has widths 1..max_width (and `widths`) and is fresh."""
+    j = _read(cost_path(key), key)
+    try:
+        costs = Costs.from_json(j["costs"]) if j else None
+    except (KeyError, ValueError, TypeError):
+        return None
+    need = set(range(1, max_width + 1)) | set(widths)
+    if costs is None or not need <= set(costs.c) or time.time() - costs.measured_at > COST_MAX_AGE_S:
+        return None
+    return costs
+
+
+def save_cached(key: dict, costs: Costs) -> Path:
+    return _write(cost_path(key), key, {"costs": costs.to_json()})
+
+
+def load_record(key: dict, kind: str) -> Optional[dict]:
+    """Another measured decision cached beside the curves (e.g. the batch
+    engine's prefill probe): its body if fresh, else None."""
+    j = _read(_path(key, kind), key)
+    if not j or time.time() - float(j.get("measured_at", 0.0)) > COST_MAX_AGE_S:
+        return None
+    return j
+
+
+def save_record(key: dict, kind: str, body: dict) -> None:
+    try:
+        _write(_path(key, kind), key, {"measured_at": time.time(), **body})
+    except OSError:
+        pass  # read-only cache dir: measured again next process
+
+
+def need(max_width: int = 0, widths: Sequence[int] = ()) -> set:
+    return set(range(1, max_width + 1)) | set(widths) | {1}
+
+
+class CostBook:
+    """Per loaded model (+ drafter), in one process: its cost key (hashing the
+    parameters once), the curves read or measured, and the guard's observed
+    state. Entries go with their model objects (weak references)."""
+
+    def __init__(self):
+        self._entries: Dict[tuple, list] = {}  # (id(model), id(drafter)) -> [model ref, drafter ref, key, [((context, batch), curve)], observed]
+
+    def _entry(self, model, drafter) -> list:
+        k = (id(model), id(drafter))
+        e = self._entries.get(k)
+        if e is None or e[0]() is not model or e[1]() is not drafter:
+            e = self._entries[k] = [_ref(model), _ref(drafter), None, [], None]
+            if isinstance(e[0], weakref.ref):
+                weakref.finalize(model, self._entries.pop, k, None)
+        return e
+
+    def key(self, model, drafter=None) -> dict:
+        e = self._entry(model, drafter)
+        if e[2] is None:
+            e[2] = cost_key(model, drafter)
+        return e[2]
+
+    def curve(self, model, drafter, max_width: int = 0, widths: Sequence[int] = (),
+              context: Optional[int] = None, batch: Optional[int] = None) -> Optional[Costs]:
+        """A curve held here or cached on disk that covers the widths asked for (a
+        guard's curve must have its pipelined plain token: `widths` asks for it),
+        measured at `context` tokens (None: the one curve measured at the default)
+        and, for the batch engine, at `batch` rows (None: a single stream)."""
+        want = need(max_width, widths)
+        e = self._entry(model, drafter)
+        for tag, c in e[3]:
+            if tag == (context, batch) and want <= set(c.c) and (c.t_plain or not widths):
+                return c
+        c = load_cached(self._disk_key(model, drafter, context, batch), max_width, widths)
+        if c is not None:
+            e[3].append(((context, batch), c))
+        return c
+
+    def _disk_key(self, model, drafter, context: Optional[int], batch: Optional[int]) -> dict:
+        key = dict(self.key(model, drafter))
+        if context is not None:
+            key["context"] = context
+        if batch is not None:
+            key["batch"] = batch
+        return key
+
+    def keep(self, model, drafter, costs: Costs, save: bool = True, context: Optional[int] = None,
+             batch: Optional[int] = None) -> None:
+        """Hold `costs` (and cache it on disk); `context` / `batch`: it is the curve at
+        that length / that many batch rows."""
+        self._entry(model, drafter)[3].insert(0, ((context, batch), costs))
+        if save:
+            try:
+                save_cached(self._disk_key(model, drafter, context, batch), costs)
+            except OSError:
+                pass  # read-only cache dir: measure again next process
+
+    def observed(self, model, drafter) -> Optional[Observed]:
+        return self._entry(model, drafter)[4]
+
+    def observe(self, model, drafter, obs: Observed) -> None:
+        self._entry(model, drafter)[4] = obs
+
+
+def _ref(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj

@@ -1,0 +1,1 @@
+"""Training DFlash drafters: the config, data, initialisation, loss and loop."""
