@@ -9,7 +9,7 @@ import pytest
 from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import generate
 from mlx_dflash.engine import calibrate
-from mlx_dflash.policy.guard import costs
+from mlx_dflash.policy import costs
 from mlx_dflash import load, stream_generate
 from mlx_dflash.policy.costs import Costs
 from mlx_dflash.policy.adaptive import AdaptiveWidth

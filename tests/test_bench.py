@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from app import bench
+from app.bench import command as bench
 from app.bench.report import OURS
 from app.cli import main
 
@@ -82,7 +82,7 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert c["c"]["1"] == 1.0 and set(c["c"]) == {str(w) for w in range(1, widest + 1)}
     assert len(res["per_prompt"]) == 3 and set(res["per_prompt"][0]) == {"prompt", *rows}
     # the adaptive policy decided on this run's measured curve
-    from mlx_dflash.policy.guard import costs
+    from mlx_dflash.policy import costs
     from mlx_dflash import load
 
     m, _, dr = load(str(d2 / "target"), str(d2 / "drafter"))
@@ -238,7 +238,7 @@ def test_alpha_replays_the_published_mean():
 def test_realistic_tiny(tmp_path, capsys, monkeypatch):
     """The realistic mode end to end on a tiny target: every row lossless against
     mlx-lm, the replayed accept lengths reach the loop, the cost model's columns hold."""
-    from app import bench_realistic as br
+    from app.bench import realistic as br
 
     tiny = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -292,8 +292,8 @@ def test_realistic_long_context_tiny(tmp_path, capsys, monkeypatch):
     target: per length, every row lossless against mlx-lm decoding from the same
     prefilled cache, the replayed tau decaying with context as asked, both
     prefills timed, the cost model's columns consistent."""
-    from app import bench_long
-    from app import bench_realistic as br
+    from app.bench import long as bench_long
+    from app.bench import realistic as br
 
     small = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512)

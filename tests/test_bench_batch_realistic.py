@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import bench_batch_realistic as bbr
-from app import bench_realistic as br
+from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
 from mlx_dflash.policy.batch import FixedBatchWidth

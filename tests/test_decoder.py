@@ -9,7 +9,7 @@ import pytest
 from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import DecodeConfig, Decoder, load
 from mlx_dflash import generate
-from mlx_dflash.policy.guard import registry as modes
+from mlx_dflash.policy import registry as modes
 from mlx_dflash.policy.base import DFLASH, LOOKUP, Draft, Plain, Policy
 from mlx_dflash.settings.schema import ModelSettings
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app import doctor
+from app.commands import doctor
 from app.cli import main
 from mlx_dflash.platform import fastblas
 

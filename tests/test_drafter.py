@@ -240,7 +240,7 @@ def test_inspect_prints_every_field_and_its_effect(tmp_path, capsys):
     for the attention), the selector layout found from the weight keys."""
     import argparse
 
-    from app import inspect_cmd
+    from app.commands import inspect as inspect_cmd
     from mlx_dflash.drafting.drafter_config import FIELDS
 
     cfg = {"architectures": [ARCH_V2], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 5,

@@ -13,10 +13,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from app.cli import main
 from mlx_dflash import generate
-from mlx_dflash.train.loop import loop as T
-from mlx_dflash.train.loop import data as TD
-from mlx_dflash.train.loop import init as TI
-from mlx_dflash.train.loop import loss as TL
+from mlx_dflash.train import loop as T
+from mlx_dflash.train import data as TD
+from mlx_dflash.train import init as TI
+from mlx_dflash.train import loss as TL
 from mlx_dflash.drafting.drafter import load_drafter, save_drafter, validate
 from mlx_dflash.target.adapter import Target
 

@@ -100,7 +100,7 @@ def test_shipped_target_does_not_loop_on_dev_prompts(tmp_path):
     end, or at least are not one cycle repeated (its model card measures 100)."""
     from mlx_lm import load
 
-    from mlx_dflash.train.loop import loop as T
+    from mlx_dflash.train import loop as T
     from mlx_dflash.train.data import _batched_generator
     from mlx_dflash.models.discovery import models_dir
 

@@ -92,7 +92,7 @@ def _config(args):
 def run(args) -> int:
     import sys
 
-    from mlx_dflash.train.loop import loop as T
+    from mlx_dflash.train import loop as T
 
     cfg = _config(args)
     if args.generate_only and not args.prompts:
