@@ -30,6 +30,7 @@ from mlx_dflash.engine.distributed import Leader, Session, follow, lost_rank, sp
 from mlx_dflash.drafting.drafter import Proposal  # noqa: E402
 from mlx_dflash.cache.prompt_cache import PromptCache  # noqa: E402
 from mlx_dflash.engine.calibrate import Calibration  # noqa: E402
+from drafters import DrafterDouble  # noqa: E402
 
 # (family, split, config overrides): kv heads divisible by the two ranks for tensor parallelism
 CASES = [("qwen3", "tensor", dict(num_key_value_heads=2)), ("qwen2", "pipeline", {})]
@@ -38,7 +39,7 @@ MAX_TOKENS = 20
 TAPS = [1, 2]  # one layer on each pipeline stage (rank 1 holds 0-1, rank 0 holds 2-3)
 
 
-class Mixed:
+class Mixed(DrafterDouble):
     """A real random DFlash drafter whose first k drafts of each block are
     replaced by the target's known continuation (k random, seeded): its drafts
     depend on the features it receives, and every cycle accepts a different
@@ -55,7 +56,7 @@ class Mixed:
     def make_cache(self, *a, **kw):
         return self.real.make_cache(*a, **kw)
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         p = self.real.propose(target, anchor, new_feats, cache, width, temperature)
         if new_feats is not None:
             self.seen += new_feats.shape[1]

@@ -8,13 +8,29 @@ from mlx_lm.models.cache import KVCache
 from mlx_dflash.drafting.drafter import Proposal
 
 
+class DrafterDouble:
+    """What the engine asks of a drafter besides `propose` (drafting/drafter.Drafter's
+    interface): `propose_batch`, here one row at a time through `propose`."""
+
+    def propose_batch(self, target, anchors, feats, caches, width, temperatures, keys):
+        import mlx.core as mx
+
+        toks, qs = [], []
+        for a, f, c, t, k in zip(anchors, feats, caches, temperatures, keys):
+            p = self.propose(target, a, f, c, width, t, k)
+            toks.append(mx.array(list(p.tokens) if not isinstance(p.tokens, mx.array) else p.tokens,
+                                 mx.int32).reshape(width - 1))
+            qs.append(p.q)
+        return mx.stack(toks), qs
+
+
 class _Cfg:
     def __init__(self, layer_ids, mask_id=0):
         self.target_layer_ids = layer_ids
         self.mask_token_id = mask_id
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterDouble):
     """Proposes the target's own greedy continuation (known in advance), each
     draft corrupted with probability `noise` (noise=1: always wrong)."""
 
@@ -32,7 +48,7 @@ class OracleDrafter:
     def make_cache(self, window=None, sink=0):  # (a bounded context changes nothing here)
         return [KVCache()]
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         import mlx.core as mx
 
         if new_feats is not None:  # track the context length like a real drafter
@@ -56,7 +72,7 @@ class FixedDrafter(OracleDrafter):
         self.tokens = list(tokens)
         self.proposed = 0
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         self.proposed += 1
         return Proposal(self.tokens[: width - 1], None, [1.0] * (width - 1))
 
@@ -82,7 +98,7 @@ class PrefixOracle(OracleDrafter):
         super().__init__(prompt_len, continuation, vocab, block_size, 0.0, seed, layer_ids)
         self.log = []
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         prop = super().propose(target, anchor, new_feats, cache, width, temperature)
         k = self.rng.randrange(width)  # drafts right before the first wrong one
         out = list(prop.tokens)

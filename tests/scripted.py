@@ -30,6 +30,7 @@ import pytest
 import mlx_dflash
 from mlx_dflash.models.discovery import models_dir
 from mlx_dflash.drafting.drafter import Proposal
+from drafters import DrafterDouble
 
 # Qwen2.5-style tool template (mlx-lm infers its json_tools parser from it)
 TOOL_TEMPLATE = (
@@ -189,7 +190,7 @@ class ScriptModel(nn.Module):
         return self.lm_head(h)
 
 
-class ScriptDrafter:
+class ScriptDrafter(DrafterDouble):
     """Drafts the script's continuation from the context the engine gives it;
     the last draft of a block of 3+ is corrupted, so rejection and rollback run too."""
 
@@ -202,7 +203,7 @@ class ScriptDrafter:
     def make_cache(self, window=None, sink=0):  # (a bounded context changes nothing here)
         return [KVCache()]
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         if new_feats is not None and new_feats.shape[1]:
             n = new_feats.shape[1]
             ids = new_feats[..., :1].reshape(1, 1, n, 1)

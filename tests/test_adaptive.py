@@ -13,8 +13,7 @@ from mlx_dflash.policy import costs
 from mlx_dflash import load, stream_generate
 from mlx_dflash.policy.costs import Costs
 from mlx_dflash.policy.adaptive import AdaptiveWidth
-from mlx_dflash.policy.base import DFLASH, Draft, LoopState, Plain
-from mlx_dflash.engine.stats import CycleResult
+from mlx_dflash.policy.base import DFLASH, CycleResult, Decision, Plan
 
 PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
            "class Stack:\n    def push(self, x):", "The answer is", "while True:"]
@@ -118,7 +117,7 @@ def test_width_choice_follows_cost_model(c, d, p):
     assert pol.width() == want
     # the cut: drafts the drafter doubts are not worth verifying
     conf = [0.97, 0.95, 0.05, 0.95, 0.9, 0.9, 0.9]
-    n = pol.trim([1] * 7, conf)
+    n = pol.trim(None, [1] * 7, conf)
     a = [pol.calib(x) for x in conf]
     want_n = max(range(8), key=lambda k: (_rate(a[:k], c[k], d[7]), k))
     assert n == want_n and n <= 2  # never past the doubtful third draft
@@ -130,12 +129,12 @@ def test_cut_uses_recent_acceptance():
     pol = _policy([1, 1.2, 1.3, 1.4, 1.5], [0, .2, .22, .24, .26], [0.9] * 5)
     pol.PATIENCE = 10**6  # this test is about the cut, not the fallback
     conf = [0.95] * 4
-    assert pol.trim([1] * 4, conf) == 4
+    assert pol.trim(None, [1] * 4, conf) == 4
     for _ in range(40):
         pol.width()
-        n = pol.trim([1] * 4, conf)
-        pol.observe(CycleResult(n + 1, 0, 1, conf=conf[:n]))
-    assert pol.trim([1] * 4, conf) == 0
+        n = pol.trim(None, [1] * 4, conf)
+        pol.observe(None, [CycleResult(n + 1, 0, 1, conf=conf[:n])])
+    assert pol.trim(None, [1] * 4, conf) == 0
 
 
 def test_fallback_is_reversible_with_backoff():
@@ -145,11 +144,11 @@ def test_fallback_is_reversible_with_backoff():
     def cycle(accepted_all):
         w = pol.width()
         if w == 1:
-            pol.observe(CycleResult(1, 0, 1))
+            pol.observe(None, [CycleResult(1, 0, 1)])
             return 1
         conf = good if accepted_all else bad
-        n = pol.trim([1] * (w - 1), conf)
-        pol.observe(CycleResult(n + 1, n if accepted_all else 0, 1, conf=conf[:n]))
+        n = pol.trim(None, [1] * (w - 1), conf)
+        pol.observe(None, [CycleResult(n + 1, n if accepted_all else 0, 1, conf=conf[:n])])
         return w
 
     seq = [cycle(False) for _ in range(80)]
@@ -205,11 +204,10 @@ def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
     assert costs.load_cached(key, 4) is None
 
 
-# -- the default mode's guard (policy.Guard): pure, no model ------------------------------
+# -- the default mode's guard (policy.guard.Guard): pure, no model ------------------------
 
-from mlx_dflash.policy.costs import Observed  # noqa: E402
-from mlx_dflash.policy.base import Fixed
-from mlx_dflash.policy.guard import Guard  # noqa: E402
+from mlx_dflash.policy.costs import CostModel, Observed  # noqa: E402
+from mlx_dflash.policy.guard import Guard, LookupGate  # noqa: E402
 
 
 def _costs(k, w=5):
@@ -220,95 +218,134 @@ def _costs(k, w=5):
     return Costs(t1, {1: 1.0, w: 0.75 * steps}, {1: 0.0, w: 0.25 * steps}, t_plain=tp)
 
 
-STATE = LoopState(10**6, {DFLASH: lambda n: n})
+def _model(base, long=None):
+    """The CostModel of one curve (and a long-context one)."""
+    return CostModel(lambda at: base if at is None else long, sorted(base.c),
+                     priced_at=(lambda n: None) if long is None else (lambda n: long.context if n > 512 else None))
 
 
-def _plain_due(g) -> int:
-    """Plain tokens the guard asks for now (0: it drafts)."""
-    d = g.next(STATE)
-    return d.n if isinstance(d, Plain) else 0
+class Row:
+    """A guarded row as the guard sees it (policy.base.Row)."""
+
+    def __init__(self, cap=5, uid=1, context=0, fixed=False, lookup=False, offer=0, carry=True):
+        self.uid, self.context, self.left, self.offer = uid, context, 10**6, offer
+        self.plan = Plan("dflash", cap, fixed, True, lookup, carry=carry)
+
+    def offers(self, source, n):
+        return n if source == DFLASH else min(n, self.offer)
 
 
-def _cycle(g, tokens, w=5):
-    """A DFlash cycle at width w that emitted `tokens` (accepted + 1)."""
-    g.observe(CycleResult(w, tokens - 1, tokens, source=DFLASH))
+ROW = Row()
 
 
-def _plain(g, k):
+def _due(g, rows=(ROW,)) -> int:
+    """0 when the guard drafts now, else -1 (plain steps)."""
+    return 0 if g.decide(list(rows)).width > 1 else -1
+
+
+def _cycle(g, accepted, w=5, rows=(ROW,)):
+    """A DFlash cycle at width w in which each row accepted `accepted` drafts."""
+    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=DFLASH) for _ in rows])
+
+
+def _plain(g, k, rows=(ROW,)):
     for _ in range(k):
-        g.observe(CycleResult(1, 0, 1))
+        g.observe(list(rows), [CycleResult(1, 0, 1) for _ in rows])
 
 
-def _drive(g, tau, cycles):
-    """Run the guard's loop for `cycles` decisions, each draft cycle emitting
-    `tau` tokens. Returns the decisions: a width, or -k for k plain tokens."""
+def _drive(g, accepted, cycles, rows=(ROW,)):
+    """Run the guard's loop for `cycles` decisions, each draft cycle accepting
+    `accepted(i)` drafts per row. Returns the decisions: a width, or -1 per plain step."""
     seq = []
-    for _ in range(cycles):
-        d = g.next(STATE)
-        if isinstance(d, Plain):
-            _plain(g, d.n)
-            seq.append(-d.n)
+    for i in range(cycles):
+        d = g.decide(list(rows))
+        if d.width == 1:
+            _plain(g, 1, rows)
+            seq.append(-1)
         else:
-            assert d == Draft(g.w, DFLASH)
-            _cycle(g, tau)
+            assert set(d.sources) == {DFLASH}
+            _cycle(g, accepted(i), d.width, rows)
             seq.append(d.width)
     return seq
 
 
 def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
     c = Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6}, t_plain=0.008)
-    assert Guard(5, c).k == pytest.approx((1.8 + 0.6) * 0.01 / 0.008)
-    assert Guard(5, Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})).k == pytest.approx(2.4)  # no t_plain: t1
+    g = Guard(_model(c))
+    g.decide([ROW])
+    assert g.kd[5] == pytest.approx((1.8 + 0.6) * 0.01 / 0.008) and g.kv[5] == pytest.approx(1.8 * 0.01 / 0.008)
+    g = Guard(_model(Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})))  # no t_plain: t1
+    g.decide([ROW])
+    assert g.kd[5] == pytest.approx(2.4)
+
+
+def test_guard_measures_nothing_for_fixed_widths_and_plain_rows():
+    def boom():
+        raise AssertionError("measured for rows that need no costs")
+
+    g = Guard(boom)
+    fixed, off = Row(cap=4, fixed=True, uid=2), Row(uid=3)
+    off.plan = Plan("off")
+    d = g.decide([fixed, off])
+    assert d.widths == (4, 1) and d.sources == (DFLASH, "")
+    assert g.reason(fixed) == "fixed width 4" and g.reason(off) == "plain: verify mode off"
+    assert g.decide([off]).width == 1
 
 
 def test_guard_keeps_drafting_when_it_pays():
-    g = Guard(5, _costs(2.0))
-    assert _plain_due(g) == 0 and g.reason.startswith("dflash: probing")
-    seq = _drive(g, tau=3.5, cycles=60)
+    g = Guard(_model(_costs(2.0)))
+    assert _due(g) == 0 and g.reason(ROW).startswith("dflash: probing")
+    seq = _drive(g, lambda i: 3 if i % 2 else 2, 60)  # 3.5 tokens a cycle: 1.75x
     assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
-    assert g.speedup() == pytest.approx(1.75) and g.reason.startswith("dflash: 1.75x predicted")
+    assert g.speedup() > 1.4 and g.reason(ROW).startswith("dflash: ")
 
 
 def test_guard_probe_is_a_sequential_test():
-    """A probe starts from two pseudo-cycles halfway between break-even (k) and
-    the width: one poor cycle ends it, cycles that pay keep it going."""
-    k, w = 3.2, 5
-    g = Guard(w, _costs(k))
-    _cycle(g, 1)  # (2 * 4.1 + 1) / 3 = 3.07 < 3.2 -> plain
-    assert g.state == "plain" and _plain_due(g) == Guard.BACKOFF0 and g.fallbacks == 1
-    g = Guard(w, _costs(k))
-    for t in (5, 2, 3):  # (8.2 + 5) / 3, (8.2 + 7) / 4, (8.2 + 10) / 5 = 3.64: pays by >= MARGIN
-        _cycle(g, t)
-    assert g.state == "draft" and g.tau.value == pytest.approx(10 / 3)  # from here on, what it saw
-    _cycle(g, 4)  # running mean 0.85 * 3.33 + 0.15 * 4 = 3.43 > 3.2: keeps drafting
-    assert g.state == "draft"
-    _cycle(g, 1)  # 3.07: below -> plain
-    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.96x predicted (tau 3.07")
-    g = Guard(w, _costs(k))
-    for t in (4, 3, 3):  # (8.2 + 10) / 5 = 3.64: pays by 1.14x ...
-        _cycle(g, t)
-    assert g.state == "draft"
-    g = Guard(w, _costs(k))
-    for t in (4, 2, 2):  # ... but (8.2 + 8) / 5 = 3.24 only by 1.01x, not by MARGIN -> plain
-        _cycle(g, t)
+    """A probe starts from pseudo-tries halfway between break-even (k) and the
+    width: one poor cycle ends it, cycles that pay keep it going, and it switches
+    to drafting only after PROBE cycles that pay by MARGIN."""
+    k = 3.2
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    _cycle(g, 0)  # nothing accepted: below break-even at once -> plain
+    assert g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    for a in (4, 4):
+        _cycle(g, a)
+        assert g.state == "probe"
+    _cycle(g, 4)
+    assert g.state == "draft" and g.speedup() > Guard.MARGIN
+    n = 0
+    while g.state == "draft" and n < 6:  # a run of cycles that emit one token each: below break-even -> plain
+        _cycle(g, 0)
+        n += 1
+    assert g.state == "plain" and n >= 2 and g.reason(ROW).startswith("plain: DFlash 0.")
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    for a in (2, 1, 2):  # about break-even: not by MARGIN -> plain after PROBE cycles at most
+        _cycle(g, a)
     assert g.state == "plain"
 
 
 def test_guard_falls_back_probes_with_backoff_and_recovers():
-    g = Guard(5, _costs(3.0))
-    seq = _drive(g, tau=2.0, cycles=60)  # 0.67x
-    plain = [-x for x in seq if x < 0]
-    assert plain[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
-    assert max(plain) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
-    assert all(x == 5 for x in seq if x > 0)  # probes draft at the user's width
-    assert sum(x > 0 for x in seq) <= 3 * g.fallbacks  # each failed probe cost at most 3 cycles (0.67x)
-    for _ in range(4):  # to the end of the current probe
-        if g.state == "plain":
-            break
-        _drive(g, tau=2.0, cycles=1)
-    assert g.state == "plain" and g.reason.startswith("plain: DFlash 0.")
-    # the text becomes draftable: the next probe brings drafting back
-    seq = _drive(g, tau=4.5, cycles=12)
+    g = Guard(_model(_costs(3.0)))
+    seq = _drive(g, lambda i: 0, 4000)  # nothing accepted
+    runs, run = [], 0
+    for x in seq:
+        if x < 0:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert runs[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
+    assert max(runs) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
+    assert all(x == 5 for x in seq if x > 0)  # probes draft at the widest measured width
+    assert sum(x > 0 for x in seq) <= 3 * g.fallbacks  # each failed probe cost at most 3 cycles
+    while g.state != "plain":
+        _drive(g, lambda i: 0, 1)
+    assert g.reason(ROW).startswith("plain: DFlash 0.")
+    seq = _drive(g, lambda i: 4, Guard.BACKOFF_MAX + 8)  # the text becomes draftable: drafting comes back
     assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
 
 
@@ -316,27 +353,114 @@ def test_guard_never_drafts_where_even_full_acceptance_loses():
     # a cycle = 6 plain tokens > width 5; 4.2 (bf16 on mlx-cpu): w / k = 1.19 < 1.25, only a
     # drafter right > 90% of the time could pay; 3.9: w / k = 1.28, worth probing
     for k, hopeless in ((6.0, True), (4.2, True), (3.9, False)):
-        g = Guard(5, _costs(k), Observed(tau={5: 4.0}))
-        assert g.hopeless == hopeless
+        g = Guard(_model(_costs(k)), Observed(p=[0.95] * 4))
+        assert g.uses_drafter(ROW.plan, 0) == (not hopeless)
         if not hopeless:
-            assert g.state == "draft" and _plain_due(g) == 0
+            assert _due(g) == 0 and g.state == "draft"
             continue
-        assert _plain_due(g) == Guard.BACKOFF_MAX and "cannot pay" in g.reason
+        assert _due(g) == -1 and "cannot pay" in g.reason(ROW)
         for _ in range(5):  # plain for good: it never probes
-            _plain(g, _plain_due(g))
-            assert g.state == "plain" and _plain_due(g) == Guard.BACKOFF_MAX and g.probes == 0
-        assert g.observed().wait == 0  # nothing to carry: the next request decides the same from the costs
+            _plain(g, Guard.BACKOFF_MAX)
+            assert _due(g) == -1 and g.probes == 0
+        assert g.leave(ROW).wait == 0  # nothing to carry: the next request decides the same from the costs
 
 
 def test_guard_prior_carries_acceptance_and_backoff():
-    g = Guard(5, _costs(3.0), Observed(tau={5: 2.0}, backoff=64, wait=40))
-    assert _plain_due(g) == 40  # the last request ended plain: this one continues it
-    o = g.observed()
-    assert o.tau[5] == 2.0 and o.backoff == 64 and o.wait == 40
-    g = Guard(5, _costs(3.0), Observed(tau={5: 4.0}))
-    assert _plain_due(g) == 0 and g.state == "draft" and g.speedup() == pytest.approx(4 / 3)
-    f = Fixed(4)
-    assert f.next(STATE) == Draft(4, DFLASH) and f.reason == "fixed width 4"
+    g = Guard(_model(_costs(3.0)), Observed(p=[0.5] * 4, backoff=64, wait=40))
+    assert _due(g) == -1 and g.wait == 40  # the last request ended plain: this one continues it
+    o = g.leave(ROW)
+    assert o.backoff == 64 and o.wait == 40
+    g = Guard(_model(_costs(3.0)), Observed(p=[0.95] * 4))
+    assert _due(g) == 0 and g.state == "draft" and g.speedup() > 1
+    assert g.leave(Row(carry=False)) is None  # (a seeded row's state is not carried)
+
+
+def _multi(c, d, tp=0.01):
+    """A curve measured at several widths: c, d dicts over the same widths (1 included)."""
+    return Costs(0.01, c, d, t_plain=tp)
+
+
+def test_guard_chooses_the_width_that_pays_best():
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify (memory-bound target)
+    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    assert g.decide([row]).widths == (8,)  # the probe's prior: the widest
+    for _ in range(12):  # every draft accepted: the widest block pays best
+        _cycle(g, 7, 8, [row])
+    assert g.state == "draft" and g.decide([row]).widths == (8,) and g.speedup() > 3
+    for _ in range(40):  # the first draft right, the second wrong: two-token blocks are the most a cycle emits
+        _cycle(g, 1, g.decide([row]).width, [row])
+    x = g.decide([row]).width
+    assert x in (2, 3)
+    assert g.widths[8] >= 12 and sum(v for w, v in g.widths.items() if w < 8) > 0
+    o = g.leave(row)
+    assert o.p is not None and len(o.p) == 7 and o.p[0] > 0.9 and o.p[1] < 0.2
+    nxt = Guard(_model(_multi(c, d)), o)  # the next request starts where this one left off
+    assert nxt.decide([row]).width == x and nxt.state == "draft"
+
+
+def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_pays():
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6
+    d = {w: 0.0 if w == 1 else 0.6 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    cycles = 0
+    while g.decide([row]).width > 1 and cycles < 10:  # nothing accepted: no width pays
+        _cycle(g, 0, g.decide([row]).width, [row])
+        cycles += 1
+    assert cycles <= 4 and g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
+    assert g.reason(row).startswith("plain: DFlash") and g.reason(row).endswith("probe in 64")
+    dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
+    h = Guard(_model(_multi(c, dear)))
+    assert h.decide([row]).width == 1 and h.hopeless and "cannot pay" in h.reason(row)
+
+
+def test_guard_prices_cycles_at_the_length_of_the_context():
+    """Two curves, measured over 128 and 4096 cached tokens: the cycle cost at any
+    length is linear between (and past) them, and the guard follows it as the
+    context grows (a verify's attention reads grow with the context, a plain step's too)."""
+    short = Costs(0.010, {1: 1.0, 5: 1.2}, {1: 0.0, 5: 0.3}, context=128, t_plain=0.010)
+    long = Costs(0.020, {1: 1.0, 5: 2.4}, {1: 0.0, 5: 0.3}, context=4096, t_plain=0.020)  # drafts dearer at length
+    m = _model(short, long)
+    assert m.k(1, 128)[5] == pytest.approx(1.5)
+    assert m.k(1, 4096)[5] == pytest.approx(2.7)
+    assert m.k(1, 2112)[5] == pytest.approx((0.5 * (0.015 + 0.054)) / 0.015, rel=0.05)  # seconds interpolated
+    g = Guard(m)
+    near = Row(context=128)
+    for _ in range(6):
+        g.decide([near])
+        _cycle(g, 1, rows=[near])  # 2 tokens a cycle: pays at 1.5, not at 2.7
+    assert g.state == "draft"
+    far = Row(context=4096)
+    g.decide([far])
+    _cycle(g, 1, rows=[far])
+    assert g.state == "plain" and "cycle = 2.70" in g.reason(far)
+
+
+def test_guard_decides_for_a_set_by_its_mean_and_the_batch_cost():
+    """Several rows: one width for the set, the one that pays best for their mean
+    tokens per cycle at k(w, B); a row with a fixed width keeps it inside the
+    same cycle; each row's lookup gate is its own."""
+    ws = (1, 2, 3, 5, 8)
+    single = _multi({w: 1 + 0.05 * (w - 1) for w in ws}, {w: 0.0 if w == 1 else 0.2 for w in ws})
+    batched = Costs(1.0, {w: 1 + 0.5 * (w - 1) for w in ws}, {w: 0.0 if w == 1 else 0.4 for w in ws})
+    m = CostModel(lambda at: single, list(ws), batch=lambda B: batched)
+    a, b, f = Row(cap=8, uid=1), Row(cap=8, uid=2), Row(cap=3, uid=3, fixed=True)
+    g = Guard(m)
+    d = g.decide([a, b, f])
+    assert d.widths[2] == 3 and d.sources == (DFLASH, DFLASH, DFLASH)
+    assert g.kd[8] == pytest.approx(1 + 0.5 * 7 + 0.4)  # the batch's cost at B = 3
+    for _ in range(6):  # row a accepts everything, row b nothing: the mean pays at a narrow width
+        g.observe([a, b, f], [CycleResult(d.widths[0], d.widths[0] - 1, d.widths[0], source=DFLASH),
+                              CycleResult(d.widths[1], 0, 1, source=DFLASH),
+                              CycleResult(3, 2, 3, source=DFLASH)])
+        d = g.decide([a, b, f])
+    assert d.widths[2] == 3 and (d.widths[0] < 8 or g.state == "plain")
+    gate = LookupGate()
+    assert gate.pays(4, {5: 1.0}) and not gate.pays(4, {5: 4.0})
 
 
 def test_default_mode_guard_in_the_loop(pairs):
@@ -352,7 +476,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
     calibrate.remember(model, wrong, _costs(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
-    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == 5
+    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == wrong.block_size
     assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.")
     assert r.stats.to_dict()["policy"] == r.stats.policy and r.stats.adaptive["fallbacks"] >= 1
     for kw in (dict(block_size=4), dict(guard=False)):
@@ -386,81 +510,3 @@ def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
     monkeypatch.setattr(calibrate, "measure_costs", boom)
     generate(model, tok, PROMPTS[2], drafter, max_tokens=8)
-
-
-# -- the guard choosing its width (costs measured at several widths) ----------------------
-
-
-def _multi(c, d, tp=0.01):
-    """A curve measured at several widths: c, d dicts over the same widths (1 included)."""
-    return Costs(0.01, c, d, t_plain=tp)
-
-
-def _accepting(g, a, n):
-    g.observe(CycleResult(n + 1, a, a + 1, source=DFLASH))
-
-
-def test_guard_chooses_the_width_that_pays_best():
-    from mlx_dflash.policy.guard import monotone
-
-    assert monotone([1.0, 1.5, 1.3, 1.4, 3.0]) == pytest.approx([1.0, 1.4, 1.4, 1.4, 3.0])  # noise pooled
-    ws = (1, 2, 3, 5, 8)
-    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify (memory-bound target)
-    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
-    g = Guard(8, _multi(c, d))
-    assert g.multi and g.state == "probe" and g.next(STATE) == Draft(8, DFLASH)  # the probe's prior: widest
-    for _ in range(12):  # every draft accepted: the widest block pays best
-        _accepting(g, 7, 7)
-    assert g.state == "draft" and g.next(STATE) == Draft(8, DFLASH) and g.speedup() > 3
-    for _ in range(40):  # the first draft right, the second wrong: two-token blocks are the most a cycle emits
-        _accepting(g, 1, g.next(STATE).width - 1)
-    x = g.next(STATE)
-    assert isinstance(x, Draft) and x.width in (2, 3)
-    assert g.widths[8] >= 12 and sum(v for w, v in g.widths.items() if w < 8) > 0
-    o = g.observed()
-    assert o.p is not None and len(o.p) == 7 and o.p[0] > 0.9 and o.p[1] < 0.2
-    nxt = Guard(8, _multi(c, d), o)  # the next request starts where this one left off
-    assert nxt.state == "draft" and nxt.next(STATE).width == x.width
-
-
-def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_pays():
-    ws = (1, 2, 3, 5, 8)
-    c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6
-    d = {w: 0.0 if w == 1 else 0.6 for w in ws}
-    g = Guard(8, _multi(c, d))
-    cycles = 0
-    while isinstance(g.next(STATE), Draft) and cycles < 10:  # nothing accepted: no width pays
-        _accepting(g, 0, g.next(STATE).width - 1)
-        cycles += 1
-    assert cycles <= 4 and g.state == "plain" and g.next(STATE) == Plain(Guard.BACKOFF0) and g.fallbacks == 1
-    assert g.reason.startswith("plain: DFlash") and g.reason.endswith("probe in 64")
-    dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
-    h = Guard(8, _multi(c, dear))
-    assert h.hopeless and isinstance(h.next(STATE), Plain) and "cannot pay" in h.reason
-
-
-def test_guard_prices_cycles_at_the_length_of_the_context():
-    """Two curves, measured over 128 and 4096 cached tokens: the cycle cost at any
-    length is linear between (and past) them, and the guard follows it as the
-    context grows (a verify's attention reads grow with the context, a plain step's too)."""
-    short = Costs(0.010, {1: 1.0, 5: 1.2}, {1: 0.0, 5: 0.3}, context=128, t_plain=0.010)
-    long = Costs(0.020, {1: 1.0, 5: 2.4}, {1: 0.0, 5: 0.3}, context=4096, t_plain=0.020)  # drafts dearer at length
-    g = Guard(5, short, long=long, context=128)
-    assert g.k == pytest.approx(1.5)
-    g.set_context(4096)
-    assert g.k == pytest.approx(2.7)
-    g.set_context(2112)  # halfway: seconds interpolated, then the ratio
-    assert g.k == pytest.approx((0.5 * (0.015 + 0.054)) / 0.015)
-    g.set_context(2112 + 50)  # a small move: not recomputed
-    assert g.at == 2112
-    g = Guard(5, short, long=long, context=128)
-    for _ in range(6):
-        _cycle(g, 2)  # 2 tokens a cycle: pays at 1.5, not at 2.7
-    assert g.state == "draft"
-    g.next(LoopState(100, {DFLASH: lambda n: n}, context=4096))
-    _cycle(g, 2)
-    assert g.state == "plain" and "cycle = 2.70" in g.reason
-    far = Guard(5, short, long=long, context=64000)  # past both: extrapolated
-    assert far.k == pytest.approx((0.015 + 0.039 * (64000 - 128) / 3968) / (0.01 + 0.01 * (64000 - 128) / 3968))
-    steep = Costs(0.020, {1: 1.0, 5: 4.0}, {1: 0.0, 5: 1.0}, context=4096, t_plain=0.020)
-    assert not Guard(5, short, long=steep, context=128).hopeless and Guard(5, short, long=steep, context=64000).hopeless

@@ -32,6 +32,7 @@ from mlx_dflash.engine.calibrate import Calibration
 from mlx_dflash.policy.batch import BatchGuard, FixedBatchWidth
 from mlx_dflash.drafting.drafter import Proposal
 from mlx_dflash.target.adapter import Target
+from drafters import DrafterDouble
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:", "Natalia sold clips to 48 of her friends in April",
@@ -58,7 +59,7 @@ class _Cfg:
         self.mask_token_id = 0
 
 
-class RowOracles:
+class RowOracles(DrafterDouble):
     """One oracle per row (rows take their plans in the order they join): drafts
     right for a random-length prefix of each block, then wrong, so each row
     accepts a random 0..w-1 drafts per cycle, independently of the others."""
@@ -86,7 +87,7 @@ class RowOracles:
         plen, cont = self.of[id(cache[0])]
         return cache[0].offset - plen, cont
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         pos, cont = self.position(new_feats, cache)
         assert cont[pos] == anchor, "oracle out of sync with the batch"
         k = self.rng.randrange(width)  # drafts right before the first wrong one
@@ -105,7 +106,7 @@ class WrongDrafter(RowOracles):
     def make_cache(self, window=None, sink=0):
         return [KVCache()]
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         self.tried += 1
         return Proposal([1] * (width - 1), None, [1.0] * (width - 1))
 
@@ -219,7 +220,7 @@ def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
         """The greedy path while the row is on it, else the anchor repeated: a
         function of the row's own state only."""
 
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
             pos, cont = self.position(new_feats, cache)
             on = 0 <= pos < len(cont) and cont[pos] == anchor
             out = [cont[pos + j] if on and pos + j < len(cont) else anchor for j in range(1, width)]
@@ -263,7 +264,7 @@ def sampled_rows(model, tok, prompt, block, n, seed, **options):
         def make_cache(self, window=None, sink=0):
             return [KVCache()]
 
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
             self.tried += 1
             return Proposal(block[1:width], None, [1.0] * (width - 1))
 
@@ -404,7 +405,7 @@ def test_guard_drafts_where_drafts_pay(tok):
     plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS[:3], refs)]
 
     class Right(RowOracles):
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
             pos, cont = self.position(new_feats, cache)
             out = [cont[pos + j] if pos + j < len(cont) else 0 for j in range(1, width)]
             return Proposal(out, None, [1.0] * len(out))
@@ -473,7 +474,7 @@ def test_new_prompts_prefilled_together_equal_each_alone(tok):
             self.order.append(id(c[0]))
             return c
 
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
             if self.first[id(cache[0])] is None:
                 self.first[id(cache[0])] = np.array(new_feats)
             return super().propose(target, anchor, new_feats, cache, width, temperature)

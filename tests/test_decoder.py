@@ -10,7 +10,7 @@ from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import DecodeConfig, Decoder, load
 from mlx_dflash import generate
 from mlx_dflash.policy import registry as modes
-from mlx_dflash.policy.base import DFLASH, LOOKUP, Draft, Plain, Policy
+from mlx_dflash.policy.base import DFLASH, LOOKUP, Decision, Policy
 from mlx_dflash.settings.schema import ModelSettings
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\nimport os\nimport", "The answer is", "while True:",
@@ -21,28 +21,31 @@ class Alternate(Policy):
     """A verify mode written for this test: two plain tokens, then one DFlash
     cycle at width 3, then a lookup cycle wherever the context repeats itself."""
 
-    uses_lookup = True
-
     def __init__(self, width):
-        self.w, self.seen, self.reason = width, [], "alternate"
+        self.w, self.seen = width, []
 
-    def next(self, state):
-        n = state.offers(LOOKUP, self.w - 1)
+    def decide(self, rows):
+        (r,) = rows
+        n = r.offers(LOOKUP, self.w - 1)
         if n and self.seen and self.seen[-1] == DFLASH:
-            return Draft(n + 1, LOOKUP)
+            return Decision((n + 1,), (LOOKUP,))
         if self.seen[-2:] == ["", ""]:
-            return Draft(3, DFLASH)
-        return Plain(2 - sum(1 for s in self.seen[-2:] if s == ""))
+            return Decision((3,), (DFLASH,))
+        return Decision.plain(rows)
 
-    def observe(self, result):
-        self.seen.append(result.source)
+    def observe(self, rows, results):
+        self.seen.append(results[0].source)
+
+    def reason(self, row):
+        return "alternate"
 
 
 def test_a_new_verify_mode_is_one_class_and_one_registry_line(pairs, monkeypatch):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
     made = []
-    monkeypatch.setitem(modes.POLICIES, "alternate", lambda ctx: made.append(Alternate(ctx.width)) or made[-1])
+    monkeypatch.setitem(modes.MODES, "alternate",
+                        modes.Mode(True, True, lambda ctx: made.append(Alternate(ctx.plan.cap)) or made[-1]))
     for i, prompt in enumerate(PROMPTS):
         ref = reference_tokens(model, tok, prompt, 40)
         o = OracleDrafter(len(tok.encode(prompt)), ref, model.args.vocab_size, noise=0.3, seed=i)
@@ -65,7 +68,7 @@ def test_last_cycle_drafts_the_published_width(pairs):
     widths = []
 
     class Spy(OracleDrafter):
-        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+        def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
             widths.append(width)
             return super().propose(target, anchor, new_feats, cache, width, temperature)
 

@@ -116,29 +116,53 @@ def _curve(c5, d5=0.0):
     return Costs(0.01, {1: 1.0, 5: c5}, {1: 0.0, 5: d5}, t_plain=0.01)
 
 
-def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
-    from mlx_dflash.policy.base import LOOKUP
-    from mlx_dflash.policy.guard import Guard
-    from mlx_dflash.engine.stats import CycleResult
+class _Row:
+    """A guarded row whose context offers `offer` lookup drafts (policy.base.Row)."""
 
-    assert Guard(5, _curve(2.4)).lookup is None  # only when asked for
-    g = Guard(5, _curve(2.4), lookup=True)
-    lk = g.lookup
-    assert [round(lk.k[w], 6) for w in (2, 3, 4, 5)] == [1.35, 1.7, 2.05, 2.4]  # linear between measured widths
-    assert not lk.pays(0) and not lk.take(0)
+    def __init__(self, offer=4, lookup=True):
+        from mlx_dflash.policy.base import Plan
+
+        self.uid, self.context, self.left, self.offer = 1, 0, 10**6, offer
+        self.plan = Plan("dflash", 5, False, True, lookup)
+
+    def offers(self, source, n):
+        return n if source == "dflash" else min(n, self.offer)
+
+
+def _guard(curve, prior=None):
+    from mlx_dflash.policy.costs import CostModel
+    from mlx_dflash.policy.guard import Guard
+
+    return Guard(CostModel(lambda at: curve, sorted(curve.c)), prior)
+
+
+def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
+    from mlx_dflash.policy.base import LOOKUP, CycleResult
+
+    row = _Row()
+    g = _guard(_curve(2.4))
+    d = g.decide([_Row(lookup=False)])
+    assert LOOKUP not in d.sources and g.rows[1].gate is None  # only when asked for
+    g = _guard(_curve(2.4))
+    g.decide([row])
+    lk = g.rows[1].gate
+    assert [round(g.kv[w], 6) for w in (2, 3, 4, 5)] == [1.35, 1.7, 2.05, 2.4]  # linear between measured widths
+    assert not lk.pays(0, g.kv) and not lk.take(0, g.kv)
     # pays when 1 + alpha n >= 1.1 c(n + 1) + 0.5: not at the prior acceptance 0.5 (3.0 < 3.14)
-    assert not lk.pays(1) and not lk.pays(4)
-    g.observe(CycleResult(5, 4, 5, source=LOOKUP))  # every draft right: alpha 0.5 -> 0.6
-    assert lk.alpha == pytest.approx(0.6) and lk.pays(4)  # 1 + 0.6 * 4 = 3.4 >= 3.14
-    assert lk.pays(9)  # a longer proposal is priced at the widest width
-    assert "lookup: 1 cycles, 60% accepted" in g.reason and g.reason.startswith("dflash: probing")
+    assert not lk.pays(1, g.kv) and not lk.pays(4, g.kv)
+    g.observe([row], [CycleResult(5, 4, 5, source=LOOKUP)])  # every draft right: alpha 0.5 -> 0.6
+    assert lk.alpha == pytest.approx(0.6) and lk.pays(4, g.kv)  # 1 + 0.6 * 4 = 3.4 >= 3.14
+    assert "lookup: 1 cycles, 60% accepted" in g.reason(row) and g.reason(row).startswith("dflash: probing")
+    assert g.decide([row]).sources == (LOOKUP,) and g.decide([row]).widths == (5,)
     for _ in range(3):
-        g.observe(CycleResult(5, 0, 1, source=LOOKUP))
-    assert not lk.pays(4)
+        g.observe([row], [CycleResult(5, 0, 1, source=LOOKUP)])
+    assert not lk.pays(4, g.kv)
     # while it does not pay, every GAP-th match is verified anyway (a text may start repeating)
-    taken = [lk.take(4) for _ in range(2 * lk.GAP)]
+    lk.skipped = 0  # (the decisions above counted theirs)
+    taken = [lk.take(4, g.kv) for _ in range(2 * lk.GAP)]
     assert taken.count(True) == 2 and taken[lk.GAP - 1] and taken[-1]
-    assert Guard(5, _curve(1.2), lookup=True).lookup.take(4)  # cheap verifies: pays at the prior
+    cheap = _guard(_curve(1.2))
+    assert cheap.decide([row]).sources == (LOOKUP,)  # cheap verifies: pays at the prior
 
 
 def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
@@ -158,7 +182,7 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
             calibrate.remember(model, dr, _curve(1.6, 0.4))  # DFlash pays from tau 2, lookup from 1 + 0.5 n >= c
             r = generate(model, tok, prompt, dr, max_tokens=MAX)
             assert r.token_ids == ref, (prompt, noise)
-            assert r.stats.mode == "dflash" and r.stats.block_size == 5
+            assert r.stats.mode == "dflash" and r.stats.block_size == dr.block_size
             looked[noise] += r.stats.lookup_cycles
             if noise == 1.0:  # DFlash does not pay: the guard's cycles are plain steps or lookups
                 assert r.stats.drafted <= 3 * 4 + 4 * r.stats.lookup_cycles
@@ -212,19 +236,22 @@ def test_guard_where_dflash_cannot_pay_runs_no_drafter_but_lookup(pairs):
 
 
 def test_guard_carries_lookup_acceptance_to_the_next_request():
+    from mlx_dflash.policy.base import LOOKUP, CycleResult
     from mlx_dflash.policy.costs import Observed
-    from mlx_dflash.policy.base import LOOKUP
-    from mlx_dflash.policy.guard import Guard
-    from mlx_dflash.engine.stats import CycleResult
 
-    g = Guard(5, _curve(2.0), lookup=True)
+    row = _Row()
+    g = _guard(_curve(2.0))
+    g.decide([row])
     for _ in range(4):
-        g.observe(CycleResult(5, 0, 1, source=LOOKUP))
-    o = g.observed()
+        g.observe([row], [CycleResult(5, 0, 1, source=LOOKUP)])
+    o = g.leave(row)
     assert o.lookup_alpha == pytest.approx(0.5 * 0.8 ** 4)
-    nxt = Guard(5, _curve(2.0), Observed(lookup_alpha=o.lookup_alpha), lookup=True)
-    assert nxt.lookup.alpha == pytest.approx(o.lookup_alpha) and not nxt.lookup.pays(4)
-    assert Guard(5, _curve(2.0), lookup=True).lookup.pays(4)  # a fresh start: the prior
+    nxt = _guard(_curve(2.0), Observed(lookup_alpha=o.lookup_alpha))
+    nxt.decide([row])
+    assert nxt.rows[1].gate.alpha == pytest.approx(o.lookup_alpha) and not nxt.rows[1].gate.pays(4, nxt.kv)
+    fresh = _guard(_curve(2.0))
+    fresh.decide([row])
+    assert fresh.rows[1].gate.pays(4, fresh.kv)  # a fresh start: the prior
 
 
 def test_guard_where_dflash_cannot_pay_keeps_the_prompt_cache_reusable(pairs):

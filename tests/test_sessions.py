@@ -39,7 +39,7 @@ class Watching(OracleDrafter):
         super().__init__(*a, **k)
         self.model, self.before, self.checks = model, before, 0
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         assert fingerprint(self.model) == self.before, "the loaded model changed during decoding"
         self.checks += 1
         return super().propose(target, anchor, new_feats, cache, width, temperature)

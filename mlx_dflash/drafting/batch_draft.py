@@ -13,7 +13,6 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from .drafter import Drafter
 
 
 def _layer_inputs(attn, ctxs, offsets: List[int], w: int):
@@ -47,7 +46,7 @@ def _layer_inputs(attn, ctxs, offsets: List[int], w: int):
     return mx.concatenate(ks), mx.concatenate(vs), mx.stack(ms)[:, None]
 
 
-def propose_batch(drafter: Drafter, target, anchors: List[int], feats: List[Optional[mx.array]],
+def propose_batch(drafter, target, anchors: List[int], feats: List[Optional[mx.array]],
                   caches: List[Optional[list]], width: int, temperatures: List[float],
                   keys: List[Optional[mx.array]]):
     """Draft `width - 1` tokens after each row's anchor, all rows in one forward
@@ -55,16 +54,8 @@ def propose_batch(drafter: Drafter, target, anchors: List[int], feats: List[Opti
     caches[b]); a row whose cache is None does not draft (its drafts are
     filler, never verified). Returns (tokens [B, width - 1] int32, per row its
     proposal distribution q [width - 1, V] when it samples from a DFlash 2
-    selector, else None). A drafter double with only `propose` (tests) drafts
-    row by row."""
+    selector, else None). `drafter`: a drafting.drafter.Drafter."""
     B, w = len(anchors), width
-    if not isinstance(drafter, Drafter):
-        toks, qs = [], []
-        for a, f, c, t in zip(anchors, feats, caches, temperatures):
-            p = drafter.propose(target, a, f, c, w, t) if c is not None else None
-            toks.append(mx.array(list(p.tokens) if p is not None else [0] * (w - 1), mx.int32).reshape(w - 1))
-            qs.append(p.q if p is not None else None)
-        return mx.stack(toks), qs
     caches = [c if c is not None else drafter.make_cache(1, 0) for c in caches]  # (filler rows: a throwaway context)
     ctxs = [drafter.feed(f, c) for f, c in zip(feats, caches)]  # per row, per layer
     offsets = [c[0].offset for c in caches]

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..platform.hub import resolve_path
+from .batch_draft import propose_batch
 from .drafter_config import (
     ARCH_V1,
     ARCH_V2,
@@ -337,19 +338,25 @@ class Drafter(nn.Module):
             x = layer(x, ctx_k, ctx_v, start, w, first=first)
         return self.norm(x)
 
-    def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0) -> "Proposal":
+    def propose(self, target, anchor: int, new_feats, cache, width: int, temperature: float = 0.0,
+                key=None) -> "Proposal":
         """Draft `width - 1` tokens after `anchor` in one parallel forward. All
         lazy: nothing is evaluated here; the loop evaluates the drafts with the
         verify that consumes them (one host sync per cycle). `conf` is lazy too,
-        and computed only by a policy that reads it (verify mode adaptive)."""
+        and computed only by a policy that reads it (verify mode adaptive).
+        `key`: the row's own PRNG key for a sampled selector walk."""
         block = mx.array([[anchor] + [self.config.mask_token_id] * (width - 1)])
         h = self(target.embed(block), new_feats, cache)[0, 1:]
         logits = self.logits(target, h)
         if self.config.version == 1:
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
             return Proposal(tokens, None, mx.softmax(logits, axis=-1).max(axis=-1))
-        tokens, q, conf = self.candidate_selector.walk(logits, h, anchor, target.embed_tokens, temperature)
+        tokens, q, conf = self.candidate_selector.walk(logits, h, anchor, target.embed_tokens, temperature, key)
         return Proposal(tokens, q, conf)
+
+    def propose_batch(self, target, anchors, feats, caches, width: int, temperatures, keys):
+        """`propose` for many rows in one forward (batch_draft.propose_batch)."""
+        return propose_batch(self, target, anchors, feats, caches, width, temperatures, keys)
 
 
 @dataclass

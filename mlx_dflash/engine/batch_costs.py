@@ -20,12 +20,9 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..drafting.batch_draft import propose_batch
-from ..drafting.drafter import Drafter
 from ..policy.costs import Costs, load_record, save_record
 from ..target.adapter import Target, TargetError
 from . import batch_cache as bc
-from .calibrate import Calibration
 
 BATCH_WIDTHS = (1, 2, 3, 5, 8)  # measured (capped at the drafter's block size); between: interpolated
 MEASURED_B = (1, 2, 4, 8, 16, 32)  # batch sizes measured; between: linear in B
@@ -49,10 +46,10 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
         mx.eval([x.state for x in c])
         feats = f
         cache = bc.join(cache, bc.to_batch(c))
-    real = isinstance(drafter, Drafter)
+    real = drafter is not None
     dcaches = [drafter.make_cache() for _ in range(B)] if real else []
     if real:
-        t, _ = propose_batch(drafter, target, [ids[-1]] * B, [feats] * B, dcaches, 2, [0.0] * B, [None] * B)
+        t, _ = drafter.propose_batch(target, [ids[-1]] * B, [feats] * B, dcaches, 2, [0.0] * B, [None] * B)
         mx.eval(t)
 
     def verify(w):
@@ -64,7 +61,7 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
 
     def draft(w):
         t0 = time.perf_counter()
-        t, _ = propose_batch(drafter, target, [ids[-1]] * B, [None] * B, dcaches, w, [0.0] * B, [None] * B)
+        t, _ = drafter.propose_batch(target, [ids[-1]] * B, [None] * B, dcaches, w, [0.0] * B, [None] * B)
         mx.eval(t)
         return time.perf_counter() - t0
 
@@ -94,7 +91,7 @@ class BatchCosts:
     """k(w, B) for one model + drafter: cached curves at MEASURED_B (measured
     when first needed), linear in B between them."""
 
-    def __init__(self, model, drafter, calibration: Calibration, widest: int):
+    def __init__(self, model, drafter, calibration, widest: int):
         self.model, self.drafter, self.cal = model, drafter, calibration
         self.widths = sorted({w for w in BATCH_WIDTHS if w <= widest} | {widest, 1})
         self._held: Dict[int, Dict[int, float]] = {}  # B -> {w: verify + draft}
@@ -179,7 +176,7 @@ def free_memory() -> Optional[int]:
     return max(0, int(limit * MEMORY_SHARE) - mx.get_active_memory())
 
 
-def auto_max_batch(model, drafter, calibration: Optional[Calibration] = None) -> Tuple[int, str]:
+def auto_max_batch(model, drafter, calibration) -> Tuple[int, str]:
     """`max_batch auto` for this model (+ drafter) on this machine: (B, a one-line
     reason). The plain batched steps come from the batch guard's curves
     (measured once per model, drafter and machine, then cached); a model that
@@ -191,8 +188,7 @@ def auto_max_batch(model, drafter, calibration: Optional[Calibration] = None) ->
         why = str(e)
     if why:
         return 1, f"it cannot decode in a batch: {why}"
-    real = drafter if isinstance(drafter, Drafter) else None
-    costs = BatchCosts(model, real, calibration or Calibration(), real.block_size if real is not None else 1)
+    costs = BatchCosts(model, drafter, calibration, drafter.block_size if drafter is not None else 1)
     B, why = pick_max_batch(costs.step_s, row_bytes(target), free_memory())
     return B, why
 
@@ -221,7 +217,7 @@ def prefill_s(target: Target, prompts, capture, together: bool) -> float:
     return time.perf_counter() - t0
 
 
-def prefill_together_pays(model, drafter, B: int, calibration: Optional[Calibration] = None) -> Tuple[bool, str]:
+def prefill_together_pays(model, drafter, B: int, calibration) -> Tuple[bool, str]:
     """Whether B short prompts arriving together are prefilled faster in one
     batched forward than one after another here: (yes / no, a one-line
     reason). Measured once per model, drafter, machine and B (one round of
@@ -233,11 +229,11 @@ def prefill_together_pays(model, drafter, B: int, calibration: Optional[Calibrat
         return False, "one row at a time"
     if not bc.paddable(target):
         return False, "this target's caches cannot be left-padded (recurrent, sliding-window or quantized layers)"
-    key = dict((calibration or Calibration()).book.key(model, drafter), prefill_rows=B)
+    key = dict(calibration.book.key(model, drafter), prefill_rows=B)
     got = load_record(key, "prefill")
     if got is not None and isinstance(got.get("pays"), bool) and isinstance(got.get("why"), str):
         return got["pays"], got["why"]
-    capture = list(drafter.config.target_layer_ids) if isinstance(drafter, Drafter) else []
+    capture = list(drafter.config.target_layer_ids) if drafter is not None else []
     prompts = [((mx.arange(PREFILL_PROBE[i % len(PREFILL_PROBE)]) * 7919 + 13 * i) % target.vocab_size).tolist()
                for i in range(B)]
     prefill_s(target, prompts[:2], capture, True)  # warm-up (both ways' kernels)

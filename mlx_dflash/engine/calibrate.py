@@ -1,7 +1,7 @@
 """Calibration: measuring what speculation costs for one model (+ drafter) on
-this machine, by timing the decode session's own steps (decoder.Decoder:
-prefill, verify + readback, draft, and its pipelined plain decoding), so what
-the policies are told is what runs.
+this machine, by timing the engine's own steps (engine.Engine: prefill,
+verify + readback, draft, and its pipelined plain decoding), so what the
+policies are told is what runs.
 
 `measure_costs` times them in interleaved rounds (ratios within a round,
 median over rounds: load drift cancels), within a wall-clock budget.
@@ -20,14 +20,11 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..cache.prompt_cache import PromptCache
-from ..drafting.drafter import Drafter
-from ..policy.base import PlainOnly
+from ..policy.base import DFLASH, Plan
 from ..policy.costs import COST_CONTEXT, CostBook, Costs, Observed, need
 from .decode_config import DecodeConfig
-from .decoder import Decoder
-from .emitter import Emitter
-from .stats import GenerationStats
+from .engine import Engine
+from .sequence import cat_feats
 
 COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
 
@@ -65,57 +62,71 @@ def _median(xs):
 
 def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
                   budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25,
-                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, session=None) -> Costs:
+                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, target=None) -> Costs:
     """Time, over `context` cached tokens and capturing the drafter's tapped
-    layers as the loop does: verifies of 1..max_width rows (the session's
-    verify and its one readback), drafts of 2..max_width positions, and a run of
-    `plain_steps` tokens of the session's pipelined plain decoding. `session`:
-    what builds the session (default Decoder; a split target's on every rank)."""
-    real = isinstance(drafter, Drafter)  # test doubles have no cost worth measuring
-    pc = PromptCache()
-    s = (session or Decoder)(model, None, drafter, DecodeConfig(verify_mode="off"), pc)
-    target = s.target
-    s.capture = list(drafter.config.target_layer_ids) if drafter is not None else []
-    pc.target = target.make_cache()
+    layers as the loop does, the engine's own steps on a set of one: verifies of
+    1..max_width rows (its verify and its one readback), drafts of 2..max_width
+    positions (its DFlash proposer), and a run of `plain_steps` tokens of its
+    pipelined plain decoding. `target`: the target adapter (a split target's on
+    every rank)."""
+    eng = Engine(model, None, drafter, target=target)
     real_rows = context if context <= SYNTHETIC_FROM else SYNTHETIC_FROM // 2
-    ids = ((mx.arange(real_rows) * 7919 + 11) % target.vocab_size).tolist()
-    anchor, _, feats = s.prefill(ids)
+    ids = ((mx.arange(real_rows) * 7919 + 11) % eng.target.vocab_size).tolist()
+    uid = eng.submit(ids, DecodeConfig(verify_mode="off" if drafter is None else "dflash", guard=False,
+                                       block_size=2 if drafter is not None else None, max_tokens=1 << 30,
+                                       drafter_window=None, prefill_step_size=1 << 20), keep=drafter is not None)
+    s = eng.waiting[0]
+    while not eng.rows:
+        eng.step()
+    pc = s.pc
     if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
         extend_with_random_rows(pc.target, context - real_rows)
+        feats = cat_feats(s.pending)
         if feats is not None:
-            feats = mx.concatenate([feats, mx.random.normal((1, context - real_rows, feats.shape[2]),
-                                                            key=mx.random.key(1)).astype(feats.dtype)], axis=1)
+            s.pending = [mx.concatenate([feats, mx.random.normal((1, context - real_rows, feats.shape[2]),
+                                                                  key=mx.random.key(1)).astype(feats.dtype)],
+                                        axis=1)]
     mx.eval([c.state for c in pc.target])
-    restore = target.checkpoint(pc.target)  # timing steps leave the cache exactly as it was
+    restore = eng.target.checkpoint(pc.target)  # timing steps leave the cache exactly as it was
+    anchor, tokens = s.anchor, list(pc.tokens)
+    real = drafter is not None
     if real:
-        s.use, pc.drafter, s.rows = drafter, drafter.make_cache(), [feats]
-        mx.eval(s.draft(anchor, 2).tokens)  # fills the drafter's context once
+        mx.eval(eng.propose([s], [2], [DFLASH])[1])  # fills the drafter's context once
+
+    def reset():
+        restore()
+        pc.tokens[:] = tokens
+        s.anchor, s.pending = anchor, []
+        eng._flight = eng._due = None
 
     def verify(w):
-        drafts = mx.array(ids[len(ids) - w + 1:] if w > 1 else [], mx.int32)
+        drafts = mx.array([ids[len(ids) - w + 1:] if w > 1 else []], mx.int32).reshape(1, w - 1)
         t0 = time.perf_counter()
-        res, f = s.verify(anchor, drafts, None)
-        s.readback(res)
+        res, f = eng.verify(drafts, [w - 1], [None])
+        eng.readback(res, [w - 1])
         if f is not None:
             mx.eval(f)
         dt = time.perf_counter() - t0
-        restore()
+        reset()
         return dt
 
     def draft(w):
         t0 = time.perf_counter()
-        mx.eval(s.draft(anchor, w).tokens)
+        mx.eval(eng.propose([s], [w], [DFLASH])[1])
         return time.perf_counter() - t0
 
     def plain(n=plain_steps):
-        s.emit, s.stats, s.policy, s.sources, s.rows = Emitter(None, None, n), GenerationStats(), PlainOnly(), {}, []
+        s.plan = Plan("off")  # (the policy decides plain for a row that never drafts)
         t0 = time.perf_counter()
-        for _ in s.plain(anchor, None):
-            pass
+        for _ in range(n):
+            eng._plain()
+        eng._flight = None
         dt = (time.perf_counter() - t0) / n
-        restore()
+        s.plan = plan
+        reset()
         return dt
 
+    plan = s.plan
     widths = sorted(set(widths or range(1, max_width + 1)) | {1})
     dwidths = [w for w in widths if w > 1] if real else ()
     for w in widths:  # warm-up: first calls at a new shape are slow
@@ -135,6 +146,7 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
         tp.append(plain())
         if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
             break
+    eng.close(uid)
     # ratios within a round, then the median over rounds: the machine's load
     # drifts between rounds and cancels within one; spikes fall out of the median
     t1 = _median(tv[1])

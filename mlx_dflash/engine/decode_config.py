@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-from ..policy.registry import DEFAULT_BLOCK_SIZE, POLICIES
+from ..policy.registry import MODES, plan
 from .sampling import SamplingParams
 
 KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths
@@ -24,10 +24,12 @@ class DecodeConfig:
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
-    block_size: Optional[int] = None  # verify width; None: the default (5, guarded)
+    # verify mode dflash: the guard chooses each cycle's width, from plain decoding up to the
+    # drafter's trained block size (guard on), or every cycle verifies exactly block_size rows
+    # (guard off). None (not given): the guard is on unless a block size is given
+    block_size: Optional[int] = None  # None: 5 (policy.registry.DEFAULT_BLOCK_SIZE), at most the drafter's
     verify_mode: str = "dflash"
     stop: Optional[Sequence[str]] = None
-    # verify mode dflash: None = guarded at the default width only; True / False force it
     guard: Optional[bool] = None
     lookup: bool = True  # the guard also verifies prompt-lookup drafts where they pay
     prefill_step_size: int = 2048
@@ -58,8 +60,8 @@ class DecodeConfig:
     prefill_progress: Optional[Callable[[int, int], None]] = None
 
     def __post_init__(self):
-        if self.verify_mode not in POLICIES:
-            raise ValueError(f"unknown verify mode '{self.verify_mode}'; valid: {', '.join(POLICIES)}")
+        if self.verify_mode not in MODES:
+            raise ValueError(f"unknown verify mode '{self.verify_mode}'; valid: {', '.join(MODES)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.block_size is not None and self.block_size < 1:
@@ -82,8 +84,9 @@ class DecodeConfig:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
 
     @property
-    def default_width(self) -> bool:
-        return self.block_size in (None, DEFAULT_BLOCK_SIZE)
+    def guarded(self) -> bool:
+        """Whether the guard chooses the width (verify mode dflash)."""
+        return self.guard if self.guard is not None else self.block_size is None
 
     @property
     def needs_plain(self) -> Optional[str]:
@@ -101,15 +104,7 @@ class DecodeConfig:
     def keeps_drafter_context(self, drafter, prompt_tokens: int) -> bool:
         """Whether decoding a prompt of that many tokens grows a drafter context
         (what a prompt store entry must cover to be reused for it)."""
-        too_long = self.max_context is not None and prompt_tokens > self.max_context  # (decoder.py: plain)
-        return drafter is not None and self.verify_mode != "off" and not too_long and not self.needs_plain
-
-    def width(self, limit: int, what: str) -> int:
-        """The verify width, checked against `limit` (the drafter's trained block size)."""
-        w = self.block_size or min(DEFAULT_BLOCK_SIZE, limit)
-        if not 1 <= w <= limit:
-            raise ValueError(f"block size {w} must be between 1 and {what} {limit}")
-        return w
+        return plan(self, drafter, prompt_tokens).drafter
 
     @classmethod
     def from_settings(cls, settings, drafter=None, **overrides) -> "DecodeConfig":

@@ -321,13 +321,13 @@ class DistributedDecoder(Decoder):
         if cfg.verify_mode == "adaptive":
             raise DistributedError("verify mode 'adaptive' times each rank on its own, so the ranks would "
                                    "choose different widths; use verify mode dflash (the guard) on a split target")
-        super().__init__(model, tokenizer, drafter, cfg, prompt_cache, calibration)
-        self.target = ShardedTarget(model, split, comm)
+        super().__init__(model, tokenizer, drafter, cfg, prompt_cache, calibration,
+                         target=ShardedTarget(model, split, comm))
         self.split = split
         self._t_comm = 0.0
         self._n_ops = 0
 
-    def _book_comm(self) -> None:
+    def _book_comm(self, stats) -> None:
         rows, feats = self.target.take()
         c = self.target.comm
         for L in rows:
@@ -336,12 +336,13 @@ class DistributedDecoder(Decoder):
         for n in feats:  # the taps' buffer: rows x taps of H
             self._t_comm += c.at(n)
             self._n_ops += 1
-        self.stats.distributed = dict(self.split.info(), collectives=self._n_ops,
-                                      t_collectives=self._t_comm, per_collective_s=dict(c.per_op))
+        stats.distributed = dict(self.split.info(), collectives=self._n_ops, t_collectives=self._t_comm,
+                                 per_collective_s=dict(c.per_op))
 
-    def _emit(self, token, from_draft, cycle, logprobs=None) -> GenerationResponse:
-        self._book_comm()
-        return super()._emit(token, from_draft, cycle, logprobs)
+    def run(self, prompt) -> Iterator[GenerationResponse]:
+        for r in super().run(prompt):
+            self._book_comm(r.stats)
+            yield r
 
 
 class DistributedCalibration(Calibration):
@@ -361,13 +362,9 @@ class DistributedCalibration(Calibration):
         got = self.held.get(key)
         if got is not None and not refresh and set(enough or ws) <= set(got.c):
             return got
-        split = self.split
-
-        def session(*a, **kw):
-            return DistributedDecoder(*a, **kw, split=split)
-
         got = measure_costs(model, drafter, max(ws), context=at or COST_CONTEXT, budget_s=float("inf"),
-                            min_rounds=self.rounds, max_rounds=self.rounds, widths=ws, session=session)
+                            min_rounds=self.rounds, max_rounds=self.rounds, widths=ws,
+                            target=ShardedTarget(model, self.split))
         got = share_costs(got, split.group)
         self.held[key] = got
         return got

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..engine.stats import CycleResult
-from .base import DFLASH, Draft, LoopState, Plain, Policy
+from .base import DFLASH, CycleResult, Decision, Policy, Row
 from .costs import Costs
 
 
@@ -162,11 +161,12 @@ class AdaptiveWidth(Policy):
         return self._rt / self._rc * self.cost(1, 0)
 
     # -- the interface -----------------------------------------------------------
-    def next(self, state: LoopState):
+    def decide(self, rows) -> Decision:
+        """A set of one (verify mode adaptive runs alone)."""
         if self.state == "fallback" and self.wait > 0:
             self._dw, self._conf = None, None
-            return Plain(self.wait)
-        return Draft(self.width(), DFLASH)
+            return Decision.plain(rows, self.wait)
+        return Decision((min(self.width(), rows[0].left + 1),), (DFLASH,))
 
     def width(self) -> int:
         self._dw, self._conf = None, None
@@ -190,12 +190,13 @@ class AdaptiveWidth(Policy):
         n = max(range(n_drafts + 1), key=lambda i: (e[i] / self.cost(draft_width, i), i))
         return n, self.speedup(e[n], draft_width, n)
 
-    def trim(self, tokens: list, conf: list) -> int:
+    def trim(self, row: Row, tokens: list, conf: list) -> int:
         """How many of the drafts to verify (all of them when probing)."""
         self._dw, self._conf = len(tokens) + 1, conf
         return len(tokens) if self.probing else self.best_cut(conf, len(tokens), self._dw)[0]
 
-    def observe(self, cyc: CycleResult) -> None:
+    def observe(self, rows, results) -> None:
+        cyc = results[0]
         conf = cyc.conf
         n = cyc.width - 1  # drafts verified
         self.widths[cyc.width] = self.widths.get(cyc.width, 0) + 1
@@ -244,13 +245,12 @@ class AdaptiveWidth(Policy):
             self.state, self.wait, self.below = "fallback", self.backoff, 0
             self.fallbacks += 1
 
-    @property
-    def reason(self) -> str:
+    def reason(self, row: Row = None) -> str:
         if self.state == "fallback":
             return f"adaptive: plain, drafting did not pay (probe in {self.wait})"
         return f"adaptive: drafting, width {self.plan()[0]}"
 
-    def summary(self) -> dict:
+    def summary(self, row: Row = None) -> dict:
         """For the stats (cheap: called every cycle)."""
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes,
                 "widths": dict(self.widths)}

@@ -1,24 +1,29 @@
-"""The policy interface: what a decode engine asks each cycle (`next(state)`
--> `Plain(n)` or `Draft(width, source)`) and reports after it
-(`observe(CycleResult)`), and the simple policies (fixed width, lookup first,
-plain). Policies are pure: numbers in, decisions out; no model in here."""
+"""The policy interface: what the decode engine asks before each cycle of the
+set of sequences it runs (`decide(rows)` -> a `Decision`: one verify width for
+the set and each row's draft source) and reports after it (`observe(rows,
+results)`, one `CycleResult` per row). A single stream is a set of one.
+
+What a policy may read of a row (the engine's Sequence) is `Row`: its plan
+(what it may draft with and how wide: registry.plan), tokens left, context
+length and what a draft source offers it now. Policies are pure: numbers in,
+decisions out; no model in here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 from .costs import Observed
 
-DFLASH, LOOKUP = "dflash", "lookup"  # draft sources
+DFLASH, LOOKUP = "dflash", "lookup"  # draft sources (drafting/proposers.py)
 
 
 @dataclass
 class CycleResult:
-    """One draft + verify cycle (or one plain step: width 1), as the session
-    saw it: what the policy observes and the stats add up."""
+    """One row's share of a draft + verify cycle (or of one plain step: width 1),
+    as the engine saw it: what the policy observes and the stats add up."""
 
-    width: int  # verify width w: anchor + w-1 drafts
+    width: int  # verify width of the row: anchor + width-1 drafts
     accepted: int  # drafts accepted
     emitted: int  # tokens this cycle produced (accepted + bonus, less any cut by a stop)
     t_draft: float = 0.0  # host time building the draft (it is computed with the verify)
@@ -28,101 +33,95 @@ class CycleResult:
     t_wait: float = 0.0  # of t_verify: blocked in the readback (compute not hidden behind the host)
     conf: Optional[list] = None  # the verified drafts' confidences, when the policy read them (adaptive)
 
-@dataclass(frozen=True)
-class Plain:
-    """Decode plainly: at most n more tokens (None: until the policy says otherwise)."""
-
-    n: Optional[int] = None
-
 
 @dataclass(frozen=True)
-class Draft:
-    """Draft `width - 1` tokens from `source` and verify them with the anchor."""
+class Plan:
+    """What one sequence may draft with, decided once when it starts
+    (registry.plan): the rule every path shares."""
 
-    width: int
-    source: str = DFLASH
+    mode: str  # the verify mode that runs: dflash | adaptive | lookup | off
+    cap: int = 1  # its widest verify (1: it never drafts)
+    fixed: bool = False  # it verifies exactly `cap` rows whenever it drafts (an unguarded width)
+    drafter: bool = False  # the DFlash drafter drafts for it (its features are captured)
+    lookup: bool = False  # it may verify prompt-lookup drafts (an n-gram index of its tokens is kept)
+    start: int = 1  # the width its first probe drafts at (the block_size setting)
+    fallback: Optional[str] = None  # why it runs another mode than it asked for
+    carry: bool = True  # the guard's state carries to and from other requests (not a seeded call)
+
+    @property
+    def drafts(self) -> bool:
+        return self.cap > 1
 
 
-@dataclass
-class LoopState:
-    """What a policy may look at when it decides: tokens left before max_tokens
-    and what each draft source offers now (`sources[name](n)`: how many of n
-    drafts it can propose; DFlash offers all n, lookup what the context repeats)."""
+class Row(Protocol):
+    """What a policy reads of a sequence."""
 
-    left: int
-    sources: Dict[str, Callable[[int], int]]
-    in_plain: bool = False  # asked between two plain tokens (a plain run is under way)
-    context: int = 0  # tokens cached (0: not told)
+    uid: int
+    plan: Plan
 
-    def offers(self, source: str, n: int) -> int:
-        f = self.sources.get(source)
-        return f(n) if f is not None and n > 0 else 0
+    @property
+    def left(self) -> int:  # tokens before max_tokens
+        ...
+
+    @property
+    def context(self) -> int:  # tokens in its cache
+        ...
+
+    def offers(self, source: str, n: int) -> int:  # how many of n drafts `source` can propose now
+        ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One cycle of the set: row b verifies `widths[b]` rows (its anchor and
+    widths[b] - 1 drafts from `sources[b]`: DFLASH, LOOKUP, or "" for its anchor
+    alone). All widths 1 is a plain step: `steps` of them may run, pipelined,
+    before the policy is asked again (None: until it says otherwise; it is
+    still asked between tokens)."""
+
+    widths: Tuple[int, ...]
+    sources: Tuple[str, ...]
+    steps: Optional[int] = None
+
+    @property
+    def width(self) -> int:
+        return max(self.widths, default=1)
+
+    @classmethod
+    def plain(cls, rows: Sequence[Row], steps: Optional[int] = None) -> "Decision":
+        return cls((1,) * len(rows), ("",) * len(rows), steps)
 
 
 class Policy:
-    """The interface the decode session drives. `reason` says in a few words
-    what decided the last choice and why (GenerationStats.policy)."""
+    """The interface the engine drives (one instance per engine: per-row state
+    is keyed by the row's uid). `reason(row)` says in a few words what decided
+    the last choice for that row and why (GenerationStats.policy)."""
 
-    reason: str = ""
     reads_confidence = False  # `trim` needs the drafts' confidences read back (one extra sync)
-    uses_drafter = True  # may ask for DFlash drafts (else a one-shot call captures no features)
-    uses_lookup = False  # may ask for prompt-lookup drafts (the session keeps an n-gram index)
-    widest = 0  # the widest verify it may ask for (0: none)
 
-    def next(self, state: LoopState):
+    def decide(self, rows: Sequence[Row]) -> Decision:
         raise NotImplementedError
 
-    def observe(self, result: CycleResult) -> None:
-        """A cycle (or one plain token: width 1, source "") ended."""
+    def observe(self, rows: Sequence[Row], results: List[CycleResult]) -> None:
+        """A cycle (or one plain step) ended; results[b] is row b's."""
 
-    def trim(self, tokens: list, conf: list) -> int:
+    def trim(self, row: Row, tokens: list, conf: list) -> int:
         """How many of the proposed drafts to verify (all, unless the policy cuts)."""
         return len(tokens)
 
-    def observed(self) -> Optional[Observed]:
-        """What to carry to the next request on the same model objects (None: nothing)."""
+    def uses_drafter(self, plan: Plan, context: int) -> bool:
+        """Whether the DFlash drafter may draft for a row of this plan and prompt
+        length (else a one-shot call captures no features)."""
+        return plan.drafter
+
+    def leave(self, row: Row) -> Optional[Observed]:
+        """The row is done: forget it; what to carry to the next request on the
+        same model objects (None: nothing)."""
         return None
 
-    def summary(self) -> Optional[dict]:
-        """The policy's state for the stats (GenerationStats.adaptive)."""
+    def reason(self, row: Row) -> str:
+        return ""
+
+    def summary(self, row: Row) -> Optional[dict]:
+        """The policy's state for the row's stats (GenerationStats.adaptive)."""
         return None
-
-
-class PlainOnly(Policy):
-    """Verify mode off: plain decoding, pipelined like mlx-lm."""
-
-    uses_drafter = False
-
-    def __init__(self, why: str = "verify mode off"):
-        self.reason = f"plain: {why}"
-
-    def next(self, state: LoopState):
-        return Plain()
-
-
-class Fixed(Policy):
-    """Verify width w on every cycle, DFlash drafts: what the user set, exactly."""
-
-    def __init__(self, width: int):
-        self.w = self.widest = width
-        self.reason = f"fixed width {width}"
-
-    def next(self, state: LoopState):
-        return Draft(self.w, DFLASH)
-
-
-class LookupFirst(Policy):
-    """Verify mode lookup: prompt-lookup drafts at width w (lookup.py). With a
-    drafter, lookup where the context has a full-width match, DFlash elsewhere;
-    without one, lookup wherever the context matches, plain decoding between."""
-
-    def __init__(self, width: int, with_drafter: bool):
-        self.w, self.dflash, self.widest = width, with_drafter, width
-        self.uses_drafter, self.uses_lookup = with_drafter, True
-        self.reason = f"lookup width {width}" + (" (else DFlash)" if with_drafter else "")
-
-    def next(self, state: LoopState):
-        n = state.offers(LOOKUP, self.w - 1)
-        if n and (not self.dflash or n == self.w - 1):
-            return Draft(n + 1, LOOKUP)
-        return Draft(self.w, DFLASH) if self.dflash else Plain()

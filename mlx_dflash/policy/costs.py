@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -78,6 +78,91 @@ class Observed:
     wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
     lookup_alpha: Optional[float] = None  # share of the guard's lookup drafts accepted
     p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)
+
+
+def monotone(ys: List[float]) -> List[float]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators):
+    a wider verify or draft is never cheaper, whatever the timing noise says."""
+    blocks = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
+
+
+class CostModel:
+    """k(w, B, L): what a cycle of width w costs in plain steps, with B rows of
+    L tokens of context each, drafting from the drafter or not (a cycle of
+    prompt-lookup drafts pays the verify alone). One plain step is one token
+    per row (pipelined: t_plain, when measured).
+
+    From the measured curves: `curve(at)` is the single-stream curve measured
+    over `at` cached tokens (None: the base one); seconds per cycle and per
+    plain token are linear in the length between two curves (and past them), as
+    attention's reads are. `batch(B)` is the curve of a B-row set (batch_costs:
+    a [B, w] verify in units of a [B, 1] step), scaled by the single stream's
+    growth with the length. Curves are fetched when first needed (a short set
+    never measures a long or batched one)."""
+
+    def __init__(self, curve: Callable[[Optional[int]], Costs], widths: Sequence[int],
+                 batch: Optional[Callable[[int], Costs]] = None, priced_at: Callable[[int], Optional[int]] = None):
+        self.curve, self.batch, self.priced_at = curve, batch, priced_at or (lambda n: None)
+        base = curve(None)
+        self.widths = sorted((set(widths) & set(base.c)) | {1})  # the measured ones (the guard chooses among them)
+        self._single = {None: self._seconds(base)}
+        self._k: Dict[tuple, Dict[int, float]] = {}
+
+    def _seconds(self, cv: Costs) -> tuple:
+        """(context, {w: seconds of a drafting cycle}, {w: of a verify alone}, seconds per plain token),
+        every width up to the widest (linear between the measured ones)."""
+        ws = list(range(1, self.widths[-1] + 1))
+        c = monotone([interpolate(cv.c, x) for x in ws])
+        d = monotone([interpolate(cv.d, x) for x in ws])
+        return (cv.context, {x: (cx + dx) * cv.t1 for x, cx, dx in zip(ws, c, d)},
+                {x: cx * cv.t1 for x, cx in zip(ws, c)}, cv.t_plain or cv.t1)
+
+    def _one(self, at: Optional[int]) -> tuple:
+        if at not in self._single:
+            self._single[at] = self._seconds(self.curve(at))
+        return self._single[at]
+
+    def single(self, L: int) -> Dict[bool, Dict[int, float]]:
+        """{drafting: {w: k}} for one row at L tokens of context."""
+        lo, at = self._single[None], self.priced_at(L)
+        hi = self._one(at) if at is not None else lo
+        f = (L - lo[0]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+        plain = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
+        return {drafting: {x: max(lo[i][x] + f * (hi[i][x] - lo[i][x]), 1e-9) / plain for x in lo[i]}
+                for drafting, i in ((True, 1), (False, 2))}
+
+    def k(self, B: int = 1, L: int = 0, drafting: bool = True) -> Dict[int, float]:
+        """{w: k(w, B, L)} for every w up to the widest measured (1: a plain step, 1)."""
+        key = (B, self._bucket(L), drafting)
+        if key not in self._k:
+            one = self.single(key[1])
+            if B == 1 or self.batch is None:
+                k = one[drafting]
+            else:
+                cv = self.batch(B)
+                base = self.single(0)
+                ws = sorted(one[drafting])
+                c = monotone([interpolate(cv.c, x) for x in ws])
+                d = monotone([interpolate(cv.d, x) if drafting else 0.0 for x in ws])
+                k = {x: (cx + dx) * one[drafting][x] / base[drafting][x] for x, cx, dx in zip(ws, c, d)}
+            k[1] = 1.0
+            self._k[key] = k
+        return self._k[key]
+
+    @staticmethod
+    def _bucket(L: int) -> int:
+        """Lengths priced alike (costs move slowly with the length): 64-token steps, then 1/8 steps."""
+        if L <= 512:
+            return 0
+        step = max(64, 1 << max(0, L.bit_length() - 4))
+        return L - L % step
 
 
 # -- the on-disk cache -----------------------------------------------------------------

@@ -1,6 +1,17 @@
-"""Verify modes: the one registry from a mode's name to the policy that runs
-it (policy.py, adaptive.py). A new verify mode is a `Policy` subclass and one
-line here."""
+"""Verify modes: the one registry from a mode's name to what a sequence in that
+mode drafts with (`plan`, the rule every path shares) and the policy that
+decides its cycles. A new verify mode is one `MODES` line (and, if it decides
+differently, one `Policy` subclass).
+
+- `dflash` (default): the DFlash drafter. With the guard on (DecodeConfig.guard)
+  the guard (guard.py) chooses each cycle's width, from plain decoding up to
+  the drafter's trained block size, and verifies prompt-lookup drafts where
+  they pay; with the guard off every cycle verifies exactly `block_size` rows.
+- `adaptive`: per-cycle width and cut from the drafts' confidences
+  (adaptive.py); it runs alone (a set of one).
+- `lookup`: prompt-lookup drafts at `block_size` (with a drafter: DFlash where
+  the context has no full-width match).
+- `off`: plain decoding."""
 
 from __future__ import annotations
 
@@ -8,11 +19,10 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 from .adaptive import AdaptiveWidth
-from .base import Fixed, LookupFirst, PlainOnly, Policy
-from .costs import Costs, Observed
-from .guard import Guard
+from .base import Plan, Policy
 
 DEFAULT_BLOCK_SIZE = 5
+LOOKUP_LIMIT = 64  # the widest lookup verify without a drafter
 # the guard's calibration, once per model, drafter and machine (then cached on
 # disk for a month): the widths it may choose among, three rounds, 16 pipelined
 # plain steps each (fewer overstate a plain token: the pipeline's first step does
@@ -24,6 +34,36 @@ GUARD_WIDTHS = (2, 3, 5, 8, 12, 16)  # measured up to the widest it may draft at
 LONG_CONTEXTS = (1024, 4096, 16384, 65536)
 LONG_FROM = 512
 
+@dataclass(frozen=True)
+class Mode:
+    """A verify mode: what its sequences may draft with, and the policy that
+    decides their cycles (None: the set's guard, which also runs fixed widths,
+    lookup first and plain rows; a policy of its own decides for a set of one:
+    the sequence runs alone)."""
+
+    drafter: bool  # drafts from the DFlash drafter
+    lookup: bool  # may verify prompt-lookup drafts
+    policy: Optional[Callable[["PolicyContext"], Policy]] = None
+
+
+@dataclass
+class PolicyContext:
+    """What a mode's own policy is built from: the sequence's plan and the
+    measured costs (`costs(**Calibration.costs options)`, measured when called)."""
+
+    plan: Plan
+    context: int  # the prompt's length in tokens
+    costs: Callable[..., object]
+
+
+MODES: Dict[str, Mode] = {
+    "dflash": Mode(True, True),
+    "adaptive": Mode(True, False, lambda ctx: AdaptiveWidth(ctx.costs(max_width=ctx.plan.cap), ctx.plan.cap)),
+    "lookup": Mode(True, True),
+    "off": Mode(False, False),
+}
+VERIFY_MODES = tuple(MODES)
+
 
 def priced_at(context: int) -> Optional[int]:
     """The length of the long-context curve a request of `context` tokens is
@@ -33,44 +73,47 @@ def priced_at(context: int) -> Optional[int]:
     return next((n for n in LONG_CONTEXTS if n >= context), LONG_CONTEXTS[-1])
 
 
-@dataclass
-class PolicyContext:
-    """What a policy is built from. `costs(**get_costs_options)` and `prior()`
-    are called only by the policies that need them (measuring takes time)."""
-
-    width: int
-    max_width: int  # the widest block the drafter takes (its trained block size)
-    context: int  # the request's length in tokens
-    drafter: bool  # a DFlash drafter drafts in this call
-    guard: Optional[bool]  # DecodeConfig.guard
-    default_width: bool  # no block size given, or the default one
-    lookup: bool  # the guard may verify prompt-lookup drafts
-    costs: Callable[..., Costs]
-    prior: Callable[[], Optional[Observed]]
-    plain_reason: str = "verify mode off"
+def guard_widths(cap: int) -> list:
+    """The widths the guard measures and chooses among, up to `cap`."""
+    return sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
 
 
-def _dflash(ctx: PolicyContext) -> Policy:
-    """The default width is the guard's to choose, up to the drafter's block size;
-    any other width is drafted exactly (guarded only when asked, at most that width)."""
-    guarded = ctx.guard if ctx.guard is not None else ctx.default_width
-    if guarded and ctx.width > 1:
-        cap = max(ctx.width, ctx.max_width) if ctx.default_width else ctx.width
-        widths = sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
-        costs = ctx.costs(widths=widths, enough=(1, ctx.width), **GUARD_CALIBRATION)
-        cap = max(x for x in costs.c if x <= cap)
-        long, at = None, priced_at(ctx.context)
-        if at is not None:
-            long = ctx.costs(widths=sorted(x for x in costs.c if x <= cap), at=at,
-                             **{**GUARD_CALIBRATION, "context": at})
-        return Guard(cap, costs, ctx.prior(), lookup=ctx.lookup, long=long, context=ctx.context)
-    return Fixed(ctx.width)
+def plan(config, drafter, prompt_tokens: int, trimmable: bool = True, shared: bool = False) -> Plan:
+    """What a request drafts with, from its config (`config`: DecodeConfig),
+    the drafter (None: none), its prompt's length, whether the target's cache
+    can be rolled back, and whether other requests may run beside it
+    (`shared`: a seeded sampled request then drafts at a fixed width, so its
+    tokens do not depend on the widths the rows around it make the set choose).
+    Raises ValueError (one line) for a block size the drafter cannot take."""
+    mode, why = config.verify_mode, config.needs_plain
+    if mode != "off" and why is None:
+        if mode in ("dflash", "adaptive") and drafter is None:
+            why = "no drafter"
+        elif config.max_context is not None and prompt_tokens > config.max_context:
+            why = f"prompt longer than max_context ({prompt_tokens} > {config.max_context})"
+        elif not trimmable:
+            why = "target KV cache cannot be trimmed"
+    carry = config.seed is None  # a seeded call does not inherit the last call's state: same seed, same sample
+    if mode == "off" or why is not None:
+        return Plan("off", fallback=why if mode != "off" else None, carry=carry)
+    limit, what = ((drafter.block_size, "the drafter's trained block size") if drafter is not None
+                   else (LOOKUP_LIMIT, "the lookup limit"))
+    w = config.block_size if config.block_size is not None else min(DEFAULT_BLOCK_SIZE, limit)
+    if not 1 <= w <= limit:
+        raise ValueError(f"block size {w} must be between 1 and {what} {limit}")
+    m = MODES[mode]
+    guarded = mode == "dflash" and config.guarded
+    if guarded and shared and config.seed is not None and not config.sampling().greedy:
+        guarded = False
+    if guarded:
+        return Plan(mode, drafter.block_size, False, True, config.lookup, carry=carry)
+    return Plan(mode, w, True, m.drafter and drafter is not None, m.lookup and mode != "dflash", carry=carry)
 
 
-POLICIES: Dict[str, Callable[[PolicyContext], Policy]] = {
-    "dflash": _dflash,
-    "adaptive": lambda ctx: AdaptiveWidth(ctx.costs(max_width=ctx.width), ctx.width),
-    "lookup": lambda ctx: LookupFirst(ctx.width, ctx.drafter),
-    "off": lambda ctx: PlainOnly(ctx.plain_reason),
-}
-VERIFY_MODES = tuple(POLICIES)
+def runs_alone(config) -> Optional[str]:
+    """Why a request with this config must be the only row of its set (None: it may share)."""
+    if MODES[config.verify_mode].policy is not None and not config.needs_plain:
+        return f"verify mode '{config.verify_mode}' runs alone"
+    if config.kv_bits is not None:
+        return "a quantized KV cache runs alone (mlx-lm's batch caches are not quantized)"
+    return None

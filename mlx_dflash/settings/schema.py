@@ -38,6 +38,9 @@ def verify_modes() -> tuple:
 class ModelSettings:
     dflash_enabled: bool = True
     drafter: Optional[str] = None  # path or model id; None: the best compatible one found
+    # the guard (on): it chooses each cycle's verify width, from plain decoding up to the
+    # drafter's trained block size; off: every cycle verifies exactly block_size rows
+    guard: bool = True
     block_size: int = 5
     verify_mode: str = "dflash"
     drafter_quant_bits: Optional[object] = "auto"  # "auto" | None (full precision) | 4 | 8
@@ -67,7 +70,7 @@ class ModelSettings:
         """Keyword arguments for `stream_generate`."""
         mode = self.verify_mode if self.dflash_enabled else "off"
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, min_p=self.min_p, block_size=self.block_size,
+                    top_k=self.top_k, min_p=self.min_p, block_size=self.block_size, guard=self.guard,
                     verify_mode=mode, **{f: getattr(self, f) for f in LONG_CONTEXT_KEYS.values()})
 
 
@@ -88,6 +91,7 @@ class GlobalSettings:
 MODEL_KEYS = {
     "dflash.enabled": "dflash_enabled",
     "drafter": "drafter",
+    "guard": "guard",
     "block_size": "block_size",
     "verify_mode": "verify_mode",
     "drafter.quant_bits": "drafter_quant_bits",
@@ -132,7 +136,7 @@ def check_long_context(s: "ModelSettings") -> None:
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
 FIELD_TO_KEY = {v: k for k, v in MODEL_KEYS.items()}
 _TYPES = {  # field -> (type, optional)
-    "dflash_enabled": (bool, False), "drafter": (str, True), "block_size": (int, False),
+    "dflash_enabled": (bool, False), "drafter": (str, True), "block_size": (int, False), "guard": (bool, False),
     "verify_mode": (str, False), "drafter_quant_bits": (int, True), "drafter_quant_group_size": (int, False),
     "drafter_activation_dtype": (str, False), "temperature": (float, False), "top_p": (float, False),
     "top_k": (int, False), "min_p": (float, False), "max_tokens": (int, False), "system_prompt": (str, False),
