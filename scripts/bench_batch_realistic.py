@@ -107,7 +107,7 @@ class Curves:
 
     def __init__(self, model, drafter, sizes, log):
         self.cal = Calibration()
-        self.bc = BatchCosts(model, drafter, self.cal, drafter.block_size)
+        self.bc = BatchCosts(model, drafter, self.cal.book, drafter.block_size)
         self.at = {}
         for B in sizes:
             log(f"measuring c(w, {B}), d(w, {B}) at widths {self.bc.widths}...")

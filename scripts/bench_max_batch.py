@@ -34,7 +34,7 @@ def main():
     rb, free = row_bytes(Target(model)), free_memory()
     for r in range(a.rounds):
         os.environ["MLX_DFLASH_HOME"] = tempfile.mkdtemp(prefix="mlx-dflash-bench-")
-        costs = BatchCosts(model, real, Calibration(), real.block_size if real is not None else 1)
+        costs = BatchCosts(model, real, Calibration().book, real.block_size if real is not None else 1)
         steps = {B: costs.step_s(B) for B in AUTO_B}  # all of them, for the table (auto stops early)
         B, why = pick_max_batch(steps.__getitem__, rb, free)
         gains = {b: round((b / steps[b]) / ((b // 2) / steps[b // 2]), 3) for b in AUTO_B[1:]}

@@ -29,7 +29,9 @@ from mlx_dflash.engine import batch_costs
 from mlx_dflash.engine.batch import BatchEngine, BatchError
 from mlx_dflash.engine.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
 from mlx_dflash.engine.calibrate import Calibration
-from mlx_dflash.policy.batch import BatchGuard, FixedBatchWidth
+from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.costs import CostModel, Costs, Observed
+from mlx_dflash.policy.guard import Guard
 from mlx_dflash.drafting.drafter import Proposal
 from mlx_dflash.target.adapter import Target
 from drafters import DrafterDouble
@@ -51,6 +53,14 @@ def model_of(family):
         _models[family] = build(base, dtype=mx.bfloat16 if kind == "bf16" else None,
                                 bits=4 if kind == "q4" else 0)
     return _models[family]
+
+
+def batch_guard(costs, prior=None, verify=None):
+    """The guard over a fixed cost curve: a cycle of width w costs costs[w] plain
+    steps at any batch size (verify[w] without the drafter's forward)."""
+    v = verify or costs
+    curve = Costs(1.0, dict(v), {w: costs[w] - v[w] for w in costs})
+    return Guard(CostModel(lambda at: curve, sorted(costs)), Observed(p=list(prior)) if prior else None)
 
 
 class _Cfg:
@@ -145,7 +155,7 @@ def test_greedy_rows_equal_each_request_alone(family, width, tok):
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
     plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
     oracle = RowOracles(plans, seed=width)
-    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(width))
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedWidth(width))
     reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
     out, last = run_engine(eng, reqs)
     for i, ref in enumerate(refs):
@@ -164,7 +174,7 @@ def test_real_dflash2_drafter_rows_equal_alone(pairs):
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
     for w in (1, 5, 8):
-        eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(w))
+        eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedWidth(w))
         reqs = [(p, DecodeConfig(max_tokens=m, drafter_window=8, drafter_sink=2)) for p, m in zip(PROMPTS, MAXES)]
         out, last = run_engine(eng, reqs, join_after=2)
         for i, ref in enumerate(refs):
@@ -179,7 +189,7 @@ def test_cancelled_row_leaves_the_others_identical(tok):
     model = model_of("gemma3_text")
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
     plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
-    eng = BatchEngine(model, tok, RowOracles(plans, seed=3), max_batch=4, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, RowOracles(plans, seed=3), max_batch=4, policy=FixedWidth(5))
     reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
     out, last = run_engine(eng, reqs, cancel=(1, 4))
     assert out[1][:4] == refs[1][:4] and len(out[1]) < len(refs[1])  # it stopped at a cycle boundary
@@ -194,7 +204,7 @@ def test_stop_strings_and_limits_act_per_row(pairs):
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     texts = [generate(model, tok, p, None, max_tokens=20, verify_mode="off").text for p in PROMPTS[:4]]
     stops = [[t[5:8]] if len(t) > 10 else None for t in texts]  # a stop string inside each answer
-    eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedWidth(5))
     uids = [eng.submit(p, DecodeConfig(max_tokens=20, stop=s)) for p, s in zip(PROMPTS[:4], stops)]
     got = {u: "" for u in uids}
     fin = {}
@@ -228,7 +238,7 @@ def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
 
     def sampled(with_others):
         eng = BatchEngine(model, tok, Own(list(plans) if with_others else [plans[0]]),
-                          max_batch=4, policy=FixedBatchWidth(4))
+                          max_batch=4, policy=FixedWidth(4))
         reqs = [(PROMPTS[0], cfg)]
         if with_others:
             reqs += [(p, DecodeConfig(max_tokens=24, temperature=0.8, seed=i)) for i, p in enumerate(PROMPTS[1:4])]
@@ -269,7 +279,7 @@ def sampled_rows(model, tok, prompt, block, n, seed, **options):
             return Proposal(block[1:width], None, [1.0] * (width - 1))
 
     drafter = Fixed([])
-    eng = BatchEngine(model, tok, drafter, max_batch=8, policy=FixedBatchWidth(3))
+    eng = BatchEngine(model, tok, drafter, max_batch=8, policy=FixedWidth(3))
     uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3, seed=seed + s, **options))
             for s in range(n)]
     got = {u: [] for u in uids}
@@ -302,7 +312,7 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
     refs = [reference_tokens(model, tok, p, 20) for p in PROMPTS[:3]]
 
     drafter = WrongDrafter([])
-    guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5)
+    guard = batch_guard({1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2})
     eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=20)) for p in PROMPTS[:3]], join_after=0)
     assert [out[i] for i in range(3)] == refs
@@ -366,7 +376,7 @@ def test_recurrent_cancelled_row_leaves_the_others_identical(family, tok):
     model = model_of(family)
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
     plans = [(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)]
-    eng = BatchEngine(model, tok, RowOracles(plans, seed=5), max_batch=4, policy=FixedBatchWidth(8))
+    eng = BatchEngine(model, tok, RowOracles(plans, seed=5), max_batch=4, policy=FixedWidth(8))
     reqs = [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)]
     out, _ = run_engine(eng, reqs, cancel=(2, 5))
     assert out[2][:5] == refs[2][:5] and len(out[2]) < len(refs[2])
@@ -388,11 +398,29 @@ def test_unbatchable_targets_are_refused_in_one_line(family, tok, monkeypatch):
     assert "\n" not in str(e.value) and "batch" in str(e.value)
 
 
-def test_requests_that_run_alone_are_refused_in_one_line(tok):
-    eng = BatchEngine(model_of("qwen3"), tok, None)
-    with pytest.raises(BatchError) as e:
-        eng.submit("hi", DecodeConfig(logprobs=True))
-    assert "alone" in str(e.value)
+def test_requests_that_run_alone_wait_for_an_empty_set(tok):
+    """A quantized KV cache (mlx-lm's batch caches are not quantized) runs alone:
+    it joins only an empty set and nothing joins it; logprobs rows share the set.
+    Every output is what the request gives alone; an empty prompt is refused."""
+    model = model_of("qwen3")
+    eng = BatchEngine(model, tok, None)
+    reqs = [(PROMPTS[0], DecodeConfig(max_tokens=12)),
+            (PROMPTS[1], DecodeConfig(max_tokens=12, kv_bits=8, kv_group_size=32, quantized_kv_start=4)),
+            (PROMPTS[2], DecodeConfig(max_tokens=12, logprobs=True)), (PROMPTS[3], DecodeConfig(max_tokens=12))]
+    uids = [eng.submit(p, c) for p, c in reqs]
+    got, sizes = {u: [] for u in uids}, []
+    while len(eng):
+        for u, r in eng.step():
+            got[u].append(r.token)
+            if u == uids[2] and not r.finish_reason:
+                assert r.logprobs is not None
+        sizes.append((len(eng.rows), any(s.uid == uids[1] for s in eng.rows)))
+    assert all(n == 1 for n, quantized in sizes if quantized)
+    for u, (p, c) in zip(uids, reqs):
+        alone = list(generate(model, tok, p, None, **{k: getattr(c, k) for k in
+                                                       ("max_tokens", "kv_bits", "kv_group_size", "quantized_kv_start")}
+                              ).token_ids)
+        assert got[u][: len(alone)] == alone, p
     with pytest.raises(ValueError):
         eng.submit([], DecodeConfig())
 
@@ -410,7 +438,7 @@ def test_guard_drafts_where_drafts_pay(tok):
             out = [cont[pos + j] if pos + j < len(cont) else 0 for j in range(1, width)]
             return Proposal(out, None, [1.0] * len(out))
 
-    guard = BatchGuard(lambda B: {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, widest=5, prior=[0.3] * 4)
+    guard = batch_guard({1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, prior=[0.3] * 4)
     eng = BatchEngine(model, tok, Right(plans), max_batch=3, policy=guard)
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=30)) for p in PROMPTS[:3]], join_after=0)
     assert [out[i] for i in range(3)] == refs
@@ -451,11 +479,11 @@ def test_max_batch_auto_picks_the_largest_size_that_still_pays():
 def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(tok, monkeypatch):
     model = model_of("qwen3")
     cal = Calibration()
-    B, why = auto_max_batch(model, None, cal)
+    B, why = auto_max_batch(model, None, cal.book)
     assert B in AUTO_B and why and "\n" not in why
     monkeypatch.setattr(batch_costs, "measure", lambda *a, **k: pytest.fail("measured again"))
-    assert auto_max_batch(model, None, Calibration()) == (B, why)  # a new process: the curves on disk
-    B, why = auto_max_batch(model_of("falcon_h1"), None, cal)
+    assert auto_max_batch(model, None, Calibration().book) == (B, why)  # a new process: the curves on disk
+    B, why = auto_max_batch(model_of("falcon_h1"), None, cal.book)
     assert B == 1 and "batch" in why and "\n" not in why
 
 
@@ -482,7 +510,7 @@ def test_new_prompts_prefilled_together_equal_each_alone(tok):
     def run(together):
         oracle = Seen(list(plans), seed=1)
         oracle.first, oracle.order = {}, []
-        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedBatchWidth(5),
+        eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=FixedWidth(5),
                           prefill_together=together)
         out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)], join_after=0)
         return out, [oracle.first[k] for k in oracle.order], eng.prefilled_together

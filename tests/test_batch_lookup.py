@@ -16,12 +16,12 @@ forward."""
 import mlx.core as mx
 import pytest
 from drafters import reference_tokens
-from test_batch import PROMPTS, RowOracles, WrongDrafter, like_plain_sampling, model_of, run_engine
+from test_batch import batch_guard, PROMPTS, RowOracles, WrongDrafter, like_plain_sampling, model_of, run_engine
 from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.batch import BatchGuard, FixedBatchWidth
+from mlx_dflash.policy.guard import FixedWidth
 from mlx_dflash.drafting.lookup import NgramIndex
 from mlx_dflash.policy.base import DFLASH, LOOKUP
 from mlx_dflash.policy.guard import LookupGate
@@ -68,7 +68,7 @@ def test_lookup_rows_equal_each_request_alone(family, width, tok):
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(prompts, MAXES)]
     plans = [(len(p), r) for p, r in zip(prompts, refs)]
     oracle = RowOracles(plans, seed=width)
-    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(width))
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedWidth(width))
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(prompts, MAXES)])
     assert [out[i] for i in range(len(REPEATED))] == refs
     looked = lookup_totals(last)
@@ -92,7 +92,7 @@ def test_lookup_rows_cancelled_and_off_leave_the_others_identical(family, tok):
     cfgs[2] = DecodeConfig(max_tokens=MAXES[2], lookup=False)
     cfgs[3] = DecodeConfig(max_tokens=MAXES[3], verify_mode="off")
     oracle = RowOracles([pl for i, pl in enumerate(plans) if i != 3], seed=11)  # (a row without drafts has none)
-    eng = BatchEngine(model, tok, oracle, max_batch=4, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, oracle, max_batch=4, policy=FixedWidth(5))
     out, last = run_engine(eng, list(zip(prompts, cfgs)), join_after=2, cancel=(0, 10))
     assert out[0] == refs[0][: len(out[0])] and 10 <= len(out[0]) < len(refs[0])  # it stopped at a cycle boundary
     assert [out[i] for i in range(1, len(prompts))] == refs[1:]
@@ -108,7 +108,7 @@ def test_lookup_index_is_kept_with_the_prompt_cache(tok):
     ids, other = prompts[0], prompts[1]
     ref, ref_o = reference_tokens(model, tok, ids, 12), reference_tokens(model, tok, other, 9)
     oracle = SeqOracles([(0, ids + ref), (0, other + ref_o)], seed=1)
-    eng = BatchEngine(model, tok, oracle, max_batch=2, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, oracle, max_batch=2, policy=FixedWidth(5))
     pc = PromptCache()
     out, last, uids = run_rows(eng, [(ids, 12, pc), (other, 9, None)], [])
     assert [out[u] for u in uids] == [ref, ref_o] and last[uids[0]].stats.lookup_cycles > 0
@@ -130,7 +130,7 @@ def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok
 
     drafter = WrongDrafter([])
     costs = {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}
-    guard = BatchGuard(lambda B: costs, widest=5, verify=lambda B: {w: 1.0 + 0.1 * (w - 1) for w in costs})
+    guard = batch_guard(costs, verify={w: 1.0 + 0.1 * (w - 1) for w in costs})
     eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=40)) for p in prompts], join_after=0)
     assert [out[i] for i in range(3)] == refs
@@ -141,35 +141,35 @@ def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok
     assert eng.drafter_forwards <= drafted and eng.drafter_forwards < eng.cycles  # lookup cycles ran none
 
 
-def test_batch_guard_prices_lookup_rows_with_their_own_acceptance():
-    """The policy alone: a row's expected tokens come from its own source's
-    acceptance; a cycle of lookup rows alone is priced as the verify alone;
-    each row's gate follows its own lookup acceptance."""
+def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
+    """The policy alone: a row whose context repeats verifies its lookup drafts
+    where its own gate says they pay (priced as the verify alone), beside a row
+    whose drafter does not pay; each row's gate follows its own acceptance, and
+    while lookup does not pay every GAP-th match is verified anyway."""
+    from mlx_dflash.policy.base import CycleResult, Plan
 
     class R:
-        def __init__(self, uid, drafts=True, cap=5, fixed=False):
-            self.uid, self.drafts, self.cap, self.fixed = uid, drafts, cap, fixed
+        def __init__(self, uid, offer):
+            self.uid, self.offer, self.context, self.left = uid, offer, 0, 10**6
+            self.plan = Plan("dflash", 5, False, True, True)
 
-    rows = [R(1), R(2)]
+        def offers(self, source, n):
+            return n if source == DFLASH else min(n, self.offer)
+
+    rows = [R(1, 4), R(2, 0)]
     costs = {1: 1.0, 2: 1.5, 3: 2.0, 5: 3.0}  # DFlash at the prior (0.1 per position) never pays
-    g = BatchGuard(lambda B: costs, widest=5, prior=[0.1] * 4, verify=lambda B: {w: 1.0 + 0.05 * w for w in costs})
-    assert g.next(rows, [0, 0]) == 5 and "probing" in g.reason  # no match: the drafter's probe, as before
-    g.wait = 10
-    w = g.next(rows, [4, 0])  # row 1's context repeats: lookup alone pays (verify ~1.25 plain steps)
-    assert w == 5 and not g.dflash and "lookup rows" in g.reason
-    assert g.sources(rows, w, [4, 0]) == [LOOKUP, ""]
+    g = batch_guard(costs, prior=[0.1] * 4, verify={w: 1.0 + 0.05 * w for w in costs})
+    d = g.decide(rows)  # row 1's context repeats: lookup pays (verify ~1.25 plain steps); row 2 probes
+    assert d.sources == (LOOKUP, DFLASH) and "probing" in g.reason(rows[1])
+    g.state, g.wait = "plain", 100  # the drafter does not pay: lookup rows alone
+    d = g.decide(rows)
+    assert d.sources == (LOOKUP, "") and d.widths == (5, 1)
     for _ in range(30):  # row 1's lookup drafts all rejected: its alpha falls, and lookup stops paying
-        g.observe(rows, [4, 0], [0, 0], [LOOKUP, ""])
-    assert g.gates[1].alpha < 0.01 and 2 not in g.gates
-    g.wait = 100
-    ws = [g.next(rows, [4, 0]) for _ in range(LookupGate.GAP)]  # plain, but every GAP-th match verified anyway
-    assert ws.count(5) == 1 and ws.count(1) == LookupGate.GAP - 1
-    # beside a drafting batch, lookup drafts are taken where they promise as much as the drafter
-    f = FixedBatchWidth(5)
-    for _ in range(5):
-        f.observe(rows, [4, 4], [4, 0], [DFLASH, DFLASH])
-    assert f.sources(rows, 5, [4, 4]) == [DFLASH, LOOKUP]  # row 1's drafter is good, row 2's is not
-    assert f.sources([R(3, fixed=True)], 5, [4]) == [DFLASH]  # an explicit width: the drafter only
+        g.observe(rows, [CycleResult(5, 0, 1, source=LOOKUP), CycleResult(1, 0, 1)])
+    assert g.rows[1].gate.alpha < 0.01 and g.rows[2].gate.cycles == 0
+    g.rows[1].gate.skipped = 0
+    taken = [g.decide(rows).sources[0] == LOOKUP for _ in range(LookupGate.GAP)]  # every GAP-th match verified
+    assert taken.count(True) == 1 and taken[-1]
 
 
 def test_sampled_lookup_rows_keep_the_target_distribution(tok):
@@ -182,8 +182,7 @@ def test_sampled_lookup_rows_keep_the_target_distribution(tok):
     n = 320
 
     mx.random.seed(7)
-    f = FixedBatchWidth(3)
-    f.prior = [0.05] * 2  # the drafter promises nothing: lookup wherever it matches
+    f = FixedWidth(3)  # lookup wherever it matches a full block
     eng = BatchEngine(model, tok, WrongDrafter([]), max_batch=8, policy=f)
     uids = [eng.submit(prompt, DecodeConfig(max_tokens=3, temperature=1.5, top_k=3)) for _ in range(n)]
     got = {u: [] for u in uids}

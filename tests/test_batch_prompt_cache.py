@@ -11,7 +11,7 @@ from test_batch import PROMPTS, RowOracles, model_of
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.batch import FixedBatchWidth
+from mlx_dflash.policy.guard import FixedWidth
 from mlx_dflash.cache.prompt_cache import PromptCache
 from mlx_dflash.target.adapter import Target
 
@@ -58,7 +58,7 @@ def test_rows_from_cached_prefixes_equal_each_request_alone(family, width, tok):
     seq = [p + r for p, r in zip(ids, refs)]
     # turn 1: the conversation's row (a fresh cache, its drafter context made at submit) beside others
     oracle = SeqOracles([(0, s) for s in seq + [seq[1], seq[3], seq[2]]], seed=width)  # in the order rows start
-    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(width))
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedWidth(width))
     pc1 = PromptCache()
     out, last, uids = run_rows(eng, [(ids[0], maxes[0], pc1), (ids[1], maxes[1], None)],
                                [(ids[2], maxes[2], None), (ids[3], maxes[3], None)])

@@ -21,7 +21,7 @@ from app.server.structured import Constrained, parse_format
 from mlx_dflash import DecodeConfig, load
 from mlx_dflash import generate
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.batch import FixedBatchWidth
+from mlx_dflash.policy.guard import FixedWidth
 
 PROMPTS = ["def fibonacci(n):", "The answer is", "import os\nimport sys\nimport os\nimport"]
 MAX = 20
@@ -224,13 +224,13 @@ def test_batch_rows_with_processors_equal_each_alone(pairs):
 
     for w, together in ((1, False), (4, True), (8, False)):
         oracle = RowOracles([(len(x), r) for x, r in zip(ids, refs)], seed=w)
-        eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(w), prefill_together=together)
+        eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedWidth(w), prefill_together=together)
         out, last = run_engine(eng, requests(), join_after=2)
         for i, ref in enumerate(refs):
             assert out[i] == ref, (w, i, kinds[i])
         if w > 1:
             assert any(0 < last[i].stats.accepted < last[i].stats.drafted for i in last if kinds[i])
-    eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, drafter, max_batch=4, policy=FixedWidth(5))
     out, last = run_engine(eng, requests(), join_after=2)
     for i, ref in enumerate(refs):
         assert out[i] == ref, ("dflash2", i, kinds[i])
@@ -266,7 +266,7 @@ def test_batch_lookup_rows_with_processors_equal_each_alone(tok):
 
     refs = [mlx_lm_tokens(model, tok, p, procs(i), m) for i, (p, m) in enumerate(zip(prompts, MAXES))]
     oracle = RowOracles([(len(p), r) for p, r in zip(prompts, refs)], seed=5)
-    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedBatchWidth(5))
+    eng = BatchEngine(model, tok, oracle, max_batch=3, policy=FixedWidth(5))
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=m, logits_processors=procs(i)))
                                  for i, (p, m) in enumerate(zip(prompts, MAXES))])
     for i, ref in enumerate(refs):

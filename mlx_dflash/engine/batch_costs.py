@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..policy.costs import Costs, load_record, save_record
+from ..policy.costs import CostBook, Costs, load_record, save_record
 from ..target.adapter import Target, TargetError
 from . import batch_cache as bc
 
@@ -91,8 +91,8 @@ class BatchCosts:
     """k(w, B) for one model + drafter: cached curves at MEASURED_B (measured
     when first needed), linear in B between them."""
 
-    def __init__(self, model, drafter, calibration, widest: int):
-        self.model, self.drafter, self.cal = model, drafter, calibration
+    def __init__(self, model, drafter, book: CostBook, widest: int):
+        self.model, self.drafter, self.book = model, drafter, book
         self.widths = sorted({w for w in BATCH_WIDTHS if w <= widest} | {widest, 1})
         self._held: Dict[int, Dict[int, float]] = {}  # B -> {w: verify + draft}
         self._verify: Dict[int, Dict[int, float]] = {}  # B -> {w: the verify alone}
@@ -112,7 +112,7 @@ class BatchCosts:
 
     def _at(self, B: int, verify: bool = False) -> Dict[int, float]:
         if B not in self._held:
-            book = self.cal.book
+            book = self.book
             got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, batch=B)
             if got is None:
                 got = measure(self.model, self.drafter, B, self.widths)
@@ -176,7 +176,7 @@ def free_memory() -> Optional[int]:
     return max(0, int(limit * MEMORY_SHARE) - mx.get_active_memory())
 
 
-def auto_max_batch(model, drafter, calibration) -> Tuple[int, str]:
+def auto_max_batch(model, drafter, book: Optional[CostBook] = None) -> Tuple[int, str]:
     """`max_batch auto` for this model (+ drafter) on this machine: (B, a one-line
     reason). The plain batched steps come from the batch guard's curves
     (measured once per model, drafter and machine, then cached); a model that
@@ -188,7 +188,7 @@ def auto_max_batch(model, drafter, calibration) -> Tuple[int, str]:
         why = str(e)
     if why:
         return 1, f"it cannot decode in a batch: {why}"
-    costs = BatchCosts(model, drafter, calibration, drafter.block_size if drafter is not None else 1)
+    costs = BatchCosts(model, drafter, book or CostBook(), drafter.block_size if drafter is not None else 1)
     B, why = pick_max_batch(costs.step_s, row_bytes(target), free_memory())
     return B, why
 
@@ -217,7 +217,7 @@ def prefill_s(target: Target, prompts, capture, together: bool) -> float:
     return time.perf_counter() - t0
 
 
-def prefill_together_pays(model, drafter, B: int, calibration) -> Tuple[bool, str]:
+def prefill_together_pays(model, drafter, B: int, book: Optional[CostBook] = None) -> Tuple[bool, str]:
     """Whether B short prompts arriving together are prefilled faster in one
     batched forward than one after another here: (yes / no, a one-line
     reason). Measured once per model, drafter, machine and B (one round of
@@ -229,7 +229,7 @@ def prefill_together_pays(model, drafter, B: int, calibration) -> Tuple[bool, st
         return False, "one row at a time"
     if not bc.paddable(target):
         return False, "this target's caches cannot be left-padded (recurrent, sliding-window or quantized layers)"
-    key = dict(calibration.book.key(model, drafter), prefill_rows=B)
+    key = dict((book or CostBook()).key(model, drafter), prefill_rows=B)
     got = load_record(key, "prefill")
     if got is not None and isinstance(got.get("pays"), bool) and isinstance(got.get("why"), str):
         return got["pays"], got["why"]

@@ -139,7 +139,7 @@ class Engine:
         sp = cfg.sampling()
         st = GenerationStats(mode=p.mode, fallback=p.fallback, block_size=p.cap, prompt_tokens=len(ids))
         seq = Sequence(self._uid, cfg, p, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, pc, [],
-                       capture=False)
+                       capture=False, returned=prompt_cache is not None)
         if p.mode == "off" and p.fallback and p.fallback.startswith("target KV"):
             print("mlx-dflash: this target's KV cache cannot be trimmed; using plain decoding", file=sys.stderr)
         seq.policy = self._policy_for(seq, len(ids))
@@ -194,7 +194,7 @@ class Engine:
 
         batch = None
         if self.max_batch > 1:
-            measured = BatchCosts(self.model, self.drafter, self.calibration, cap)
+            measured = BatchCosts(self.model, self.drafter, self.calibration.book, cap)
 
             def batch(B):  # in units of a plain [B, 1] step
                 v, t = measured.verify_curve(B), measured.curve(B)
@@ -213,8 +213,8 @@ class Engine:
         self._drop_cancelled()
 
     def released(self) -> List[Tuple[int, PromptCache]]:
-        """(uid, prompt cache) of each request that left since the last call,
-        its caches holding the tokens its cache tokens say, ready for a store."""
+        """(uid, prompt cache) of each request submitted with one that left since
+        the last call, its caches holding the tokens it says, ready for a store."""
         out, self._released = self._released, []
         return out
 
@@ -713,4 +713,5 @@ class Engine:
         obs = s.policy.leave(s) if s.policy is not None else None
         if obs is not None and self.calibration is not None:
             self.calibration.keep(self.model, self.drafter, obs)
-        self._released.append((s.uid, pc))
+        if s.returned:
+            self._released.append((s.uid, pc))

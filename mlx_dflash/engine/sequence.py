@@ -37,6 +37,7 @@ class Sequence:
     pc: PromptCache  # its caches (pc.target: None while its rows are in the engine's batch cache)
     rest: List[int]  # prompt tokens not prefilled yet
     capture: bool  # its target features are captured: its drafter context grows
+    returned: bool = False  # its caller handed it the prompt cache and takes it back (Engine.released)
     key: Optional[mx.array] = None  # sampled: its own PRNG key, so its draws do not depend on other rows
     pending: List[mx.array] = field(default_factory=list)  # features of its fed rows the drafter has not seen
     anchor: int = -1  # the last token emitted (its K/V not cached yet)

@@ -125,3 +125,4 @@ class Policy:
     def summary(self, row: Row) -> Optional[dict]:
         """The policy's state for the row's stats (GenerationStats.adaptive)."""
         return None
+

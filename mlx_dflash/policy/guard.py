@@ -202,7 +202,7 @@ class Guard(Policy):
         if guarded and not self.started:  # the first rows: drafting if what they carry pays
             self.started = True
             if self.state == "probe" and all(s.p is not None for s in guarded) and \
-                    self.best([s.p for s in guarded])[2] >= 1.0:
+                    self.best([s.p for s in guarded])[2] >= self.MARGIN:
                 self.state = "draft"
         if guarded and self.state != "plain":
             self.est = self.best([self._p(s) for s in guarded])
@@ -253,6 +253,10 @@ class Guard(Policy):
                     s.counts[i][1] += 1
                 elif self.state == "draft" and s.p is not None:
                     s.p[i] += self.ALPHA * ((i < a) - s.p[i])
+            if self.state == "draft" and s.p is not None and a == n and 0 < n < len(s.p) and s.p[n] < s.p[n - 1]:
+                # every draft accepted: the first position past them, never tried at this width, drifts
+                # toward the last one tried (acceptance falls with the position), so a wider width gets tried
+                s.p[n] += self.ALPHA * (s.p[n - 1] - s.p[n])
         if cycle:
             w = max(res.width for res in results if res.source == DFLASH)
             self.widths[w] = self.widths.get(w, 0) + 1
@@ -361,3 +365,43 @@ class Guard(Policy):
         x, tau, s = self.est
         return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes, "speedup": s,
                 "cycle_cost": self.kd.get(x), "tau": tau, "width": x, "widths": dict(self.widths)}
+
+
+class FixedWidth(Policy):
+    """Every row that drafts verifies `width` rows each cycle (at most its own
+    widest), from prompt lookup where the row may look up and its context
+    offers a full block, else from the drafter: whatever it costs. A
+    benchmark's fixed width (the side-by-side runs at width w), and the
+    reference a guard is measured against."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.gates: Dict[int, LookupGate] = {}  # uid -> its lookup counts (for the reason)
+
+    def decide(self, rows: Sequence[Row]) -> Decision:
+        widths, sources = [], []
+        for r in rows:
+            w = min(self.width, r.plan.cap, r.left + 1) if r.plan.drafts else 1
+            src = ""
+            if w > 1 and r.plan.lookup and r.offers(LOOKUP, w - 1) == w - 1:
+                src = LOOKUP
+            elif w > 1 and r.plan.drafter:
+                src = DFLASH
+            widths.append(w if src else 1)
+            sources.append(src)
+        return Decision(tuple(widths), tuple(sources))
+
+    def observe(self, rows: Sequence[Row], results: List[CycleResult]) -> None:
+        for r, res in zip(rows, results):
+            if res.source == LOOKUP:
+                self.gates.setdefault(r.uid, LookupGate()).observe(res.accepted, res.width - 1)
+
+    def leave(self, row: Row) -> Optional[Observed]:
+        self.gates.pop(row.uid, None)
+        return None
+
+    def reason(self, row: Row) -> str:
+        if not row.plan.drafts:
+            return f"plain: {row.plan.fallback or 'verify mode off'}"
+        g = self.gates.get(row.uid)
+        return f"fixed width {min(self.width, row.plan.cap)}" + (g.tail() if g is not None else "")
