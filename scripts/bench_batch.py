@@ -40,7 +40,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 from mlx_dflash import DecodeConfig, stream_generate  # noqa: E402
 from mlx_dflash.engine.batch import BatchEngine  # noqa: E402
-from mlx_dflash.policy.batch import FixedBatchWidth  # noqa: E402
+from mlx_dflash.policy.guard import FixedWidth  # noqa: E402
 from mlx_dflash.models.loader import load  # noqa: E402
 import bench_lookup  # noqa: E402
 
@@ -221,7 +221,7 @@ def main():
             times, ids, t0, wall, why = run_engine(model, tok, drafter, ps, a.max_tokens)
             runs.setdefault("dflash-batched", []).append(
                 dict(summarize("dflash-batched", n, times, t0, wall), exact=ids == ref, policy=why))
-            times, ids, t0, wall, _ = run_engine(model, tok, drafter, ps, a.max_tokens, FixedBatchWidth(5))
+            times, ids, t0, wall, _ = run_engine(model, tok, drafter, ps, a.max_tokens, FixedWidth(5))
             runs.setdefault("dflash-batched-w5", []).append(
                 dict(summarize("dflash-batched-w5", n, times, t0, wall), exact=ids == ref))
             times, ids, t0, wall = run_mlx_lm(model, tok, ps, a.max_tokens)

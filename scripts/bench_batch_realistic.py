@@ -49,13 +49,14 @@ from app.bench.realistic import (TARGETS, Replay, ReplayDrafter, alpha_for, buil
                                  word_tokenizer)
 from app.bench.report import machine_info  # noqa: E402
 from app.bench.runs import run_mlx_lm as run_single  # noqa: E402
-from app.bench.runs import run_ours  # noqa: E402
+from app.bench.runs import price_as, run_ours  # noqa: E402
 from bench_batch import run_mlx_lm as run_plain_batched  # noqa: E402
 from bench_batch import summarize  # noqa: E402
 from mlx_dflash import DecodeConfig  # noqa: E402
 from mlx_dflash.engine.batch import BatchEngine  # noqa: E402
 from mlx_dflash.engine.batch_costs import MEASURED_B, BatchCosts, measure  # noqa: E402
-from mlx_dflash.policy.batch import FixedBatchWidth  # noqa: E402
+from mlx_dflash.policy.base import DFLASH  # noqa: E402
+from mlx_dflash.policy.guard import FixedWidth  # noqa: E402
 from mlx_dflash.engine.calibrate import Calibration  # noqa: E402
 from mlx_dflash.policy.costs import Costs, interpolate  # noqa: E402
 
@@ -75,10 +76,12 @@ class ReplayBatchEngine(BatchEngine):
         self.replays[uid] = replay
         return uid
 
-    def propose(self, rows, w):
-        toks, qs = super().propose(rows, w)
-        drafts = [self.replays[r.uid].drafts(r.anchor, len(r.emit.tokens), w) for r in rows]
-        return mx.array(drafts, mx.int32) + 0 * toks, [None] * len(rows)
+    def propose(self, rows, widths, sources):
+        n, toks, qs, confs = super().propose(rows, widths, sources)
+        W = toks.shape[1] + 1
+        out = [mx.array(self.replays[r.uid].drafts(r.anchor, len(r.emit.tokens), W), mx.int32)
+               if src == DFLASH else toks[b] for b, (r, src) in enumerate(zip(rows, sources))]
+        return n, mx.stack(out) + 0 * toks, [None] * len(rows), confs
 
 
 def cycle_log(events, log):
@@ -177,6 +180,7 @@ def main():
     curves = Curves(model, inner, sizes, log)
     single = curves.single()
     serial_drafter = ReplayDrafter(inner, alpha, vocab)
+    price_as(model, serial_drafter, inner)
     lengths = serial_drafter.lengths  # every accept length drawn, serial and batched
 
     def serial(ps_, rep):
@@ -213,9 +217,12 @@ def main():
         times = {u: [] for u in uids}
         ids = {u: [] for u in uids}
 
+        policy = []
+
         def got(u, r):
             times[u].append(time.perf_counter())
             ids[u].append(r.token)
+            policy[:] = [r.stats.policy]
 
         clog = []
         while len(eng):
@@ -225,7 +232,7 @@ def main():
         widths = sorted({w for _, w, _ in clog})
         extra = {"tau": sum(n for _, _, n in clog) / rc if rc else 1.0, "cycles": len(clog),
                  "draft_cycles": sum(w > 1 for _, w, _ in clog), "widths": widths,
-                 "limit": curves.limit(clog), "policy": eng.policy.reason}
+                 "limit": curves.limit(clog), "policy": policy[0] if policy else ""}
         return [times[u] for u in uids], [ids[u] for u in uids], t0, wall, extra
 
     systems = ["dflash-serial"] * (not a.no_serial) + ["dflash-batched"] + [f"dflash-batched-w{w}" for w in a.fixed_widths] + ["plain-batched"]
@@ -234,7 +241,7 @@ def main():
         mt, a.max_tokens = a.max_tokens, 4
         batched(ps[:n], 99)
         for w in a.fixed_widths:
-            batched(ps[:n], 99, FixedBatchWidth(w))
+            batched(ps[:n], 99, FixedWidth(w))
         run_plain_batched(model, tok, ps[:n], 4)
         a.max_tokens = mt
     if not a.no_serial:
@@ -256,7 +263,7 @@ def main():
                     times, ids, t0, wall, extra = serial(sub, rep)
                 else:
                     w = int(s.rsplit("w", 1)[1]) if s != "dflash-batched" else None
-                    times, ids, t0, wall, extra = batched(sub, rep, FixedBatchWidth(w) if w else None)
+                    times, ids, t0, wall, extra = batched(sub, rep, FixedWidth(w) if w else None)
                 row = dict(summarize(s, n, times, t0, wall), **extra)
                 row.setdefault("decode_tps", decode_rate(times))  # (serial: its runs' own, first token to last)
                 row["exact"] = ids == [c[: a.max_tokens] for c in conts[:n]]

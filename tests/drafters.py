@@ -6,6 +6,7 @@ import random
 from mlx_lm.models.cache import KVCache
 
 from mlx_dflash.drafting.drafter import Proposal
+from mlx_dflash.drafting.proposers import propose_rows
 
 
 class DrafterDouble:
@@ -13,15 +14,7 @@ class DrafterDouble:
     interface): `propose_batch`, here one row at a time through `propose`."""
 
     def propose_batch(self, target, anchors, feats, caches, width, temperatures, keys):
-        import mlx.core as mx
-
-        toks, qs = [], []
-        for a, f, c, t, k in zip(anchors, feats, caches, temperatures, keys):
-            p = self.propose(target, a, f, c, width, t, k)
-            toks.append(mx.array(list(p.tokens) if not isinstance(p.tokens, mx.array) else p.tokens,
-                                 mx.int32).reshape(width - 1))
-            qs.append(p.q)
-        return mx.stack(toks), qs
+        return propose_rows(self, target, anchors, feats, caches, width, temperatures, keys)
 
 
 class _Cfg:

@@ -13,7 +13,7 @@ import bench_batch_realistic as bbr
 from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
-from mlx_dflash.policy.batch import FixedBatchWidth
+from mlx_dflash.policy.guard import FixedWidth
 
 TINY = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -37,18 +37,20 @@ def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     maxes = [30, 12, 41, 25]  # rows leave at different cycles
     conts = [run_mlx_lm(model, tok, p, m).tokens for p, m in zip(prompts, maxes)]
     lengths = []
-    eng = bbr.ReplayBatchEngine(model, tok, drafter, max_batch=4, policy=FixedBatchWidth(width))
+    eng = bbr.ReplayBatchEngine(model, tok, drafter, max_batch=4, policy=FixedWidth(width))
     forwards = []
     real = bbr.BatchEngine.propose
 
-    def counted(self, rows, w):  # the real batched drafter forward runs in every drafting cycle
-        forwards.append(len(rows))
-        return real(self, rows, w)
+    def counted(self, rows, widths, sources):  # the real batched drafter forward runs in every drafting cycle
+        n = sum(1 for src, w in zip(sources, widths) if src == "dflash" and w > 1)
+        if n:
+            forwards.append(n)
+        return real(self, rows, widths, sources)
 
     bbr.BatchEngine.propose = counted
     try:
         uids = [eng.submit_replay(p, br.Replay(p, c, br.alpha_for(4.0, block), block, vocab, i, lengths),
-                                  DecodeConfig(max_tokens=m)) for i, (p, c, m) in enumerate(zip(prompts, conts, maxes))]
+                                  DecodeConfig(max_tokens=m, lookup=False)) for i, (p, c, m) in enumerate(zip(prompts, conts, maxes))]
         out = {u: [] for u in uids}
         last = {}
         for u, r in eng.run():

@@ -348,23 +348,25 @@ def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatc
     session prefills at most SYNTHETIC_FROM tokens, and every attention layer
     holds the full context (a sliding one its window) when the steps are timed."""
     from mlx_dflash.engine import calibrate
-    from mlx_dflash.engine.decoder import Decoder
+    from mlx_dflash.engine.engine import Engine
 
     model, d = model_of(family), _pair(tmp_path, family)
     fed, seen = [], []
-    real_prefill, real_verify = Decoder.prefill, Decoder.verify
+    real_prefill, real_verify = Engine._prefill, Engine.verify
 
-    def prefill(self, rest, pending=None):
-        fed.append(len(rest))
-        return real_prefill(self, rest, pending)
+    def prefill(self, s):
+        before = len(s.rest)
+        out = real_prefill(self, s)
+        fed.append(before - len(s.rest))
+        return out
 
     def verify(self, *a, **k):  # what the timed steps see
-        seen.append([(type(c).__name__, c.offset, getattr(c, "max_size", None)) for c in self.pc.target
+        seen.append([(type(c).__name__, c.offset, getattr(c, "max_size", None)) for c in self.rows[0].pc.target
                      if isinstance(c, (KVCache, calibrate.RotatingKVCache))])
         return real_verify(self, *a, **k)
 
-    monkeypatch.setattr(Decoder, "prefill", prefill)
-    monkeypatch.setattr(Decoder, "verify", verify)
+    monkeypatch.setattr(Engine, "_prefill", prefill)
+    monkeypatch.setattr(Engine, "verify", verify)
     context = 3 * calibrate.SYNTHETIC_FROM
     costs = calibrate.measure_costs(model, d, max_width=3, context=context, widths=(1, 3), min_rounds=1,
                                     max_rounds=2, budget_s=0.01)

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from app.bench.report import fmt_num, machine_info, machine_line, summarize, threads_text
-from app.bench.runs import Method, fastest_plain, run_mlx_lm, run_ours
+from app.bench.runs import Method, fastest_plain, price_as, run_mlx_lm, run_ours
+from mlx_dflash.drafting.proposers import propose_rows
 from app.errors import UserError
 
 # published shapes (config.json of the Hugging Face repos), vocab included
@@ -136,14 +137,17 @@ class ReplayDrafter:
     def make_cache(self, window=None, sink=0):
         return self.inner.make_cache(window, sink)
 
+    def propose_batch(self, target, anchors, feats, caches, width, temperatures, keys):
+        return propose_rows(self, target, anchors, feats, caches, width, temperatures, keys)
+
     def begin(self, prompt: list, continuation: list, seed: int) -> None:
         self.stream = Replay(prompt, continuation, self.alpha, self.block_size, self.vocab, seed, self.lengths)
         self.emitted = 0
 
-    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0):
+    def propose(self, target, anchor, new_feats, cache, width, temperature=0.0, key=None):
         import mlx.core as mx
 
-        prop = self.inner.propose(target, anchor, new_feats, cache, width, temperature)
+        prop = self.inner.propose(target, anchor, new_feats, cache, width, temperature, key)
         drafts = self.stream.drafts(anchor, self.emitted, width)
         tokens = mx.array(drafts, mx.int32) + 0 * prop.tokens.astype(mx.int32)  # keeps the real forward
         return type(prop)(tokens, None, prop.conf)
@@ -292,6 +296,7 @@ def bench_target(name, args, log) -> dict:
     prompts = [[rng.randrange(4, vocab - 1) for _ in range(64)] for _ in range(args.num_prompts)]
     alpha = alpha_for(args.tau, inner.block_size)
     replay = ReplayDrafter(inner, alpha, vocab)
+    price_as(model, replay, inner)
     log(f"{name}: timing the 1-token step at the measured kernel threads, 1 and every core...")
     step_threads = fastest_plain(model)  # every method runs at the plain step's fastest threads
     log(f"{name}: the target's greedy continuations (plain mlx-lm, {args.max_tokens} tokens)...")

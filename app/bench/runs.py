@@ -14,6 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from app.bench.report import COSTS_OF
 from mlx_dflash import stream_generate
+from mlx_dflash.engine.calibrate import DEFAULT
+from mlx_dflash.engine.engine import cost_model
 from mlx_dflash.platform import fastblas
 
 
@@ -144,3 +146,11 @@ class Method:
         guard = {"dflash1": False, "dflash2": False, "default": True}.get(k)  # fixed widths are exactly that
         width = None if k == "default" else self.width
         return run_ours(ctx["model"], ctx["tok"], prompt, d, max_tokens, width, mode, costs, guard)
+
+
+def price_as(model, wrapper, inner) -> None:
+    """The guard prices a drafter that wraps another (the realistic benches'
+    replayed acceptance: its proposals replaced, the real forward still paid)
+    with the inner drafter's measured costs: what each of its cycles really costs."""
+    base = cost_model(model, inner, DEFAULT).curve(None)
+    DEFAULT.book.keep(model, wrapper, base, save=False)

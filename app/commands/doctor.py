@@ -16,7 +16,8 @@ import time
 from app.errors import UserError
 from mlx_dflash.platform.paths import cache_dir
 from mlx_dflash.policy.costs import COST_METHOD, Costs
-from mlx_dflash.policy.registry import GUARD_CALIBRATION, LONG_CONTEXTS, POLICIES, PolicyContext, priced_at
+from mlx_dflash.engine.engine import cost_model
+from mlx_dflash.policy.registry import GUARD_CALIBRATION, LONG_CONTEXTS, priced_at
 
 WIDTHS = (1, 2, 4, 8, 16)
 # (label, qwen3 ModelArgs overrides, repetitions): random weights, cost does not depend on them
@@ -262,16 +263,12 @@ def measure_guard_costs(contexts, log) -> dict:
     if lm.drafter is None:
         return {}
     rows = []
+    model = cost_model(lm.model, lm.drafter, DEFAULT)  # (the base curve: measured or read now)
     for n in (0, *sorted({priced_at(n) for n in contexts} - {None})):  # 0: the base curve
         if n:
             log(f"  the guard's cost curve at {n} tokens of context (once per machine"
                 + (f"; random K/V rows past {SYNTHETIC_FROM} tokens" if n > SYNTHETIC_FROM else "") + ")...")
-
-        def costs(**kw):
-            return DEFAULT.costs(lm.model, lm.drafter, **kw)
-
-        POLICIES["dflash"](PolicyContext(5, lm.drafter.block_size, n, True, None, True, True, costs=costs,
-                                         prior=lambda: None))
+            model.k(1, n)
         c = DEFAULT.book.curve(lm.model, lm.drafter, 0, (), priced_at(n))
         rows.append(_curve_row(n or GUARD_CALIBRATION["context"], c))
     return {"model": lm.id, "drafter": lm.drafter_id or "", "curves": rows}

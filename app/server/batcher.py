@@ -20,10 +20,10 @@ import threading
 import traceback
 from typing import Callable, Dict, List, Optional
 
-from mlx_dflash import stream_generate
 from mlx_dflash.cache.prompt_store import PromptStore
-from mlx_dflash.engine.batch import BatchEngine, BatchError, batchable
-from mlx_dflash.target.adapter import Target
+from mlx_dflash.engine.batch import BatchEngine, BatchError
+from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
+from mlx_dflash.engine.engine import Engine
 
 _END = object()
 
@@ -36,19 +36,14 @@ class Batcher:
         self.store_of = store_of  # the prompt store for `lm` (None: none now, e.g. another model loaded)
         self.on_store = on_store  # after the batch stored a cache (the worker's /metrics summary)
         self.together = prefill_together  # new prompts arriving together: one batched prefill
-        try:
-            self.engine: Optional[BatchEngine] = self._engine()
-            self.why_not = None
-        except BatchError as e:  # every request of this model runs alone
-            self.engine, self.why_not = None, str(e)
-            sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
+        self.why_not = None
+        self.engine: Engine = self._engine()
         self.cv = threading.Condition()
         self.running = threading.Lock()  # held while this thread runs the model
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
         self.cancels: List[int] = []
         self.outs: Dict[int, queue.Queue] = {}
         self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
-        self.alone = 0  # requests served alone so far
         self.peak = 0  # most rows decoding together
         threading.Thread(target=self._loop, name="mlx-dflash-batch", daemon=True).start()
 
@@ -91,53 +86,35 @@ class Batcher:
     def summary(self) -> dict:
         """Batch occupancy for /metrics."""
         e = self.engine
-        out = {"max_batch": self.max_batch, "peak_rows": self.peak, "served_alone": self.alone}
-        if e is None:
+        out = {"max_batch": self.max_batch, "peak_rows": self.peak}
+        if self.why_not:
             out["batching"] = f"off: {self.why_not}"
-            return out
-        out.update(e.summary(), policy=e.policy.reason)
+        if e is not None:
+            out.update(e.summary())
         return out
 
     # -- the batch thread ---------------------------------------------------------------
     def _loop(self):
-        alone_uid = -1
         while True:
             with self.cv:
-                while not (self.inbox or self.cancels or (self.engine is not None and len(self.engine))):
+                while not (self.inbox or self.cancels or len(self.engine)):
                     if self.closed:
                         self.engine = self.lm = None
                         return
                     self.cv.wait()
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
-            with self.running:  # (the worker serves a request alone only while it holds this)
-                held = []  # a request that must run alone, and every one after it: after the running rows
-                for ids, cfg, q in inbox:
-                    if self.engine is None or held or batchable(cfg):
-                        held.append((ids, cfg, q))
-                        continue
+            with self.running:
+                for ids, cfg, q in inbox:  # (one that must run alone waits in the engine for an empty set)
                     self._submit(ids, cfg, q)
                 for uid in cancels:
-                    if self.engine is not None:
-                        self.engine.cancel(uid)
+                    self.engine.cancel(uid)
                     q = self.outs.pop(uid, None)
                     if q is not None:
                         q.put(_END)
                 self._store_released()
-                if self.engine is not None and len(self.engine):
-                    if held:
-                        with self.cv:  # they wait their turn, ahead of later requests
-                            self.inbox = held + self.inbox
+                if len(self.engine):
                     self._step()
-                elif held:
-                    ids, cfg, q = held.pop(0)
-                    with self.cv:
-                        self.inbox = held + self.inbox
-                    if self.engine is not None and not batchable(cfg):
-                        self._submit(ids, cfg, q)
-                    else:
-                        alone_uid -= 1
-                        self._alone(alone_uid, ids, cfg, q)
 
     def _submit(self, ids, cfg, q) -> None:
         store = self.store_of() if self.store_of is not None else None
@@ -155,9 +132,14 @@ class Batcher:
         self.outs[uid] = q
         q.put(uid)
 
-    def _engine(self) -> BatchEngine:
-        return BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch,
-                           prefill_together=self.together)
+    def _engine(self) -> Engine:
+        try:
+            return BatchEngine(self.lm.model, self.lm.tokenizer, self.lm.drafter, max_batch=self.max_batch,
+                               prefill_together=self.together, calibration=CALIBRATION)
+        except BatchError as e:  # every request of this model runs alone, on the same engine
+            self.why_not = str(e)
+            sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
+            return Engine(self.lm.model, self.lm.tokenizer, self.lm.drafter, calibration=CALIBRATION)
 
     def _step(self):
         try:
@@ -174,8 +156,6 @@ class Batcher:
 
     def _store_released(self) -> None:
         """The caches of rows that left go to the prompt store."""
-        if self.engine is None:
-            return
         back = self.engine.released()
         store = self.store_of() if back and self.store_of is not None else None
         if store is None:
@@ -191,30 +171,3 @@ class Batcher:
             q.put(r)
             if r.finish_reason:
                 del self.outs[uid]
-
-    def _alone(self, uid: int, ids, cfg, q) -> None:
-        self.alone += 1
-        q.put(uid)
-        store = self.store_of() if self.store_of is not None else None
-        pc = target = None
-        if store is not None:  # its longest cached prefix, as for a row; its cache goes back after
-            target, d = Target(self.lm.model), self.lm.drafter
-            pc, _ = store.take(target, ids, d, cfg.keeps_drafter_context(d, len(ids)))
-        gen = stream_generate(self.lm.model, self.lm.tokenizer, ids, self.lm.drafter, prompt_cache=pc, config=cfg)
-        try:
-            for r in gen:
-                with self.cv:
-                    if uid in self.cancels:
-                        self.cancels.remove(uid)
-                        q.put(_END)
-                        return
-                q.put(r)
-        except BaseException as e:  # the serving thread reports it (ValueError: the request's fault)
-            pc = None  # may be half-written: not stored
-            q.put(e)
-        finally:
-            gen.close()
-            if pc is not None:
-                store.put(pc, target)
-                if self.on_store is not None:
-                    self.on_store()

@@ -75,4 +75,16 @@ class LookupProposer:
         return Proposals(toks, [len(lk) for lk in looks], [None] * len(seqs), [None] * len(seqs))
 
 
+def propose_rows(drafter, target, anchors, feats, caches, width: int, temperatures, keys):
+    """`propose_batch` one row at a time through the drafter's `propose`: for a
+    drafter that wraps another (a benchmark's replayed acceptance) or a test's."""
+    toks, qs = [], []
+    for a, f, c, t, k in zip(anchors, feats, caches, temperatures, keys):
+        p = drafter.propose(target, a, f, c, width, t, k)
+        toks.append((p.tokens if isinstance(p.tokens, mx.array) else mx.array(list(p.tokens))).astype(mx.int32)
+                    .reshape(width - 1))
+        qs.append(p.q)
+    return mx.stack(toks), qs
+
+
 PROPOSERS: Dict[str, type] = {DFLASH: DFlashProposer, LOOKUP: LookupProposer}

@@ -76,8 +76,8 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
                                        block_size=2 if drafter is not None else None, max_tokens=1 << 30,
                                        drafter_window=None, prefill_step_size=1 << 20), keep=drafter is not None)
     s = eng.waiting[0]
-    while not eng.rows:
-        eng.step()
+    while not eng.rows:  # (its prefill alone: the steps timed below start from its first token)
+        eng._prefill(s)
     pc = s.pc
     if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
         extend_with_random_rows(pc.target, context - real_rows)

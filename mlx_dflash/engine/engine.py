@@ -79,6 +79,28 @@ def encode(tokenizer: Optional[TokenizerWrapper], prompt) -> List[int]:
     return list(prompt)
 
 
+def cost_model(model, drafter, calibration, batched: bool = False) -> CostModel:
+    """What the guard prices cycles with for this model and drafter: the curves
+    measured through the engine's own steps (calibrate.py) at the widths it
+    chooses among, by context length (measured when a length first needs one)
+    and, for a set of several (`batched`), by batch size (batch_costs.py)."""
+    cap = drafter.block_size
+    widths = guard_widths(cap)
+
+    def curve(at):
+        opts = dict(GUARD_CALIBRATION, context=at) if at is not None else GUARD_CALIBRATION
+        return calibration.costs(model, drafter, widths=widths, enough=(1, min(5, cap)), at=at, **opts)
+
+    batch = None
+    if batched:
+        measured = BatchCosts(model, drafter, calibration.book, cap)
+
+        def batch(B):  # in units of a plain [B, 1] step
+            v, t = measured.verify_curve(B), measured.curve(B)
+            return Costs(1.0, v, {w: t[w] - v[w] for w in v})
+    return CostModel(curve, widths, batch, priced_at)
+
+
 class Engine:
     """Decodes a set of sequences over an mlx-lm `model` (+ a DFlash `drafter`).
 
@@ -185,21 +207,9 @@ class Engine:
         return self.calibration.costs(self.model, self.drafter, **kw)
 
     def _cost_model(self) -> CostModel:
-        cap = self.drafter.block_size
-        widths = guard_widths(cap)
-
-        def curve(at):
-            opts = dict(GUARD_CALIBRATION, context=at) if at is not None else GUARD_CALIBRATION
-            return self._costs(widths=widths, enough=(1, min(5, cap)), at=at, **opts)
-
-        batch = None
-        if self.max_batch > 1:
-            measured = BatchCosts(self.model, self.drafter, self.calibration.book, cap)
-
-            def batch(B):  # in units of a plain [B, 1] step
-                v, t = measured.verify_curve(B), measured.curve(B)
-                return Costs(1.0, v, {w: t[w] - v[w] for w in v})
-        return CostModel(curve, widths, batch, priced_at)
+        if self.calibration is None:
+            self._costs()  # (its one-line error)
+        return cost_model(self.model, self.drafter, self.calibration, self.max_batch > 1)
 
     def cancel(self, uid: int) -> None:
         """The request leaves at the next step boundary; the others go on as if it had never been there."""
@@ -248,12 +258,14 @@ class Engine:
                     emit(*ev)
 
         self._drop_cancelled()
+        started = False  # a request's first token came this step: its caller sees it before its first cycle
         if self._flight is None:  # (a plain run in flight ends first: nothing joins mid-run)
             budget = self.prefill_step_size
             group = self._group(budget)
             if group:
                 budget -= sum(len(s.rest) for s in group)
                 out(self._prefill_together(group))
+                started = True
             while self._admits() and budget > 0:
                 s = self.waiting[0]
                 before = len(s.rest)
@@ -261,7 +273,8 @@ class Engine:
                 budget -= max(1, before - len(s.rest))
                 if ev is not None:
                     out([ev])
-        if self.rows:
+                    started = True
+        if self.rows and not started:
             out(self._step())
         self._retire()
         return events
@@ -401,12 +414,15 @@ class Engine:
         return events
 
     # -- the caches of the running set ---------------------------------------------------------
-    def _forward(self, tokens: mx.array, layers):
-        """The target over tokens [B, w] with the set's caches."""
+    def _forward(self, tokens: mx.array, layers, quantize: bool = True):
+        """The target over tokens [B, w] with the set's caches (a set of one:
+        its KV quantized after the forward, as mlx-lm's generate_step does; after
+        a verify, only once its rejected rows are dropped: `_rollback`)."""
         if self.cache is None:
             s = self.rows[0]
             out = self.target(tokens, s.pc.target, layers)
-            self._quantize(s)
+            if quantize:
+                self._quantize(s)
             return out
         return self.target(tokens, self.cache, layers)
 
@@ -602,7 +618,7 @@ class Engine:
         W = drafts.shape[1] + 1
         vin = mx.concatenate([mx.array([s.anchor for s in rows], mx.int32)[:, None], drafts], axis=1)
         layers = self.capture_layers if any(s.capture for s in rows) else []
-        logits, f = self._forward(vin, layers)
+        logits, f = self._forward(vin, layers, quantize=False)
         res: list = [None] * len(rows)
         plain = [b for b, s in enumerate(rows) if s.sp.greedy and s.hist is None]
         if plain:  # the longest prefix of each row's drafts equal to the target's argmax
