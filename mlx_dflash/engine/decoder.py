@@ -44,10 +44,14 @@ class Decoder:
         eng = self.engine
         uid = eng.submit(prompt, self.config, self.pc, keep=self.keep)
         self.stats = eng.waiting[-1].stats
+        failed = False
         try:
             while len(eng):
                 for _, r in eng.step():
                     yield r
+        except Exception:
+            failed = True
+            raise
         finally:
-            if len(eng):  # the caller stopped reading: the prompt cache keeps what was done
-                eng.close(uid)
+            if len(eng):  # the caller stopped reading (or it failed): the prompt cache keeps what was done
+                eng.close(uid, evaluate=not failed)

@@ -365,7 +365,7 @@ class DistributedCalibration(Calibration):
         got = measure_costs(model, drafter, max(ws), context=at or COST_CONTEXT, budget_s=float("inf"),
                             min_rounds=self.rounds, max_rounds=self.rounds, widths=ws,
                             target=ShardedTarget(model, self.split))
-        got = share_costs(got, split.group)
+        got = share_costs(got, self.split.group)
         self.held[key] = got
         return got
 

@@ -138,6 +138,7 @@ class Engine:
         self._flight = None  # a plain step queued: (next tokens [B], their log-probs, their features)
         self._due: Optional[Decision] = None  # a draft decided between two plain tokens
         self._released: List[Tuple[int, PromptCache]] = []
+        self._evaluate = True  # leaving rows' caches are evaluated (close(evaluate=False): not)
         self.cycles = self.drafter_forwards = self.occupancy = self.prefilled_together = 0
 
     # -- requests ---------------------------------------------------------------------------
@@ -217,10 +218,16 @@ class Engine:
             if s.uid == uid:
                 s.cancelled = True
 
-    def close(self, uid: int) -> None:
-        """The request leaves now (its caller has stopped reading): its prompt cache is filled."""
+    def close(self, uid: int, evaluate: bool = True) -> None:
+        """The request leaves now (its caller has stopped reading): its prompt
+        cache is filled. `evaluate` False: after a failure (a lost rank's
+        collective would never finish), its caches are handed back as they are."""
         self.cancel(uid)
-        self._drop_cancelled()
+        self._evaluate = evaluate
+        try:
+            self._drop_cancelled()
+        finally:
+            self._evaluate = True
 
     def released(self) -> List[Tuple[int, PromptCache]]:
         """(uid, prompt cache) of each request submitted with one that left since
@@ -724,7 +731,7 @@ class Engine:
         if s.capture:  # (else its drafter context, if any, covers a prefix: prompt_cache.reusable)
             pc.pending = cat_feats(s.pending)
         s.pending = []
-        if cache is not None:
+        if cache is not None and self._evaluate:
             mx.eval([c.state for c in cache], pc.pending if pc.pending is not None else [])
         obs = s.policy.leave(s) if s.policy is not None else None
         if obs is not None and self.calibration is not None:
