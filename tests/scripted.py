@@ -32,6 +32,8 @@ from mlx_dflash.models.discovery import models_dir
 from mlx_dflash.drafting.drafter import Proposal
 from drafters import DrafterDouble
 
+from app.server.catalog import Catalog
+
 # Qwen2.5-style tool template (mlx-lm infers its json_tools parser from it)
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
@@ -215,7 +217,7 @@ class ScriptDrafter(DrafterDouble):
         return Proposal(drafts, None, [1.0] * len(drafts))
 
 
-class OneModelCatalog:
+class OneModelCatalog(Catalog):
     """A catalog for the server's worker with one model, `model_id`: fixed settings
     and a prompt-cache budget in bytes; `load` is the subclass's."""
 

@@ -258,7 +258,7 @@ def test_auto_lone_and_batched_turns_share_the_prompt_store(pairs, monkeypatch):
         got = _conversation(srv.url, lambda i: batched.__setitem__("turn", i == 1))
         assert got == want
         assert srv.worker.store.stats.hits == hits
-        assert srv.worker.batcher is not None and srv.worker.batcher.engine.cycles > 0  # turn 2 was batched
+        assert srv.worker.engine.engine.cycles > 0  # turn 2 was batched
 
 
 def test_requests_that_run_alone_use_the_prompt_store(pairs):

@@ -163,10 +163,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         if hit is not None and time.monotonic() - hit[1] < NAMES_TTL:
             return hit[0]
         try:
-            if hasattr(catalog, "find"):
-                found = catalog.find(name, model)
-            else:  # a catalog without name resolution (tests): its targets' exact ids
-                found = name if any(m["id"] == name for m in catalog.targets()) else None
+            found = catalog.find(name, model)
         except ValueError as e:  # a drafter, an ambiguous name: the client's mistake, in one line
             raise APIError(404, error_line(e), "model", "model_not_found") from None
         except Exception as e:  # a corrupt model folder (see refresh)

@@ -13,10 +13,50 @@ from typing import Any, List, Optional
 from mlx_dflash.models.discovery import discover
 from mlx_dflash.models.model_names import find
 from mlx_dflash.models.settings_checks import check_settings
+from mlx_dflash.settings.schema import GlobalSettings
+
+from .engines import LocalEngine
 
 # -- models ---------------------------------------------------------------------------------
 
-class ManagerCatalog:
+class Catalog:
+    """What the worker asks of the models it serves: the declared interface.
+    `targets`, `default`, `settings` and `load` are each catalog's own; the rest
+    have defaults here: names are the exact ids listed, every setting passes,
+    the default prompt-store budget, and the model runs in this process
+    (engines.LocalEngine)."""
+
+    def targets(self) -> List[dict]:
+        """[{"id", "owned_by", "drafters"}] of the models it serves."""
+        raise NotImplementedError
+
+    def default(self) -> str:
+        raise NotImplementedError
+
+    def settings(self, model_id: str):
+        """The model's ModelSettings (read per request: edits apply at once)."""
+        raise NotImplementedError
+
+    def load(self, model_id: str):
+        """The LoadedModel (mlx_dflash.models.manager); on the worker's thread."""
+        raise NotImplementedError
+
+    def find(self, name: str, served: Optional[str] = None) -> Optional[str]:
+        """The id of the target a request's `name` refers to (None: none here)."""
+        return name if any(m["id"] == name for m in self.targets()) else None
+
+    def check(self, model_id: str, settings) -> None:
+        """SettingsError if these settings cannot be loaded (checked without loading)."""
+
+    def prompt_cache_bytes(self) -> int:
+        return GlobalSettings().prompt_cache_mb << 20
+
+    def engine(self, lm, max_batch: int, prefill_together: bool):
+        """The engine that decodes `lm`'s requests (engines.py)."""
+        return LocalEngine(lm, max_batch, self.prompt_cache_bytes(), prefill_together)
+
+
+class ManagerCatalog(Catalog):
     """The models the model manager knows (mlx_dflash.models.manager); ids are its ids."""
 
     def __init__(self, store=None):
@@ -73,10 +113,8 @@ class ManagerCatalog:
     def prompt_cache_bytes(self) -> int:
         try:
             return self.store.globals().prompt_cache_mb << 20
-        except (ValueError, AttributeError):  # unreadable settings: the default budget
-            from mlx_dflash.settings.schema import GlobalSettings
-
-            return GlobalSettings().prompt_cache_mb << 20
+        except ValueError:  # unreadable settings: the default budget
+            return super().prompt_cache_bytes()
 
 
 def context_limit(model) -> Optional[int]:
@@ -142,13 +180,3 @@ class Counters:
                  prompt_tokens_per_second=(self.prompt_tokens - self.reused_prompt_tokens) / self.prompt_time
                  if self.prompt_time else 0.0)
         return d
-
-
-def store_budget(catalog) -> int:
-    """The prompt store's memory budget in bytes (a catalog may not say: the default)."""
-    f = getattr(catalog, "prompt_cache_bytes", None)
-    if f is not None:
-        return int(f())
-    from mlx_dflash.settings.schema import GlobalSettings
-
-    return GlobalSettings().prompt_cache_mb << 20

@@ -17,6 +17,7 @@ from mlx_dflash.models.manager import LoadedModel
 from mlx_dflash.models.model_names import model_path, resolve
 
 from .catalog import ManagerCatalog
+from .engines import SplitEngine
 
 
 class SplitServer:
@@ -89,9 +90,8 @@ class SplitCatalog(ManagerCatalog):
         super().__init__(store)
         self.server = server
 
-    @property
-    def split(self) -> SplitServer:
-        return self.server
+    def engine(self, lm, max_batch: int, prefill_together: bool):
+        return SplitEngine(self.server)
 
     def targets(self) -> List[dict]:
         lm = self.server.lm

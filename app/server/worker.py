@@ -1,13 +1,14 @@
-"""The one worker thread that owns the loaded model and its prompt store
-(mlx_dflash.cache.prompt_store: cached prefixes across requests; the engine runs one
-generation at a time). Jobs, counters and the model catalog are in catalog.py.
-Tool calls are split from the text here (tools.ToolStream), so every API gets
-the same ("token" | "call" | "end") events."""
+"""The worker: the thread that loads models and admits requests, and the
+threads that serve them. Each loaded model has one engine (engines.py: the
+catalog makes it; LocalEngine, or a split target's SplitEngine) that owns its
+decoding and its prompt store; the worker turns a request into prompt ids and
+a decode config, reads the engine's responses and shapes them into the API's
+events: tool calls split from the text here (tools.ToolStream), so every API
+gets the same ("token" | "call" | "end") events. Jobs, counters and the model
+catalog are in catalog.py."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import gc
 import queue
 import sys
@@ -16,56 +17,49 @@ import time
 import traceback
 from typing import Dict, Optional
 
-from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.cache.prompt_store import PromptStore
+import mlx.core as mx
+
+from mlx_dflash import DecodeConfig
 from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
+from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
 from mlx_dflash.target.adapter import Target
 
-from .batcher import Batcher
-from .catalog import Counters, Job, context_limit, store_budget
+from .catalog import Counters, Job, context_limit
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .prompt_ids import prompt_ids, text_chars, too_long
 from .reasoning import ThinkStream, opens_thinking
 from .tool_grammar import call_grammar
+from .tools import ToolStream, template_tools
 
-MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
 # ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
 LOAD_SETTINGS = ("dflash_enabled", "drafter", "drafter_quant_bits", "drafter_quant_group_size",
                  "drafter_activation_dtype", "dtype")
 
 
-class PrefillCancelled(Exception):
-    """The client left during the prefill (raised between two chunks)."""
-
-
 class Worker:
-    """The one thread that loads models and generates."""
+    """Loads models and admits requests (one thread); serves each on a thread of its own."""
 
     def __init__(self, catalog, queue_size: int = 8, max_batch=1):
         self.catalog = catalog
-        # max_batch > 1: requests decode together (batcher.py), each served on a thread of its own;
-        # "auto": the size measured for each model loaded (batch_costs.auto_max_batch), and a request
-        # that arrives alone is served alone (_alone_now)
+        # max_batch: requests decoding together; "auto": the size measured for each model
+        # loaded (batch_costs.auto_max_batch: 1 where batching does not pay)
         self.auto = max_batch == "auto"
         self.max_batch = 1 if self.auto else max(1, max_batch)
         self.picked: Optional[tuple] = None  # auto: (batch size, why) for the model loaded now
         self.prefill: Optional[tuple] = None  # (new prompts prefilled together?, why) for the model loaded now
-        self.batcher: Optional[Batcher] = None
-        self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served by the batch
+        self.engine = None  # the loaded model's engine (engines.py)
+        self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served
         self.slots = threading.Condition()
         self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.lm = None  # the LoadedModel in use
         self.lm_key = None  # the id it was asked for (a folder path resolves to another id)
         self.lm_load = None  # the settings it was loaded with that only a load applies (_load_key)
         self.refused = None  # the last refusal of changed settings (logged once)
-        self.store = None  # its PromptStore (mlx_dflash.cache.prompt_store)
-        self.cache_summary = None  # (model id, store summary) for /metrics
         self.metrics: Dict[str, Counters] = {}
         self.lock = threading.Lock()  # guards metrics
         self.closing = False  # shutting down: no new jobs, queued ones answered 503
-        self.current: Optional[Job] = None  # the job being served
         self.parked = threading.Event()  # set once the thread took the stop sentinel
         self.thread = threading.Thread(target=self._loop, name="mlx-dflash-worker", daemon=True)
         self.long_prompts: queue.Queue = queue.Queue()  # (job, lm, settings) to tokenize off the worker
@@ -82,7 +76,7 @@ class Worker:
 
     def close(self, grace: float) -> None:
         """First step of a shutdown: refuse new jobs, answer the queued ones 503,
-        let the running one go on for `grace` seconds, then cancel it."""
+        let the running ones go on for `grace` seconds, then cancel them."""
         self.closing = True
         while True:
             try:
@@ -97,11 +91,8 @@ class Worker:
         t.start()
 
     def halt(self) -> None:
-        """Cancel the running job now (shutdown: after the grace period, or a second Ctrl-C)."""
+        """Cancel the running jobs now (shutdown: after the grace period, or a second Ctrl-C)."""
         self.closing = True
-        job = self.current
-        if job is not None:
-            job.cancel.set()
         with self.slots:
             for j in self.inflight.values():
                 j.cancel.set()
@@ -115,17 +106,24 @@ class Worker:
             raise APIError(429, f"the server is busy ({self.jobs.maxsize} requests queued); retry later",
                            code="queue_full") from None
 
+    @property
+    def store(self):
+        """The loaded model's prompt store (None: none)."""
+        return self.engine.store if self.engine is not None else None
+
     def counters(self, model_id: str) -> Counters:
         return self.metrics.setdefault(model_id, Counters())
 
     def snapshot(self) -> dict:
         with self.lock:
             out = {m: c.to_dict() for m, c in self.metrics.items()}
-        cached = self.cache_summary  # (model id, summary): set by the worker thread after each request
-        if cached is not None and cached[0] in out:
-            out[cached[0]]["prompt_cache"] = cached[1]
+        eng, key = self.engine, self.lm_key
+        cached = eng.store_summary() if eng is not None else None
+        if cached is not None and key in out:
+            out[key]["prompt_cache"] = cached
         return out
 
+    # -- admission ----------------------------------------------------------------------------
     def _loop(self):
         while True:
             job = None  # the last job (and its prompt, maybe megabytes) is not kept while waiting
@@ -142,9 +140,7 @@ class Worker:
                 continue
             if job.kind == "warm":
                 try:
-                    lm = self._ensure(job.model_id)
-                    if self.auto:
-                        self._batch_size(lm)
+                    self._ensure(job.model_id)
                 except Exception as e:  # the first request will report it to its client
                     sys.stderr.write(f"mlx-dflash: {getattr(e, 'message', e)}\n")
                 continue
@@ -152,107 +148,43 @@ class Worker:
                 with self.lock:
                     self.counters(job.model_id).cancelled += 1
                 continue
-            if (self.auto and not self._alone_now()) or self.max_batch > 1:
-                self._admit(job)
-                continue
-            self.current = job
-            b = self.batcher
-            try:
-                if b is not None:  # auto, alone: the batch thread is idle; it stays so meanwhile
-                    with b.running:
-                        self._run(job)
-                else:
-                    self._run(job)
-            finally:
-                self.current = None
+            self._admit(job)
 
-    def _run(self, job, batch: Optional[Batcher] = None):
+    def _admit(self, job):
+        """Serve `job` on a thread of its own, its tokens from the model's engine,
+        once fewer than the engine's rows are served: the worker waits for a free
+        row, so later jobs wait in the queue (429 only past it). A model (or load
+        setting) change waits for the running requests to end first."""
         try:
-            self._serve(job, batch)
+            engine = self._ensure(job.model_id)
         except APIError as e:
             self._fail(job, e)
-        except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
-            with self.lock:
-                self.counters(job.model_id).cancelled += 1
-            if self.closing:
-                job.send("error", _closing("the server is shutting down; the generation was stopped"))
+            return
+        with self.slots:
+            while len(self.inflight) >= engine.max_batch:
+                self.slots.wait()
+            self.inflight[id(job)] = job
+        threading.Thread(target=self._run, args=(job, engine), daemon=True).start()
+
+    def _run(self, job, engine):
+        try:
+            self._serve(job, engine)
+        except APIError as e:
+            self._fail(job, e)
         except ValueError as e:  # the engine's one-line complaint about a request
             self._fail(job, bad_request(error_line(e) or "invalid request"))
         except BaseException as e:  # a bug (or a native panic): report it, keep serving
             traceback.print_exc(file=sys.stderr)
-            self._clear_store()  # a KV cache may be half-written
             self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
-
-    # -- max_batch > 1: admission to the batch --------------------------------------------
-    def _admit(self, job):
-        """Serve `job` on a thread of its own, its tokens from the batch thread, once
-        fewer than max_batch are served: the worker waits for a free row, so
-        later jobs wait in the queue (429 only past it). A model (or load
-        setting) change waits for the running rows to end first."""
-        lm = self.lm
-        if self.batcher is not None and (job.model_id != self.lm_key or self._load_key(lm.id) != self.lm_load):
-            self._drain()
-        try:
-            lm = self._ensure(job.model_id)
-        except APIError as e:
-            self._fail(job, e)
-            return
-        size = self._batch_size(lm)
-        if size <= 1:  # auto chose one at a time for this model: served here, as without batching
-            self._drain()
-            if self.batcher is not None:
-                self.batcher.close()
-                self.batcher = None
-            self.current = job
-            try:
-                self._run(job)
-            finally:
-                self.current = None
-            return
-        if self.batcher is None or self.batcher.lm is not lm or self.batcher.max_batch != size:
-            self._drain()
-            if self.batcher is not None:
-                self.batcher.close()
-            self.batcher = Batcher(lm, size, lambda: self._store_for(lm), self._stored,
-                                   prefill_together=self._prefill_together(lm, size))
-        with self.slots:
-            while len(self.inflight) >= size:
-                self.slots.wait()
-            self.inflight[id(job)] = job
-        threading.Thread(target=self._run_batched, args=(job, self.batcher), daemon=True).start()
-
-    def _run_batched(self, job, batch: Batcher):
-        try:
-            self._run(job, batch)
         finally:
             with self.slots:
                 self.inflight.pop(id(job), None)
                 self.slots.notify_all()
 
-    def _store_for(self, lm) -> Optional[PromptStore]:
-        """The prompt store of `lm` (made now if none yet); None once another model is loaded."""
-        if self.lm is not lm:
-            return None
-        if self.store is None:
-            self.store = PromptStore(store_budget(self.catalog))
-        return self.store
-
-    def _stored(self) -> None:
-        store = self.store
-        if store is not None:
-            self.cache_summary = (self.lm_key, store.summary())
-
     def _drain(self):
         with self.slots:
             while self.inflight:
                 self.slots.wait()
-
-    def _alone_now(self) -> bool:
-        """auto: a request that finds nothing decoding in the batch and nothing
-        queued behind it is served alone, with the prompt cache (a batching server
-        has none yet), as without batching; requests that overlap decode together."""
-        with self.slots:
-            return not self.inflight and self.jobs.empty()
 
     def _batch_size(self, lm) -> int:
         """Rows decoding together for `lm`: max_batch, or with auto the size
@@ -261,12 +193,11 @@ class Worker:
             return self.max_batch
         if self.picked is None:
             try:
-                size, why = auto_max_batch(lm.model, lm.drafter)
+                size, why = auto_max_batch(lm.model, lm.drafter, CALIBRATION.book)
             except Exception as e:  # noqa: BLE001 - a model the measurement fails on still serves, alone
                 size, why = 1, f"measuring failed ({type(e).__name__}: {error_line(e)})"
             self.picked = (size, why)
             sys.stderr.write(f"mlx-dflash: max_batch auto for '{lm.id}': {size} ({why})\n")
-            self._prefill_together(lm, size)  # measured now too (at load), not when requests first overlap
         return self.picked[0]
 
     def _prefill_together(self, lm, size: int) -> bool:
@@ -278,19 +209,19 @@ class Worker:
             return False
         if self.prefill is None:
             try:
-                self.prefill = prefill_together_pays(lm.model, lm.drafter, size)
+                self.prefill = prefill_together_pays(lm.model, lm.drafter, size, CALIBRATION.book)
             except Exception as e:  # noqa: BLE001 - the probe failing only keeps prefills one at a time
                 self.prefill = (False, f"measuring failed ({type(e).__name__}: {error_line(e)})")
             sys.stderr.write(f"mlx-dflash: prefill of new requests for '{lm.id}': {self.prefill[1]}\n")
         return self.prefill[0]
 
     def batch_summary(self) -> Optional[dict]:
-        """Batch occupancy for /metrics (None: requests run one at a time)."""
-        b = self.batcher
+        """The engine's occupancy for /metrics (None: requests run one at a time)."""
+        eng = self.engine
         if not self.auto and self.max_batch <= 1:
             return None
         size = self.picked[0] if self.auto and self.picked is not None else self.max_batch
-        out = b.summary() if b is not None else {"max_batch": size, "rows": 0}
+        out = eng.summary() if eng is not None else {"max_batch": size, "rows": 0}
         if self.auto:
             out["auto"] = f"{self.picked[0]} ({self.picked[1]})" if self.picked is not None else "not measured yet"
         if self.prefill is not None:
@@ -336,53 +267,46 @@ class Worker:
         job.send("error", e)
 
     def _ensure(self, model_id: str):
-        """The loaded model for `model_id`, loaded now if another one (or none) is, or
+        """The engine of `model_id`, loaded now if another model (or none) is, or
         if a setting that only a load applies (drafter, DFlash on/off, precision)
-        changed since. Changed settings that fail their check are refused, with the
-        line `generate` prints, and the model loaded before stays in use."""
+        changed since: the running requests end first. Changed settings that fail
+        their check are refused, with the line `generate` prints, and the model
+        loaded before stays in use."""
         if self.lm is not None and self.lm_key == model_id:
             want = self._load_key(self.lm.id)
             if want is None or want == self.lm_load:
-                return self.lm
-            check = getattr(self.catalog, "check", None)
-            if check is not None:  # checked again per request: a missing drafter may be downloaded meanwhile
-                try:
-                    check(self.lm.id, self.catalog.settings(self.lm.id))
-                except ValueError as e:
-                    err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {error_line(e)}; fix them "
-                                        "(mlx-dflash settings); the model stays loaded as it was", "model",
-                                   "settings_invalid")
-                    if self.refused != err.message:
-                        self.refused = err.message
-                        sys.stderr.write(f"mlx-dflash: {err.message}\n")
-                    raise err from None
+                return self.engine
+            try:  # checked again per request: a missing drafter may be downloaded meanwhile
+                self.catalog.check(self.lm.id, self.catalog.settings(self.lm.id))
+            except ValueError as e:
+                err = APIError(503, f"the settings of '{self.lm.id}' cannot be used: {error_line(e)}; fix them "
+                                    "(mlx-dflash settings); the model stays loaded as it was", "model",
+                               "settings_invalid")
+                if self.refused != err.message:
+                    self.refused = err.message
+                    sys.stderr.write(f"mlx-dflash: {err.message}\n")
+                raise err from None
             sys.stderr.write(f"mlx-dflash: the settings of '{self.lm.id}' changed; loading it again\n")
         if self.lm is not None:  # one model in memory at a time: drop the old one first
-            import mlx.core as mx
-
-            if self.batcher is not None:  # (it holds the old model)
-                self._drain()
-                self.batcher.close()
-                self.batcher = None
-
-            self._clear_store()
-            self.lm = self.lm_key = self.lm_load = None
+            self._drain()
+            self.engine.close()
+            self.engine = self.lm = self.lm_key = self.lm_load = None
             gc.collect()
             mx.clear_cache()
         try:
-            self.lm = self.catalog.load(model_id)
+            lm = self.catalog.load(model_id)
         except Exception as e:  # HubError / SettingsError / DrafterError, or corrupt files (any error)
             why = error_line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {error_line(e)}"
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
-        self.lm_key, self.refused = model_id, None
-        self.picked = None  # auto: measured again for this model
-        self.prefill = None
-        self.lm_load = self._load_key(self.lm.id)
-        self._clear_store()
+        self.picked = self.prefill = None  # measured again for this model
+        size = self._batch_size(lm)
+        self.engine = self.catalog.engine(lm, size, self._prefill_together(lm, size))
+        self.lm, self.lm_key, self.refused = lm, model_id, None
+        self.lm_load = self._load_key(lm.id)
         with self.lock:
             self.counters(model_id)  # listed in /metrics from now on
-        return self.lm
+        return self.engine
 
     def _load_key(self, model_id: str):
         """The settings of `model_id` that only loading the model applies; None if unreadable."""
@@ -393,13 +317,8 @@ class Worker:
         return tuple(getattr(s, k, None) for k in LOAD_SETTINGS) + (getattr(s, "verify_mode", None) == "off",)
 
     # -- one request ---------------------------------------------------------------------
-    def _clear_store(self):
-        self.store = self.cache_summary = None
-
-    def _serve(self, job: Job, batch: Optional[Batcher] = None):
-        from .tools import ToolStream, template_tools
-
-        lm = self._ensure(job.model_id) if batch is None else batch.lm
+    def _serve(self, job: Job, engine):
+        lm = engine.lm
         tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
@@ -419,17 +338,13 @@ class Worker:
         fallback = fallback_reason(req)
         n_lp = req.n_logprobs()
 
-        def progress(done: int, total: int) -> None:  # after each prefill chunk
-            if job.cancel.is_set():  # the client left: free the worker now, keep the chunks done
-                raise PrefillCancelled
-            if total > cfg.prefill_step_size:  # a long prompt: streams show it (and stay alive)
+        def progress(done: int, total: int) -> None:  # after each prefill chunk (the engine's thread)
+            if total > cfg.prefill_step_size and not job.cancel.is_set():  # a long prompt: streams show it
                 job.send("progress", done, total)
 
         n_vocab = Target(lm.model).vocab_size
-        split = getattr(self.catalog, "split", None)  # a target split over mlx.launch ranks (split.py)
         procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens or settings.max_tokens)
-        # (a split target runs no processors: its ranks would each need the same state)
-        if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and split is None:
+        if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and engine.processors:
             calls = call_grammar(req, tok, n_vocab, ids)
             if calls is not None:
                 procs.append(calls)
@@ -438,22 +353,7 @@ class Worker:
                                          stop=req.stops() or None, logits_processors=procs,
                                          logprobs=n_lp is not None, plain_reason=fallback, prefill_progress=progress)
         job.send("start", {"prompt_tokens": len(ids)})
-        pc = target = None
-        extra = (0, 0.0)  # prompt tokens prefilled (and seconds) for a branch checkpoint, before the engine ran
-        if split is not None:  # every rank runs it; no prompt store (it would differ between ranks)
-            gen = split.stream(ids, cfg)
-        elif batch is not None:  # decoded in the batch, the prompt store looked up there (batcher.py)
-            gen = batch.stream(ids, cfg)
-        else:
-            if self.store is None:
-                self.store = PromptStore(store_budget(self.catalog))
-            target = Target(lm.model)
-            with_drafter = cfg.keeps_drafter_context(lm.drafter, len(ids))
-            branch = self.store.branch_point(target, ids, lm.drafter, with_drafter)
-            pc, n0 = self.store.take(target, ids, lm.drafter, with_drafter)
-            if branch >= MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
-                extra = self._checkpoint(lm, tok, target, ids[:branch], pc, cfg, n0)
-            gen = stream_generate(lm.model, tok, ids, lm.drafter, prompt_cache=pc, config=cfg)
+        gen = engine.stream(ids, cfg, job.cancel.is_set)
         tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
         think = ThinkStream(tok, opens_thinking(tok, ids, prefix)) if job.kind == "chat" and \
             getattr(tok, "has_thinking", False) and req.response_format is None else None  # (constrained: all answer)
@@ -490,16 +390,8 @@ class Worker:
                 if calls and not req.parallel_tool_calls and not r.finish_reason:
                     cut = True  # one call asked for: the rest would be dropped, so stop here
                     break
-        except PrefillCancelled:  # the prompt cache holds the chunks done: kept for the next request
-            cancelled = True
-        except BaseException:
-            pc = None  # may be half-written: not stored
-            raise
         finally:
             gen.close()
-            if pc is not None:
-                self.store.put(pc, target)
-                self.cache_summary = (job.model_id, self.store.summary())
         if r is None:  # cancelled during the prefill
             with self.lock:
                 self.counters(job.model_id).cancelled += 1
@@ -507,9 +399,6 @@ class Worker:
                 job.send("error", _closing("the server is shutting down; the generation was stopped"))
             return
         s = r.stats
-        if extra[0]:  # the engine found them cached, but this request prefilled them (its own report)
-            s.reused_tokens -= extra[0]
-            s.prompt_time += extra[1]
         with self.lock:
             c = self.counters(job.model_id)
             c.requests += 1
@@ -530,18 +419,6 @@ class Worker:
         job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
                          "reasoning_tokens": think.tokens if think is not None else 0,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
-
-    def _checkpoint(self, lm, tok, target, prefix, pc, cfg, n0):
-        """A recurrent target cannot cut a cached conversation back to where this
-        one branches from it (after a shared system prompt, say): prefill up to
-        that point first (work this request needs anyway) and cache a copy, so
-        the next conversation from there starts from it. Returns (tokens, seconds)."""
-        t0 = time.perf_counter()
-        for _ in stream_generate(lm.model, tok, prefix, lm.drafter, prompt_cache=pc,
-                                 config=dataclasses.replace(cfg, max_tokens=1, stop=None, logits_processors=[])):
-            pass
-        self.store.put(copy.deepcopy(pc), target, shared=True)
-        return len(prefix) - n0, time.perf_counter() - t0
 
     def _settings(self, lm):
         """The model's settings, read per request so edits apply at once; those

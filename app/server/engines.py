@@ -1,0 +1,237 @@
+"""The server's engines: one interface (`stream(ids, config)` -> the request's
+GenerationResponses) with its implementations, each owning what it needs
+around the decode engine. The worker (worker.py) only shapes responses.
+
+- `LocalEngine`: the model in this process. One thread alone drives
+  mlx_dflash's Engine (a set of one request or many, up to `max_batch`: a
+  lone request decodes in its own caches, exactly as `generate` does), and
+  hands each request's responses to the thread serving it. Its prompt store
+  (mlx_dflash.cache.prompt_store): a request takes its longest cached prefix
+  and its caches go back when it leaves, whether it ran alone or beside
+  others; on a recurrent target, a conversation that branches from a cached
+  one is first prefilled to the branch and a copy stored there (such a cache
+  cannot be cut back), so the next conversation from there starts from it.
+- `SplitEngine`: a target split over mlx.launch ranks (split.py): every rank
+  runs the request; no prompt store (it would differ between ranks) and no
+  logits processors (functions stay on rank 0)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import sys
+import threading
+import traceback
+from typing import Callable, Dict, Iterator, List, Optional
+
+from mlx_dflash.cache.prompt_store import PromptStore
+from mlx_dflash.engine.batch import BatchEngine, BatchError
+from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
+from mlx_dflash.engine.engine import Engine
+from mlx_dflash.engine.stats import GenerationResponse
+
+MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
+_END = object()
+
+
+class LocalEngine:
+    """See the module docstring. `store_budget`: the prompt store's bytes (0: none)."""
+
+    processors = True  # runs logits processors (inside the verify)
+
+    def __init__(self, lm, max_batch: int = 1, store_budget: int = 0, prefill_together: bool = False):
+        self.lm, self.max_batch = lm, max_batch
+        self.why_not = None  # why this model decodes one request at a time, when it must
+        try:
+            self.engine: Engine = BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=max_batch,
+                                              prefill_together=prefill_together, calibration=CALIBRATION) \
+                if max_batch > 1 else Engine(lm.model, lm.tokenizer, lm.drafter, calibration=CALIBRATION)
+        except BatchError as e:
+            self.why_not = str(e)
+            sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
+            self.engine = Engine(lm.model, lm.tokenizer, lm.drafter, calibration=CALIBRATION)
+            self.max_batch = 1
+        self.store = PromptStore(store_budget) if store_budget > 0 else None
+        self.cv = threading.Condition()
+        self.inbox: List[tuple] = []  # (ids, config, reply queue)
+        self.cancels: List[int] = []
+        self.outs: Dict[int, queue.Queue] = {}
+        self.gone: Dict[int, Callable[[], bool]] = {}  # uid -> whether its client left
+        self.reused: Dict[int, tuple] = {}  # uid -> (tokens, seconds) its branch checkpoint prefilled
+        self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
+        self.peak = 0  # most rows decoding together
+        self.thread = threading.Thread(target=self._loop, name="mlx-dflash-engine", daemon=True)
+        self.thread.start()
+
+    # -- the serving threads' side -------------------------------------------------------------
+    def stream(self, ids: List[int], config, gone: Callable[[], bool] = lambda: False
+               ) -> Iterator[GenerationResponse]:
+        """The responses of one request, as stream_generate yields them. It is
+        cancelled at the next step (a prefill chunk is one) once `gone()` says
+        its client left, or when the generator is closed early."""
+        q: queue.Queue = queue.Queue()
+        with self.cv:
+            self.inbox.append((ids, config, q, gone))
+            self.cv.notify()
+        uid = q.get()
+        if isinstance(uid, BaseException):
+            raise uid
+        done = False
+        try:
+            while True:
+                r = q.get()
+                if r is _END:
+                    done = True
+                    return
+                if isinstance(r, BaseException):
+                    done = True
+                    raise r
+                yield r
+                if r.finish_reason:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.cancel(uid)
+
+    def cancel(self, uid: int) -> None:
+        with self.cv:
+            self.cancels.append(uid)
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+
+    def summary(self) -> dict:
+        """Occupancy for /metrics."""
+        out = {"max_batch": self.max_batch, "peak_rows": self.peak, **self.engine.summary()}
+        if self.why_not:
+            out["batching"] = f"off: {self.why_not}"
+        return out
+
+    def store_summary(self) -> Optional[dict]:
+        return self.store.summary() if self.store is not None else None
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            with self.cv:
+                while not (self.inbox or self.cancels or len(self.engine)):
+                    if self.closed:
+                        self.engine = self.lm = self.store = None
+                        return
+                    self.cv.wait()
+                inbox, self.inbox = self.inbox, []
+                cancels, self.cancels = self.cancels, []
+            for ids, cfg, q, gone in inbox:  # (one that must run alone waits in the engine for an empty set)
+                self._submit(ids, cfg, q, gone)
+            cancels += [uid for uid, gone in self.gone.items() if gone()]
+            for uid in cancels:
+                self.engine.cancel(uid)
+                self.gone.pop(uid, None)
+                q = self.outs.pop(uid, None)
+                if q is not None:
+                    q.put(_END)
+            if len(self.engine):
+                self._step()
+            self._store_released()
+
+    def _submit(self, ids, cfg, q, gone) -> None:
+        pc, extra = None, (0, 0.0)
+        try:
+            if self.store is not None:  # its longest cached prefix
+                pc, extra = self._take(ids, cfg)
+            uid = self.engine.submit(ids, cfg, prompt_cache=pc)
+        except BaseException as e:  # ValueError: the request's fault (its serving thread answers it)
+            if pc is not None and not isinstance(e, ValueError):
+                pc = None  # may be half-written: not stored
+            if pc is not None:
+                self.store.put(pc, self.engine.target)
+            q.put(e)
+            return
+        self.outs[uid], self.gone[uid] = q, gone
+        if extra[0]:
+            self.reused[uid] = extra
+        q.put(uid)
+
+    def _take(self, ids, cfg) -> tuple:
+        """The prompt cache a request starts from, and (tokens, seconds) of a branch
+        checkpoint prefilled for it now (its own prompt's, though the engine finds
+        them cached: the request's stats count them as its prefill)."""
+        d, target = self.lm.drafter, self.engine.target
+        with_drafter = cfg.keeps_drafter_context(d, len(ids))
+        branch = self.store.branch_point(target, ids, d, with_drafter)
+        pc, n0 = self.store.take(target, ids, d, with_drafter)
+        if branch < MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
+            return pc, (0, 0.0)
+        eng = Engine(self.lm.model, self.lm.tokenizer, d, calibration=CALIBRATION, target=target)
+        eng.submit(ids[:branch], dataclasses.replace(cfg, max_tokens=1, stop=None, logits_processors=[],
+                                                     prefill_progress=None), prompt_cache=pc, keep=True)
+        seconds = 0.0
+        for _, r in eng.run():
+            seconds = r.stats.prompt_time
+        self.store.put(copy.deepcopy(pc), target, shared=True)
+        return pc, (branch - n0, seconds)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step(self._deliver)
+        except BaseException as e:  # a bug: every running request gets it, the engine starts over
+            traceback.print_exc(file=sys.stderr)
+            for q in self.outs.values():
+                q.put(e)
+            self.outs.clear()
+            self.gone.clear()
+            if self.store is not None:
+                self.store.clear()  # a cache may be half-written
+            self.engine = type(self.engine)(self.lm.model, self.lm.tokenizer, self.lm.drafter,
+                                            calibration=CALIBRATION, **({"max_batch": self.max_batch}
+                                                                       if self.max_batch > 1 else {}))
+            return
+        self.peak = max(self.peak, self.engine.occupancy)
+
+    def _store_released(self) -> None:
+        """The caches of requests that left go to the prompt store."""
+        for _, pc in self.engine.released():
+            if self.store is not None:
+                self.store.put(pc, self.engine.target)
+
+    def _deliver(self, uid: int, r: GenerationResponse) -> None:
+        q = self.outs.get(uid)
+        if q is None:
+            return
+        extra = self.reused.get(uid)
+        if extra is not None and r.finish_reason:  # its branch checkpoint was its own prefill
+            r.stats.reused_tokens -= extra[0]
+            r.stats.prompt_time += extra[1]
+            del self.reused[uid]
+        q.put(r)
+        if r.finish_reason:
+            del self.outs[uid], self.gone[uid]
+
+
+class SplitEngine:
+    """A split target's requests (split.SplitServer: rank 0 leads, the others follow)."""
+
+    processors = False  # every rank would need the same processor state
+    store = None
+
+    def __init__(self, server):
+        self.server, self.lm = server, server.lm
+
+    def stream(self, ids: List[int], config, gone: Callable[[], bool] = lambda: False
+               ) -> Iterator[GenerationResponse]:
+        return self.server.stream(ids, config)  # (every rank runs it to its end: split.Leader)
+
+    def summary(self) -> dict:
+        return {"max_batch": 1, "split": self.server.group.size()}
+
+    def store_summary(self) -> Optional[dict]:
+        return None
+
+    def close(self) -> None:
+        """(the split server closes with the process)"""
+
