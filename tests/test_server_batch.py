@@ -134,7 +134,7 @@ def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, mon
 
     from app.server import worker as worker_module
 
-    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter: (4, "forced by the test"))
+    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter, book=None: (4, "forced by the test"))
     qs = ["Tell me about lists.", "Tell me about dicts.", "And sets?", "What is a tuple?", "Explain loops.",
           "Name a prime."]
 
@@ -239,32 +239,28 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
         assert srv.worker.batch_summary()["peak_rows"] >= 2  # the second turn decoded beside the long request
 
 
-def test_auto_lone_and_batched_turns_share_the_prompt_store(pairs, monkeypatch):
-    """max_batch auto (size forced to 4): turn 1 is served alone (the worker's
-    thread stores its cache), turn 2 is made to decode in the batch (on the batch
-    thread, from that entry), turn 3 alone again from the entry the batch stored:
-    the answers and cached counts of a one-at-a-time server."""
+def test_auto_turns_share_the_prompt_store(pairs, monkeypatch):
+    """max_batch auto (size forced to 4): a conversation's turns, each a set of
+    one on the model's one engine, take and store their caches as a
+    one-at-a-time server does: its answers and cached counts."""
     from scripted import LocalServer
     from test_prompt_store import PairCatalog
 
     from app.server import worker as worker_module
 
     want, hits = _alone_reference(pairs)
-    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter: (4, "forced by the test"))
-    alone_now = worker_module.Worker._alone_now
-    batched = {"turn": False}
-    monkeypatch.setattr(worker_module.Worker, "_alone_now", lambda self: not batched["turn"] and alone_now(self))
+    monkeypatch.setattr(worker_module, "auto_max_batch", lambda model, drafter, book=None: (4, "forced by the test"))
     with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch="auto") as srv:
-        got = _conversation(srv.url, lambda i: batched.__setitem__("turn", i == 1))
+        got = _conversation(srv.url)
         assert got == want
         assert srv.worker.store.stats.hits == hits
-        assert srv.worker.engine.engine.cycles > 0  # turn 2 was batched
+        assert srv.worker.batch_summary()["max_batch"] == 4
 
 
-def test_requests_that_run_alone_use_the_prompt_store(pairs):
-    """A request the batch cannot take (logprobs) runs alone on the batch thread:
-    from the prompt store's longest cached prefix, its cache stored back for the
-    next turn; its answers and log-probabilities are those of the single-stream server."""
+def test_logprobs_requests_use_the_prompt_store(pairs):
+    """Requests that decode plainly (logprobs) on a batching server: from the
+    prompt store's longest cached prefix, their caches stored back for the next
+    turn; their answers and log-probabilities are those of a one-at-a-time server."""
     from scripted import LocalServer
     from test_prompt_store import PairCatalog
 
@@ -286,6 +282,5 @@ def test_requests_that_run_alone_use_the_prompt_store(pairs):
         want = turns(srv.url)
     with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=4) as srv:
         got = turns(srv.url)
-        assert srv.worker.batch_summary()["served_alone"] == 3
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert got[0][2] == 0 and 0 < got[1][2] < got[2][2]  # turns 2 and 3 from the stored prefix

@@ -58,6 +58,7 @@ class LocalEngine:
         self.cancels: List[int] = []
         self.outs: Dict[int, queue.Queue] = {}
         self.gone: Dict[int, Callable[[], bool]] = {}  # uid -> whether its client left
+        self.last: List[tuple] = []  # (queue, final response): delivered once its cache is stored
         self.reused: Dict[int, tuple] = {}  # uid -> (tokens, seconds) its branch checkpoint prefilled
         self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
         self.peak = 0  # most rows decoding together
@@ -138,6 +139,9 @@ class LocalEngine:
             if len(self.engine):
                 self._step()
             self._store_released()
+            for q, r in self.last:  # (a client that sends its next turn at once finds this one stored)
+                q.put(r)
+            self.last = []
 
     def _submit(self, ids, cfg, q, gone) -> None:
         pc, extra = None, (0, 0.0)
@@ -208,9 +212,11 @@ class LocalEngine:
             r.stats.reused_tokens -= extra[0]
             r.stats.prompt_time += extra[1]
             del self.reused[uid]
-        q.put(r)
         if r.finish_reason:
             del self.outs[uid], self.gone[uid]
+            self.last.append((q, r))
+        else:
+            q.put(r)
 
 
 class SplitEngine:
