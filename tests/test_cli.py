@@ -113,7 +113,7 @@ def listed(pairs):
 def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
     from mlx_dflash.models.settings_checks import settings_store
 
-    settings_store().set_model("target", max_tokens=4, block_size=3)
+    settings_store().set_model("target", max_tokens=4, block_size=3, guard=False)
     assert main("generate", "--model", "TARGET", "--drafter", "drafter", "--prompt", "hi", "--json") == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "target" and out["drafter"] == "drafter"

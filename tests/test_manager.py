@@ -189,7 +189,8 @@ def test_settings_checks_against_model_files(world):
     store = world["store"]
     with pytest.raises(SettingsError) as e:
         store.set_model("embedded/target", block_size=9)
-    assert str(e.value) == "block_size 9 is above the trained block size 8 of drafter 'embedded/dflash2'; use 1..8"
+    assert str(e.value) == ("block_size: block size 9 is above the drafter's trained block size 8; use 1..8 "
+                            "(drafter 'embedded/dflash2')")
     with pytest.raises(SettingsError) as e:
         store.set_model("embedded/target", drafter="org/wide-drafter")
     assert str(e.value) == ("drafter 'org/wide-drafter' is incompatible with 'embedded/target': "
@@ -201,7 +202,7 @@ def test_settings_checks_against_model_files(world):
     assert not store.explicit("embedded/target")  # nothing was written
     # a drafter trained on wider blocks allows more; switching back is refused
     store.set_model("embedded/target", drafter="org/v1-drafter", block_size=12)
-    with pytest.raises(SettingsError, match="block_size 12 is above the trained block size 8"):
+    with pytest.raises(SettingsError, match="block size 12 is above the drafter's trained block size 8"):
         store.set_model("embedded/target", drafter="embedded/dflash2")
     # a default block size fits any drafter (load_model fits it), so no error here
     store.set_model("flat-target", drafter="embedded/dflash2")

@@ -28,7 +28,7 @@ def test_load_model_picks_drafter_and_stays_lossless(world):
     assert lm.settings.block_size == 5 and lm.notices == []
     plain = _greedy(lm, "def main():", verify_mode="off")
     assert _greedy(lm, "def main():").token_ids == plain.token_ids
-    store.set_model("embedded/target", drafter="org/v1-drafter", block_size=7)
+    store.set_model("embedded/target", drafter="org/v1-drafter", block_size=7, guard=False)
     lm1 = load_model("embedded/target", store)
     assert lm1.drafter_id == "org/v1-drafter" and lm1.drafter.version == 1
     r = _greedy(lm1, "def main():")

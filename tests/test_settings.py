@@ -300,7 +300,7 @@ VALIDATION = [
     ({"max_context": 0}, "max_context must be >= 1"),
     ({"dflash_enabled": "maybe"}, "dflash.enabled must be true or false"),
     ({"block_size": None}, "block_size cannot be empty"),
-    ({"speed": 3}, "unknown model setting 'speed'; valid: dflash.enabled, drafter, block_size"),
+    ({"speed": 3}, "unknown model setting 'speed'; valid: dflash.enabled, drafter, guard, block_size"),
     ({"dtype": "int4"}, "unknown dtype 'int4'; valid: auto, float32, bfloat16, float16"),
     ({"temperature": float("nan")}, "temperature must be a finite number"),
 ]

@@ -15,6 +15,7 @@ from mlx_dflash.engine.distributed import DistributedError, Session, load, lost_
 from mlx_dflash.models.dtype_choice import cast
 from mlx_dflash.models.loader import model_dtype
 from mlx_dflash.models.model_names import model_path, resolve
+from mlx_dflash.policy.registry import fit_block_size
 from mlx_dflash.models.settings_checks import settings_store
 
 
@@ -58,9 +59,11 @@ def _generate(args, group, out, build_prompt, effective_settings) -> int:
             if m is not None:
                 cast(m, getattr(mx, args.dtype))
     s = effective_settings(saved, args)
-    if drafter is not None and s.block_size > drafter.block_size:
-        raise UserError(f"--block-size: block size {s.block_size} is above the drafter's trained block size "
-                        f"{drafter.block_size}; use 1..{drafter.block_size}")
+    if drafter is not None:
+        try:
+            fit_block_size(s.block_size, drafter.block_size, explicit=args.block_size is not None)
+        except ValueError as e:
+            raise UserError(f"--block-size: {e}") from None
     sess = Session(model, tok, drafter, split)
     text = sess.channel.share(args.prompt)  # rank 0's prompt is the one every rank decodes
     prompt = build_prompt(tok, text, args.raw, args.system if args.system is not None else saved.system_prompt)

@@ -35,7 +35,12 @@ def add_parser(sub):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None, help="verify width w (default from settings: 5)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="verify width: every cycle verifies exactly this many rows (the guard off, unless --guard "
+                        "on; default from settings: 5)")
+    p.add_argument("--guard", choices=("on", "off"), default=None,
+                   help="on: each cycle's width is the guard's choice, from plain decoding up to the drafter's "
+                        "trained block size; off: --block-size exactly (default from settings: on)")
     modes = _verify_modes()
     p.add_argument("--verify-mode", default=None, metavar="MODE",
                    help=f"{' | '.join(modes)} (default from settings: dflash)")
@@ -71,6 +76,9 @@ def effective_settings(saved, args):
 
     names = {f.name for f in fields(saved)}
     over = {FLAGS[k]: v for k, v in vars(args).items() if k in FLAGS and v is not None and FLAGS[k] in names}
+    guard = getattr(args, "guard", None)
+    if guard is not None or over.get("block_size") is not None:  # a width given is drafted exactly, as a call's
+        over["guard"] = guard == "on"  # block_size is (DecodeConfig.guarded), unless --guard on
     s = replace(saved, **over)
     try:
         check_model(s)
@@ -124,6 +132,7 @@ def run(args):
     from mlx_dflash.models.loader import model_dtype
     from mlx_dflash.models.manager import acceptance_warning, load_model
     from mlx_dflash.models.settings_checks import settings_store
+    from mlx_dflash.policy.registry import fit_block_size
     from mlx_dflash.settings.schema import COMPUTE_DTYPES, SettingsError
 
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
@@ -137,10 +146,11 @@ def run(args):
     if lm.dtype_notice():
         sys.stderr.write(f"mlx-dflash: {lm.dtype_notice()}\n")
     s = effective_settings(lm.settings, args)
-    if lm.drafter is not None and args.block_size is not None and s.block_size > lm.drafter.block_size:
-        b = lm.drafter.block_size
-        raise UserError(f"--block-size: block size {s.block_size} is above the drafter's trained block size {b}; "
-                        f"use 1..{b}")
+    if lm.drafter is not None and args.block_size is not None:
+        try:
+            fit_block_size(s.block_size, lm.drafter.block_size, explicit=True)
+        except ValueError as e:
+            raise UserError(f"--block-size: {e}") from None
     tok = lm.tokenizer
     prompt = build_prompt(tok, prompt_text, args.raw, args.system if args.system is not None else s.system_prompt)
     def progress(done, total):  # a prompt of more than two prefill chunks: its progress on stderr

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-from ..policy.registry import MODES, plan
+from ..policy.registry import MODES, fit_block_size, plan
 from .sampling import SamplingParams
 
 KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths
@@ -109,11 +109,12 @@ class DecodeConfig:
     @classmethod
     def from_settings(cls, settings, drafter=None, **overrides) -> "DecodeConfig":
         """The model's saved settings (`ModelSettings.generation_kwargs()`), its
-        block size fitted to `drafter` as loading fits it, then `overrides` (None
-        values mean "not given": the saved setting stays)."""
+        block size fitted to `drafter` (registry.fit_block_size: the width's one
+        owner), then `overrides` (None values mean "not given": the saved setting
+        stays; a block size given here must fit the drafter)."""
         kw = dict(settings.generation_kwargs())
         if drafter is not None and kw.get("block_size"):
-            kw["block_size"] = min(kw["block_size"], drafter.block_size)
+            kw["block_size"] = fit_block_size(kw["block_size"], drafter.block_size, explicit=False)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:

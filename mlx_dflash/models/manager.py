@@ -36,6 +36,7 @@ from .drafter_precision import quantize_drafter, resolve_quant_bits, safe_activa
 from .dtype_choice import DtypeChoice, param_dtype
 from .model_names import check_files, drafter_ref, model_path, resolve
 from .registry import known_drafters
+from ..policy.registry import fit_block_size
 
 
 @dataclass
@@ -159,10 +160,11 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
         if bits:
             quantize_drafter(drafter, bits, s.drafter_quant_group_size,
                              scale_dtype=mx.float16 if act == mx.float16 else mx.bfloat16)
-        if s.block_size > drafter.block_size:
+        fitted = fit_block_size(s.block_size, drafter.block_size, explicit=False)
+        if fitted != s.block_size:
             notices.append(f"block_size {s.block_size} is above the drafter's trained block size "
-                           f"{drafter.block_size}; using {drafter.block_size}")
-            s = replace(s, block_size=drafter.block_size)
+                           f"{drafter.block_size}; using {fitted}")
+            s = replace(s, block_size=fitted)
     for n in notices:
         notice(n)
     return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices, choice,

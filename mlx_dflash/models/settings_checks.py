@@ -10,6 +10,7 @@ from ..settings.schema import ModelSettings, SettingsError
 from ..settings.store import SettingsStore
 from .discovery import discover, pair_problem
 from .model_names import drafter_ref, find, resolve
+from ..policy.registry import fit_block_size
 
 
 def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explicit_block: bool = True) -> None:
@@ -39,9 +40,10 @@ def check_settings(model_id: str, s: ModelSettings, store: SettingsStore, explic
         block = next(e.block_size for e in entries if e.id == did)
     else:
         return
-    if explicit_block and s.block_size > block:
-        raise SettingsError(f"block_size {s.block_size} is above the trained block size {block} of drafter "
-                            f"'{did}'; use 1..{block}")
+    try:
+        fit_block_size(s.block_size, block, explicit_block)
+    except ValueError as e:
+        raise SettingsError(f"block_size: {e} (drafter '{did}')") from None
 
 
 class FileChecks:

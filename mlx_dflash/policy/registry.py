@@ -78,6 +78,19 @@ def guard_widths(cap: int) -> list:
     return sorted({1, cap} | {x for x in GUARD_WIDTHS if x < cap})
 
 
+def fit_block_size(block_size: int, trained: int, explicit: bool) -> int:
+    """The one rule for a block size wider than the drafter was trained for
+    (`trained`): one asked for now (a flag, `settings set`, a call's option) is
+    refused in one line (ValueError); a saved one is fitted to the drafter, which
+    may have changed since it was saved."""
+    if block_size <= trained:
+        return block_size
+    if explicit:
+        raise ValueError(f"block size {block_size} is above the drafter's trained block size {trained}; "
+                         f"use 1..{trained}")
+    return trained
+
+
 def plan(config, drafter, prompt_tokens: int, trimmable: bool = True, shared: bool = False) -> Plan:
     """What a request drafts with, from its config (`config`: DecodeConfig),
     the drafter (None: none), its prompt's length, whether the target's cache
@@ -99,7 +112,9 @@ def plan(config, drafter, prompt_tokens: int, trimmable: bool = True, shared: bo
     limit, what = ((drafter.block_size, "the drafter's trained block size") if drafter is not None
                    else (LOOKUP_LIMIT, "the lookup limit"))
     w = config.block_size if config.block_size is not None else min(DEFAULT_BLOCK_SIZE, limit)
-    if not 1 <= w <= limit:
+    if drafter is not None:
+        fit_block_size(w, limit, explicit=True)
+    elif w > limit:
         raise ValueError(f"block size {w} must be between 1 and {what} {limit}")
     m = MODES[mode]
     guarded = mode == "dflash" and config.guarded
