@@ -1,15 +1,15 @@
 """Tool calls the client can run. Once the model opens a call (the tokenizer's
 tool-call start marker, as it chose to), the call is decoded under a grammar:
 a JSON object whose `name` is one of the offered tools and whose `arguments`
-fit that tool (`_arguments`: its keys and their value schemas when its schema
-allows no other keys, its whole schema when the client marked it `strict`, any
-JSON object otherwise), then the end marker. Before and after a call the model's
-text is untouched; inside one, each token is drawn from the model's
-distribution restricted to tokens that keep the call valid (llama.cpp's lazy
-tool grammar). A call the model writes validly is kept as written (any JSON
-layout, keys in any order); one that would name a tool the client does not
-have, repeat or invent a key, or never close its JSON, becomes a call the
-client can run, instead of text that is neither.
+fit that tool's parameters schema as JSON Schema means it (`_arguments`:
+llguidance compiles the schema itself), then the end marker. Before and after
+a call the model's text is untouched; inside one, each token is drawn from the
+model's distribution restricted to tokens that keep the call valid (llama.cpp's
+lazy tool grammar). A call the model writes validly is kept as written (any
+JSON layout; declared keys in the schema's order, as llguidance writes objects);
+one that would name a tool the client does not have, leave out a required key,
+add a key the schema does not allow, or never close its JSON, becomes a call
+the client can run, instead of text that is neither.
 
 The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
 Hermes) with single-token markers; other formats decode as the model writes.
@@ -58,73 +58,79 @@ def _lit(s: str) -> str:
     return json.dumps(json.dumps(s, ensure_ascii=False))
 
 
-def _compiles(schema) -> bool:
+# between JSON tokens: nothing, a space, or a line break and its indent, as JSON is written
+# compact, spaced or pretty-printed; not runs of blank lines (a weak model loops on them)
+WS = r"( |\n[ \t]{0,32})"
+# llguidance's own options, tried in turn: the schema exactly; then ignoring keywords it does not
+# implement (an unknown "format", "not") and reading oneOf as anyOf (the same where the branches are
+# disjoint, as the types of clients' unions are)
+EXACT = {"whitespace_pattern": WS + "?"}
+LENIENT = {**EXACT, "lenient": True, "coerce_one_of": True}
+
+
+def _json(schema, options: dict = EXACT) -> str:
+    """A Lark rule body for a JSON value of `schema`, with the call's whitespace."""
+    return "%json " + json.dumps({**schema, "x-guidance": options})
+
+
+def _compiles(body: str) -> bool:
     try:
-        return not llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+        return not llguidance.LLMatcher.validate_grammar(f"start: {body}")
     except Exception:  # a schema the compiler refuses
         return False
 
 
-# between JSON tokens: nothing, a space, or a line break and its indent, as JSON is written
-# compact, spaced or pretty-printed; not runs of blank lines (a weak model loops on them)
-WS = r"( |\n[ \t]{0,32})"
-ANY_ORDER = 6  # up to this many properties, keys in any order (2^n grammar states); past it, the schema's order
-
-
-def _json(schema: dict) -> str:
-    """A Lark rule body for a JSON value of `schema`, with the call's whitespace."""
-    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": WS + "?"}})
-
-
-def _arguments(fn: dict, rule: str) -> List[str]:
-    """Lark rules for a tool's arguments, `rule` first. A strict tool: its schema.
-    A schema that lists its properties and allows no others: an object of those
-    keys, each at most once and the required ones all, each value by its own
-    schema, in any order (as the model writes them; past ANY_ORDER keys, in the
-    schema's order); else any JSON object."""
-    schema = fn.get("parameters")
+def _object(schema) -> Optional[dict]:
+    """The tool's parameters as a schema of the object its arguments are (a schema that
+    says no type is one of an object, as clients mean it); None if it cannot be one."""
     if not isinstance(schema, dict):
-        return [f"{rule}: {_json({'type': 'object'})}"]
-    if fn.get("strict") is True and _compiles(schema):
-        return [f"{rule}: {_json(schema)}"]
+        return None
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        return None
+    return {**schema, "type": "object"}
+
+
+def _relaxed(schema: dict, defs: dict) -> dict:
+    """`schema` with each property whose schema llguidance cannot compile (a $ref to
+    nowhere, an unknown type) taken as any JSON value, recursively; its required keys,
+    other keys' rule and the compilable properties' schemas kept as they are."""
     props = schema.get("properties")
-    if not (isinstance(props, dict) and props and schema.get("additionalProperties", True) is False):
-        return [f"{rule}: {_json({'type': 'object'})}"]
-    keys = list(props)
-    need = {i for i, k in enumerate(keys) if k in (schema.get("required") or [])}
-    rules = []
-    for j, key in enumerate(keys):
-        sub = props[key]
-        ok = isinstance(sub, dict) and "$ref" not in json.dumps(sub) and _compiles(sub)
-        rules.append(f"{rule}_p{j}: {_lit(key)} ws \":\" ws {rule}_v{j}")
-        rules.append(f"{rule}_v{j}: {_json(sub if ok else {})}")
+    out = {k: v for k, v in schema.items() if k in ("type", "required", "additionalProperties")}
+    if isinstance(props, dict):
+        out["properties"] = {}
+        for k, sub in props.items():
+            ok = isinstance(sub, bool) or isinstance(sub, dict) and _compiles(_json({**defs, **sub}, LENIENT))
+            nested = _object(sub) if not ok and isinstance(sub, dict) and "properties" in sub else None
+            out["properties"][k] = sub if ok else _relaxed(nested, defs) if nested is not None else {}
+    if isinstance(out.get("additionalProperties"), dict) and \
+            not _compiles(_json({**defs, **out["additionalProperties"]}, LENIENT)):
+        out["additionalProperties"] = True
+    return out
 
-    def rest(state, nxt, done) -> str:  # after the pairs of `state`: another pair, or the end when `done`
-        alts = [f'ws "," ws {rule}_p{j} {rule}_r{s}' for j, s in nxt]
-        return f"{rule}_r{state}: " + " | ".join(alts + (['""'] if done else []))
 
-    if len(keys) <= ANY_ORDER:  # a state per set of keys used
-        full = (1 << len(keys)) - 1
-        for m in range(1, full + 1):
-            used = {i for i in range(len(keys)) if m >> i & 1}
-            nxt = [(j, m | 1 << j) for j in range(len(keys)) if j not in used]
-            rules.append(rest(m, nxt, need <= used))
-        first = [f"{rule}_p{j} {rule}_r{1 << j}" for j in range(len(keys))]
-    else:  # a state per last key used: later keys only, none required skipped
-        def after(i):
-            return [(j, j) for j in range(i + 1, len(keys)) if not any(r in need for r in range(i + 1, j))]
-        for i in range(len(keys)):
-            rules.append(rest(i, after(i), not any(r > i for r in need)))
-        first = [f"{rule}_p{j} {rule}_r{j}" for j, _ in after(-1)]
-    empty = [] if need else ['""']
-    return [f'{rule}: "{{" ws ({" | ".join(first + empty)}) ws "}}"'] + rules
+def _arguments(fn: dict) -> str:
+    """The Lark rule body of a tool's arguments: its parameters schema as JSON Schema
+    means it (required keys present, each declared property by its own schema, other
+    keys only where additionalProperties allows them; llguidance writes declared keys
+    in the schema's order), compiled by llguidance. Exactly where it can; else
+    leniently (LENIENT); else with the properties it cannot compile relaxed to any
+    value (_relaxed); else any JSON object."""
+    schema = _object(fn.get("parameters", {"type": "object"}))
+    if schema is None:
+        return _json({"type": "object"})
+    for body in (_json(schema), _json(schema, LENIENT)):
+        if _compiles(body):
+            return body
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+    body = _json({**defs, **_relaxed(schema, defs)}, LENIENT)
+    return body if _compiles(body) else _json({"type": "object"})
 
 
 def grammar(tok, tools: List[dict]) -> str:
     """The llguidance (Lark) grammar of what follows the start marker: one call to
     one of `tools` (OpenAI-style function tools), then the end marker."""
-    return _grammar(_marker_id(tok, tok.tool_call_end), json.dumps(tools, sort_keys=True))
+    return _grammar(_marker_id(tok, tok.tool_call_end), json.dumps(tools))  # (in order: keys go in the schema's order)
 
 
 @lru_cache(maxsize=16)  # an agent sends the same tools with every request
@@ -135,7 +141,7 @@ def _grammar(end: int, tools_json: str) -> str:
         alts.append(f"c{i}")
         name, args = f'"\\"name\\"" ws ":" ws {_lit(fn["name"])}', f'"\\"arguments\\"" ws ":" ws a{i}'
         rules.append(f'c{i}: {name} ws "," ws {args} | {args} ws "," ws {name}')  # either order parses
-        rules += _arguments(fn, f"a{i}")
+        rules.append(f"a{i}: {_arguments(fn)}")
     head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", f"WS: /{WS}/",
             'NL: "\\n"']
     return "\n".join(head + rules)
