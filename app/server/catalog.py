@@ -60,6 +60,15 @@ class ManagerCatalog:
     def settings(self, model_id: str):
         return self.store.model(model_id)
 
+    def explicit_max_tokens(self, model_id: str) -> Optional[int]:
+        """The max_tokens a user set for `model_id` (None: not set; a request without
+        one then gets the room left in the context, prompt_ids.max_new_tokens)."""
+        try:
+            v = self.store.explicit(model_id).get("max_tokens")
+        except ValueError:  # an unreadable settings file: as unset
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
     def check(self, model_id: str, settings) -> None:
         """The checks `settings set` and load_model make against the model files (the
         drafter exists and fits), without loading anything: SettingsError if not."""
