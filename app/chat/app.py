@@ -323,6 +323,8 @@ class ChatApp(App):
         self.submit(generate_job, self.post_message, self.flush_s, turn, history, self.prompt_cache)
 
     def _check_acceptance(self, turn: Turn, stats: dict) -> None:
+        """At the end of a turn: a drafter is judged on a whole answer, not its start
+        (the first drafts of an answer are often rejected by a drafter that works)."""
         from mlx_dflash.models.manager import acceptance_warning
 
         if self.warned_acceptance or turn.loaded is not self.loaded:
@@ -347,7 +349,6 @@ class ChatApp(App):
         if turn is self.turn:
             self.last_stats = m.stats
             self.render_status()
-            self._check_acceptance(turn, m.stats)
         if turn.widget is not None and turn.widget.is_attached:
             await turn.widget.add(text, [list(s) for s in turn.spans])
             box = self.query_one("#messages")
