@@ -23,7 +23,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from mlx_lm.generate import generate_step  # noqa: E402
 from scripted import EmbeddedCatalog, LocalServer  # noqa: E402
 
-from app.server import tool_grammar  # noqa: E402
+from app.server import tool_grammar, tool_schema  # noqa: E402
 from app.server.tools import GenRequest, ToolStream, forced_prefix  # noqa: E402
 from mlx_dflash import load  # noqa: E402
 from mlx_dflash.models.discovery import models_dir  # noqa: E402
@@ -136,8 +136,8 @@ def test_every_client_schema_is_compiled_whole():
     assert {c.split()[0] for c, *_ in tools} >= {"claude-code", "codex", "opencode", "llm", "litellm", "openai"}
     for client, name, schema, strict in tools:
         fn = {"name": name, "parameters": schema}
-        want = tool_grammar._object(schema)
-        assert tool_grammar._arguments(fn) in (tool_grammar._json(want), tool_grammar._json(want, tool_grammar.LENIENT)), \
+        want = tool_schema.object_schema(schema)
+        assert tool_schema.arguments(fn) in (tool_schema.json_rule(want), tool_schema.json_rule(want, tool_schema.LENIENT)), \
             (client, name)
 
 

@@ -169,9 +169,9 @@ def test_tool_choice_opens_the_call_in_the_prompt(tok):
 def test_formats_without_a_grammar_are_left_alone(tok, monkeypatch):
     plain = SimpleNamespace(has_tool_calling=False)
     assert "no tool-call format" in tool_grammar.unsupported(plain)
-    xml = SimpleNamespace(has_tool_calling=True, tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.qwen3_coder"),
-                          tool_call_start="<tool_call>", tool_call_end="</tool_call>")
-    assert "qwen3_coder" in tool_grammar.unsupported(xml)
+    other = SimpleNamespace(has_tool_calling=True, tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.kimi_k2"),
+                            tool_call_start="<tool_call>", tool_call_end="</tool_call>")
+    assert "kimi_k2" in tool_grammar.unsupported(other)
     assert grammar_for(tok) is not None
     monkeypatch.setattr(tool_grammar, "llguidance", None)  # a platform without its wheel: calls as written
     assert "llguidance" in tool_grammar.unsupported(tok) and grammar_for(tok) is None

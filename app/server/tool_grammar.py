@@ -1,7 +1,7 @@
 """Tool calls the client can run. Once the model opens a call (the tokenizer's
 tool-call start marker, as it chose to), the call is decoded under a grammar:
 a JSON object whose `name` is one of the offered tools and whose `arguments`
-fit that tool's parameters schema as JSON Schema means it (`_arguments`:
+fit that tool's parameters schema as JSON Schema means it (tool_schema.py:
 llguidance compiles the schema itself), then the end marker. Before and after
 a call the model's text is untouched; inside one, each token is drawn from the
 model's distribution restricted to tokens that keep the call valid (llama.cpp's
@@ -12,7 +12,8 @@ add a key the schema does not allow, or never close its JSON, becomes a call
 the client can run, instead of text that is neither.
 
 The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
-Hermes) with single-token markers; other formats decode as the model writes.
+Hermes) and Qwen3-Coder's XML (xml_grammar.py), with single-token markers; other
+formats decode as the model writes.
 Setting `tool_grammar` off (per model) leaves every call as written."""
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ except ImportError:  # (a dependency; where its wheel is missing, calls are serv
     llguidance = None
 
 from .structured import common_prefix, ll_tokenizer, masked
+from .tool_schema import WS, arguments
+from .xml_grammar import call_grammar as xml_call_grammar
 from .tools import GenRequest, forced_name, forced_prefix, parser_name, template_tools
 
 
@@ -46,8 +49,8 @@ def unsupported(tok) -> Optional[str]:
         return "llguidance is not installed (pip install llguidance)"
     if not getattr(tok, "has_tool_calling", False):
         return "the model has no tool-call format"
-    if parser_name(tok) != "json_tools":
-        return f"its tool-call format ({parser_name(tok)}) is not JSON in tags"
+    if parser_name(tok) not in FORMATS:
+        return f"its tool-call format ({parser_name(tok)}) has no grammar here (JSON in tags and Qwen3-Coder's XML do)"
     if _marker_id(tok, tok.tool_call_start) is None or _marker_id(tok, tok.tool_call_end) is None:
         return "its tool-call markers are not single tokens"
     return None
@@ -58,93 +61,33 @@ def _lit(s: str) -> str:
     return json.dumps(json.dumps(s, ensure_ascii=False))
 
 
-# between JSON tokens: nothing, a space, or a line break and its indent, as JSON is written
-# compact, spaced or pretty-printed; not runs of blank lines (a weak model loops on them)
-WS = r"( |\n[ \t]{0,32})"
-# llguidance's own options, tried in turn: the schema exactly; then ignoring keywords it does not
-# implement (an unknown "format", "not") and reading oneOf as anyOf (the same where the branches are
-# disjoint, as the types of clients' unions are)
-EXACT = {"whitespace_pattern": WS + "?"}
-LENIENT = {**EXACT, "lenient": True, "coerce_one_of": True}
-
-
-def _json(schema, options: dict = EXACT) -> str:
-    """A Lark rule body for a JSON value of `schema`, with the call's whitespace."""
-    return "%json " + json.dumps({**schema, "x-guidance": options})
-
-
-def _compiles(body: str) -> bool:
-    try:
-        return not llguidance.LLMatcher.validate_grammar(f"start: {body}")
-    except Exception:  # a schema the compiler refuses
-        return False
-
-
-def _object(schema) -> Optional[dict]:
-    """The tool's parameters as a schema of the object its arguments are (a schema that
-    says no type is one of an object, as clients mean it); None if it cannot be one."""
-    if not isinstance(schema, dict):
-        return None
-    kind = schema.get("type", "object")
-    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
-        return None
-    return {**schema, "type": "object"}
-
-
-def _relaxed(schema: dict, defs: dict) -> dict:
-    """`schema` with each property whose schema llguidance cannot compile (a $ref to
-    nowhere, an unknown type) taken as any JSON value, recursively; its required keys,
-    other keys' rule and the compilable properties' schemas kept as they are."""
-    props = schema.get("properties")
-    out = {k: v for k, v in schema.items() if k in ("type", "required", "additionalProperties")}
-    if isinstance(props, dict):
-        out["properties"] = {}
-        for k, sub in props.items():
-            ok = isinstance(sub, bool) or isinstance(sub, dict) and _compiles(_json({**defs, **sub}, LENIENT))
-            nested = _object(sub) if not ok and isinstance(sub, dict) and "properties" in sub else None
-            out["properties"][k] = sub if ok else _relaxed(nested, defs) if nested is not None else {}
-    if isinstance(out.get("additionalProperties"), dict) and \
-            not _compiles(_json({**defs, **out["additionalProperties"]}, LENIENT)):
-        out["additionalProperties"] = True
-    return out
-
-
-def _arguments(fn: dict) -> str:
-    """The Lark rule body of a tool's arguments: its parameters schema as JSON Schema
-    means it (required keys present, each declared property by its own schema, other
-    keys only where additionalProperties allows them; llguidance writes declared keys
-    in the schema's order), compiled by llguidance. Exactly where it can; else
-    leniently (LENIENT); else with the properties it cannot compile relaxed to any
-    value (_relaxed); else any JSON object."""
-    schema = _object(fn.get("parameters", {"type": "object"}))
-    if schema is None:
-        return _json({"type": "object"})
-    for body in (_json(schema), _json(schema, LENIENT)):
-        if _compiles(body):
-            return body
-    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
-    body = _json({**defs, **_relaxed(schema, defs)}, LENIENT)
-    return body if _compiles(body) else _json({"type": "object"})
-
-
 def grammar(tok, tools: List[dict]) -> str:
     """The llguidance (Lark) grammar of what follows the start marker: one call to
-    one of `tools` (OpenAI-style function tools), then the end marker."""
-    return _grammar(_marker_id(tok, tok.tool_call_end), json.dumps(tools))  # (in order: keys go in the schema's order)
+    one of `tools` (OpenAI-style function tools) in the tokenizer's format, then the end marker."""
+    # (the tools in order: keys go in the schema's order)
+    return _grammar(parser_name(tok), _marker_id(tok, tok.tool_call_end), json.dumps(tools))
 
 
 @lru_cache(maxsize=16)  # an agent sends the same tools with every request
-def _grammar(end: int, tools_json: str) -> str:
+def _grammar(fmt: str, end: int, tools_json: str) -> str:
+    return FORMATS[fmt](json.loads(tools_json), end)
+
+
+def json_call_grammar(tools: List[dict], end: int) -> str:
+    """JSON in tags (mlx-lm's json_tools parser): {"name": ..., "arguments": {...}}."""
     rules, alts = [], []
-    for i, t in enumerate(json.loads(tools_json)):
+    for i, t in enumerate(tools):
         fn = t["function"]
         alts.append(f"c{i}")
         name, args = f'"\\"name\\"" ws ":" ws {_lit(fn["name"])}', f'"\\"arguments\\"" ws ":" ws a{i}'
         rules.append(f'c{i}: {name} ws "," ws {args} | {args} ws "," ws {name}')  # either order parses
-        rules.append(f"a{i}: {_arguments(fn)}")
+        rules.append(f"a{i}: {arguments(fn)}")
     head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", f"WS: /{WS}/",
             'NL: "\\n"']
     return "\n".join(head + rules)
+
+
+FORMATS = {"json_tools": json_call_grammar, "qwen3_coder": xml_call_grammar}  # mlx-lm parser -> call grammar
 
 
 # (id of the llguidance tokenizer, grammar) -> (that tokenizer, kept alive so its id stays
