@@ -124,6 +124,8 @@ def _get(store, a, as_json) -> int:
     if len(a) == 1 and _is_global(store, a[0]):
         _print(_globals_shown(store.globals())[a[0]], as_json)
         return 0
+    if len(a) == 2:
+        model_field(a[1])  # unknown key -> one-line error listing the valid ones
     model_id, kind = _model(store, a[0])
     if kind is None and model_id not in store.models():  # no such model, setting, or saved settings
         raise SettingsError(_unknown_name(store, a[0]))
@@ -131,7 +133,6 @@ def _get(store, a, as_json) -> int:
     if len(a) == 1:
         _print(view, as_json, None if as_json else resolved_notes(store, model_id, view))
         return 0
-    model_field(a[1])  # unknown key -> one-line error listing the valid ones
     from mlx_dflash.settings.schema import MODEL_KEYS
 
     key = a[1] if a[1] in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == a[1])
