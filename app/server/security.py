@@ -35,7 +35,7 @@ MAX_BODY = 64 << 20  # bytes; far above any context this runs
 LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
 STATS_KEY = "mlx_dflash.engine.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
 CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the request (shutdown), for the log line
-SENT_KEY = "mlx_dflash_sent"  # scope["state"] key: tokens sent to the client so far (a request cut short)
+SENT_KEY = "mlx_dflash.sent"  # scope["state"] entry: tokens sent so far (the log line of a request cut short)
 
 
 @dataclass
