@@ -12,8 +12,8 @@ add a key the schema does not allow, or never close its JSON, becomes a call
 the client can run, instead of text that is neither.
 
 The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
-Hermes) and Qwen3-Coder's XML (xml_grammar.py), with single-token markers; other
-formats decode as the model writes.
+Hermes) and Qwen3-Coder's XML (xml_grammar.py: the same rules in its own syntax),
+with single-token markers; other formats decode as the model writes.
 Setting `tool_grammar` off (per model) leaves every call as written."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ except ImportError:  # (a dependency; where its wheel is missing, calls are serv
 
 from .structured import common_prefix, ll_tokenizer, masked
 from .tool_schema import WS, arguments
-from .xml_grammar import call_grammar as xml_call_grammar
 from .tools import GenRequest, forced_name, forced_prefix, parser_name, template_tools
+from .xml_grammar import call_grammar as xml_call_grammar
 
 
 def _marker_id(tok, marker: Optional[str]) -> Optional[int]:
