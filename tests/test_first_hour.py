@@ -111,7 +111,7 @@ def test_one_corrupt_copy_per_corrupt_file(tmp_path, capsys):
 
 # -- doctor, serve --help -----------------------------------------------------------------------
 
-def test_doctor_labels_cached_curves_of_one_shape(monkeypatch, tmp_path):
+def test_doctor_labels_cached_curves_of_one_shape():
     """Two cached curves at one context (another BLAS, another drafter of the same shape):
     each row says what it was measured with, so no two rows look alike."""
     from app.commands import doctor
@@ -134,9 +134,7 @@ def test_serve_help_is_in_sentences(capsys):
     opts = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[2:]  # after --help
     assert len(opts) >= 14
     for o in opts:
-        text = " ".join(o.split())
-        flag, _, help_ = text.partition("  ") if "  " in o.split("\n")[0] else (text, "", "")
-        assert text.endswith("."), o  # every option's help is a whole sentence, ended
+        assert " ".join(o.split()).endswith("."), o  # every option's help is a whole sentence, ended
 
 
 # -- the server: model names, the HTTP layer, a client that leaves ---------------------------
