@@ -180,7 +180,6 @@ def server():
 
 
 USER = "What is in hello.txt?"
-SERVED = [s for s in SHAPES if s[0].split("_", 1)[1] in ("types", "nested", "anyof", "refs")]
 
 
 def _chat(c, name, schema, strict, choice):
@@ -209,9 +208,10 @@ def _responses(c, name, schema, strict, choice):
     return [(o["name"], json.loads(o["arguments"])) for o in r["output"] if o["type"] == "function_call"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
 def test_forced_calls_validate_in_every_api(server, api):
-    for name, schema, strict in SERVED:
+    for name, schema, strict in SHAPES:
         for choice in ("named", "required"):
             calls = api(server, name, schema, strict, choice)
             assert calls and calls[0][0] == name, (api.__name__, name, choice)
