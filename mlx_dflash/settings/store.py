@@ -14,7 +14,8 @@ Users edit the file in place too, and an editor's save is not atomic: a reader
 may see it half-written. So a file that does not parse is read again once it
 has settled (size and mtime unchanged for SETTLE seconds) before it is called
 unreadable, and it is never moved away (the rest of the user's write would go
-into the backup): it is copied to a named backup (never overwritten), and the
+into the backup): it is copied to a named backup (never overwritten; one per content,
+across commands: a later command finds the copy and names it), and the
 last good settings this store read stay in use (the defaults when it read none),
 with one line naming both files; the next write replaces it. Reads are cached by
 the file's (mtime, size, inode), so a long-running server re-reads the file only
