@@ -36,6 +36,7 @@ def test_quick_json(pairs, tmp_path, capsys):
     assert json.loads((out / "results.json").read_text()) == res
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
+    assert "NOT met" not in md and ("Goals" not in md or "not judged by a quick run" in md)  # 48 tokens judge no goal
 
     meta = res["meta"]
     assert meta["num_prompts"] == 3 and meta["max_tokens"] == 48 and meta["quick"]

@@ -363,3 +363,24 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
         assert answer.stats["prompt_tokens"] == len(prompt) and answer.stats["mode"] == "dflash"
 
     drive(chat_backend, tmp_path, body)
+
+
+def test_a_reopened_chat_shows_its_end(chat_backend, tmp_path):
+    """A saved conversation longer than the screen reopens scrolled to its last message
+    (issue 37: it opened at the top)."""
+    long = Chat(title="a long chat", messages=[
+        ChatMessage(role, f"{role} message {i}\n\n" + "a line of text\n" * 3, [] if role == "user" else
+                    [[f"{role} message {i}", False]], {} if role == "assistant" else None)
+        for i in range(20) for role in ("user", "assistant")])
+    HistoryStore(tmp_path / "chats").save(long)
+
+    async def body(app, pilot):
+        await until(pilot, lambda: app.chat.id == long.id and app.query(AnswerBubble), "the saved chat")
+        box = app.query_one("#messages")
+        await until(pilot, lambda: box.max_scroll_y > 0 and box.scroll_y == box.max_scroll_y, "the chat's end",
+                    limit=20)
+        for _ in range(5):  # and it stays there
+            await pilot.pause(0.05)
+        assert box.scroll_y == box.max_scroll_y > 0
+
+    drive(chat_backend, tmp_path, body)

@@ -31,15 +31,15 @@ READ = {"type": "function", "function": {
                                                     "limit": {"type": "number"}},
                    "required": ["file_path"], "additionalProperties": False}}}
 BASH = {"type": "function", "function": {"name": "Bash", "parameters": {
-    "type": "object", "properties": {"command": {"type": "string"}}}}}  # other keys allowed: any object
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}  # other keys allowed
 STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city", "days"], "additionalProperties": False}}}
 ODD = {"type": "function", "function": {"name": "Look", "parameters": {  # keys JSON must escape, or not ASCII
     "type": "object", "properties": {"naïve": {"type": "string"}, 'q"uote': {"type": "string"}},
     "additionalProperties": False}}}
-WIDE = {"type": "function", "function": {"name": "Wide", "parameters": {  # past ANY_ORDER: the schema's order
-    "type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(tool_grammar.ANY_ORDER + 2)},
+WIDE = {"type": "function", "function": {"name": "Wide", "parameters": {  # declared keys in the schema's order
+    "type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(8)},
     "required": ["k2"], "additionalProperties": False}}}
 TOOLS = [READ, BASH, STRICT, WIDE, ODD]
 
@@ -76,22 +76,24 @@ def allowed_path(proc, prompt, gen):
 
 VALID = [
     '\n{"name": "Read", "arguments": {"file_path": "/tmp/a.txt"}}\n</tool_call>',
-    '\n{"name": "Read", "arguments": {"limit": 3, "file_path": "a b", "offset": 1}}\n</tool_call>',
+    '\n{"name": "Read", "arguments": {"file_path": "a b", "offset": 1, "limit": 3}}\n</tool_call>',
     '{"name":"Read","arguments":{"file_path":"x"}}</tool_call>',
     '\n{\n  "name": "Bash",\n  "arguments": {"command": "ls", "timeout": [1, {"a": null}]}\n}\n</tool_call>',
     '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
     '\n{"name": "Wide", "arguments": {"k0": 1, "k2": 2, "k7": 3}}\n</tool_call>',
     '\n{"arguments": {"file_path": "x"}, "name": "Read"}\n</tool_call>',
-    '\n{"name": "Look", "arguments": {"q\\"uote": "a", "naïve": "b"}}\n</tool_call>',
+    '\n{"name": "Look", "arguments": {"naïve": "b", "q\\"uote": "a"}}\n</tool_call>',
 ]
 INVALID = [  # (text, the piece the grammar must refuse)
     ('\n{"name": "calculator", "arguments": {}}\n</tool_call>', "calculator"),  # not offered
     ('\n{"name": "Read", "arguments": {"file_path": "x", "file_path": "y"}}\n</tool_call>', ', "file_path": "y"'),
-    ('\n{"name": "Read", "arguments": {"offset": 3}}\n</tool_call>', "}}"),  # file_path is required
+    ('\n{"name": "Read", "arguments": {"offset": 3}}\n</tool_call>', "offset"),  # file_path (required) first
     ('\n{"name": "Read", "arguments": {"expression": "3*2"}}\n</tool_call>', "expression"),  # not a key of Read
+    ('\n{"name": "Bash", "arguments": {"expression": "3*2"}}\n</tool_call>', "expression"),  # command first: required
+    ('\n{"name": "Bash", "arguments": {"command": 3}}\n</tool_call>', "3"),  # a declared key by its schema
     ('\n{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>', '"2"'),  # strict
     ('\n{"name": "Wide", "arguments": {"k2": 2, "k0": 1}}\n</tool_call>', "k0"),  # out of the schema's order
-    ('\n{"name": "Read", "arguments": {"limit":\n\n\n 100, "file_path": "x"}}\n</tool_call>', "\n\n"),  # blank lines
+    ('\n{"name": "Read", "arguments": {"file_path":\n\n\n "x"}}\n</tool_call>', "\n\n"),  # blank lines
     ('\n{"name": "Read", "arguments": {"file_path": "x"}}', None),  # unclosed: EOS is not allowed
 ]
 
@@ -167,9 +169,9 @@ def test_tool_choice_opens_the_call_in_the_prompt(tok):
 def test_formats_without_a_grammar_are_left_alone(tok, monkeypatch):
     plain = SimpleNamespace(has_tool_calling=False)
     assert "no tool-call format" in tool_grammar.unsupported(plain)
-    xml = SimpleNamespace(has_tool_calling=True, tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.qwen3_coder"),
-                          tool_call_start="<tool_call>", tool_call_end="</tool_call>")
-    assert "qwen3_coder" in tool_grammar.unsupported(xml)
+    other = SimpleNamespace(has_tool_calling=True, tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.kimi_k2"),
+                            tool_call_start="<tool_call>", tool_call_end="</tool_call>")
+    assert "kimi_k2" in tool_grammar.unsupported(other)
     assert grammar_for(tok) is not None
     monkeypatch.setattr(tool_grammar, "llguidance", None)  # a platform without its wheel: calls as written
     assert "llguidance" in tool_grammar.unsupported(tok) and grammar_for(tok) is None

@@ -69,6 +69,7 @@ class ChatApp(App):
         self.reopen_last = reopen_last
         self.chat = Chat()
         self.warned_acceptance = False  # the low-acceptance warning, once per loaded model
+        self.opened = False  # a chat was just opened: keep it at its end while it is laid out
         self._engine = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-engine")
 
     # -- layout --
@@ -85,7 +86,13 @@ class ChatApp(App):
         if self.reopen_last and chats:
             self.call_after_refresh(self.open_chat, chats[0])
         self.query_one("#input").focus()
+        self.watch(self.query_one("#messages"), "virtual_size", self._opened_layout, init=False)
         self.load(self.model_id)
+
+    def _opened_layout(self, size) -> None:
+        """A chat just opened grows as its answers' Markdown is laid out: stay at its end."""
+        if self.opened:
+            self.query_one("#messages").scroll_end(animate=False)
 
     def on_unmount(self) -> None:
         turn = self.turn
@@ -164,6 +171,10 @@ class ChatApp(App):
             else:
                 widgets.append(AnswerBubble(m.content, m.spans, m.stats, self.colours, self.mask_timings))
         await box.mount_all(widgets)
+        for w in widgets:  # laid out now: Markdown renders after its mount, and a scroll before it stops at the top
+            if isinstance(w, AnswerBubble):
+                await w.rendered()
+        self.opened = True  # kept at the end while the layout settles (_opened_layout), until the next message
         box.scroll_end(animate=False)
         self.sub_title = chat.title
 
@@ -304,6 +315,7 @@ class ChatApp(App):
         if self.loaded is None:
             self.notify(f"no model loaded ({self.status})", severity="warning")
             return False
+        self.opened = False
         self.chat.messages.append(ChatMessage("user", text))
         self.save_chat(self.chat)
         await self.query_one("#messages").mount(UserBubble(text))
@@ -323,6 +335,8 @@ class ChatApp(App):
         self.submit(generate_job, self.post_message, self.flush_s, turn, history, self.prompt_cache)
 
     def _check_acceptance(self, turn: Turn, stats: dict) -> None:
+        """At the end of a turn: a drafter is judged on a whole answer, not its start
+        (the first drafts of an answer are often rejected by a drafter that works)."""
         from mlx_dflash.models.manager import acceptance_warning
 
         if self.warned_acceptance or turn.loaded is not self.loaded:
@@ -347,7 +361,6 @@ class ChatApp(App):
         if turn is self.turn:
             self.last_stats = m.stats
             self.render_status()
-            self._check_acceptance(turn, m.stats)
         if turn.widget is not None and turn.widget.is_attached:
             await turn.widget.add(text, [list(s) for s in turn.spans])
             box = self.query_one("#messages")

@@ -235,6 +235,12 @@ class AnswerBubble(Vertical):
     def on_mount(self) -> None:
         self.set_class(self.colours, "-colours")
 
+    async def rendered(self) -> None:
+        """Once mounted: the answer's Markdown rendered now (Markdown renders its text
+        after its first refresh), so its height is known."""
+        if not self.colours:
+            await self.query_one(".md", Markdown).update(self.text)
+
     async def add(self, text: str, spans: list) -> None:
         self.spans = spans
         self.updates += 1

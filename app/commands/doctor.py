@@ -224,6 +224,14 @@ def _describe(cfg) -> str:
     return f"{arch} hidden {h} x {n} layers" if h and n else str(arch)
 
 
+def _measured_with(key: dict) -> str:
+    """What tells cached curves of one model + drafter shape apart: the BLAS they were
+    measured with and which weights (two drafters of one shape, another precision)."""
+    blas = str((key.get("machine") or {}).get("blas") or "?").split(" (")[0].split(" ")[0]
+    weights = "/".join(str(key.get(k) or "-")[:4] for k in ("model_params", "drafter_params"))
+    return f"{blas}, weights {weights}"
+
+
 def _curve_row(context: int, c: Costs) -> dict:
     return {"context": context, "t1_ms": round(c.t1 * 1e3, 3), "plain_ms": round(c.t_plain * 1e3, 3),
             "c": {str(w): round(v, 3) for w, v in sorted(c.c.items())},
@@ -245,7 +253,7 @@ def cached_guard_costs() -> list:
         if key.get("batch") is not None or not isinstance(key.get("context") or 0, int):
             continue  # a batch engine's curve (keyed by its batch size; before, tagged "batch<B>"), not a length
         g = groups.setdefault((_describe(key.get("model")), _describe(key.get("drafter"))), [])
-        g.append(_curve_row(int(key.get("context") or c.context), c))
+        g.append({**_curve_row(int(key.get("context") or c.context), c), "with": _measured_with(key)})
     return [{"model": m, "drafter": d, "curves": sorted(rows, key=lambda r: r["context"])}
             for (m, d), rows in groups.items()]
 
@@ -470,10 +478,10 @@ def guard_cost_lines(groups: list, quick: bool) -> list:
         out.append(f"guard cost by context, {g['model']} + drafter {g['drafter']}"
                    + (" (cached)" if quick else "") + ": c(w) verify, d(w) draft, in 1-token steps t1")
         out.append("  context   t1 ms  plain ms  " + "  ".join(f"c({w:>2})" for w in widths) + "  "
-                   + "  ".join(f"d({w:>2})" for w in widths))
+                   + "  ".join(f"d({w:>2})" for w in widths) + "  measured with")
         for r in g["curves"]:
             cell = lambda curve, w: f"{curve[str(w)]:5.2f}" if str(w) in curve else "    -"  # noqa: E731
             out.append(f"  {r['context']:>7}  {r['t1_ms']:6.2f}  {r['plain_ms']:8.2f}  "
                        + "  ".join(cell(r["c"], w) for w in widths) + "  "
-                       + "  ".join(cell(r["d"], w) for w in widths))
+                       + "  ".join(cell(r["d"], w) for w in widths) + f"  {r.get('with', '')}")
     return out

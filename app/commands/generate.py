@@ -160,23 +160,21 @@ def run(args):
 
     cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop, prefill_progress=progress)
     out = _Pipe()
-    text, ids, r, warned = [], [], None, False
+    text, ids, r = [], [], None
     eos = set(tok.eos_token_ids)
     try:
         for r in stream_generate(lm.model, tok, prompt, lm.drafter, config=cfg):
             if not (r.finish_reason == "stop" and r.token in eos):
                 ids.append(r.token)
             text.append(r.text)
-            if not warned:
-                why = acceptance_warning(r.stats, lm.drafter_id)
-                if why:
-                    warned = True
-                    sys.stderr.write(f"mlx-dflash: {why}\n")
             if not args.json:
                 out.write(r.text)
         if r is None:
             return 0
         s = r.stats
+        why = acceptance_warning(s, lm.drafter_id)  # judged on the whole answer: its start is often the hardest
+        if why:
+            sys.stderr.write(f"\nmlx-dflash: {why}\n")
         if args.json:
             res = {"text": "".join(text), "token_ids": ids, "finish_reason": r.finish_reason, "model": lm.id,
                    "drafter": lm.drafter_id, "dtype": model_dtype(lm.model),

@@ -124,12 +124,15 @@ def _get(store, a, as_json) -> int:
     if len(a) == 1 and _is_global(store, a[0]):
         _print(_globals_shown(store.globals())[a[0]], as_json)
         return 0
-    model_id = _model(store, a[0])[0]
+    if len(a) == 2:
+        model_field(a[1])  # unknown key -> one-line error listing the valid ones
+    model_id, kind = _model(store, a[0])
+    if kind is None and model_id not in store.models():  # no such model, setting, or saved settings
+        raise SettingsError(_unknown_name(store, a[0]))
     view = _model_view(store, model_id)
     if len(a) == 1:
         _print(view, as_json, None if as_json else resolved_notes(store, model_id, view))
         return 0
-    model_field(a[1])  # unknown key -> one-line error listing the valid ones
     from mlx_dflash.settings.schema import MODEL_KEYS
 
     key = a[1] if a[1] in MODEL_KEYS else next(k for k, f in MODEL_KEYS.items() if f == a[1])
@@ -150,6 +153,16 @@ def _model(store, name: str):
     except HubError:
         e = None
     return (e.id, e.kind_label) if e is not None else (name, None)
+
+
+def _unknown_name(store, word: str) -> str:
+    """`settings get WORD` where WORD is no setting, no model here and no model with saved settings."""
+    from mlx_dflash.models.discovery import discover
+    from mlx_dflash.settings.schema import GLOBAL_KEYS, did_you_mean
+
+    near = did_you_mean(word, [*GLOBAL_KEYS, *(e.id for e in discover(store)), *store.models()])
+    return (f"'{word}' is no setting and no model here{near}; `mlx-dflash settings get` shows them all, "
+            "`mlx-dflash models list` lists the models")
 
 
 def _unknown_key(word: str) -> str:

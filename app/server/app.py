@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,7 +31,7 @@ from .errors import APIError, bad_request, error_line
 from .openai_api import register as register_openai
 from .responses_api import register as register_responses
 from .schemas import validation_error
-from .security import CUT_KEY, MAX_BODY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
+from .security import CUT_KEY, MAX_BODY, SENT_KEY, STATS_KEY, AccessRules, RequestGate, RequestLog, make_auth
 from .worker import Worker
 
 ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in a JSON body
@@ -103,8 +104,10 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+    async def _http_error(request, e):  # routing's own answers (404, 405 with its Allow header), as JSON
+        r = APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+        r.headers.update(e.headers or {})
+        return r
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e):
@@ -193,6 +196,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         second while tokens flow, and while waiting) cancels the job."""
         while True:
             now = time.monotonic()
+            state = request.scope.setdefault("state", {})  # what the request's log line tells
             if poll and now - job.checked > 0.2:
                 job.checked = now
                 if await request.is_disconnected():
@@ -202,10 +206,15 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
                 ev = await asyncio.wait_for(job.events.get(), 0.2)
             except asyncio.TimeoutError:
                 continue
-            if ev[0] == "end":  # for the request's log line
-                request.scope.setdefault("state", {})[STATS_KEY] = ev[1]["stats"]
-            elif ev[0] == "error" and getattr(ev[1], "code", None) == "server_shutting_down":
-                request.scope.setdefault("state", {})[CUT_KEY] = ev[1].message  # why, in its log line
+            if ev[0] == "start":  # from here a request that gets no "end" was cut short: its tokens are counted
+                state[SENT_KEY] = 0
+            elif ev[0] == "token" and ev[2] is not None:
+                state[SENT_KEY] = state.get(SENT_KEY, 0) + 1
+            elif ev[0] == "end":
+                state[STATS_KEY] = ev[1]["stats"]
+            elif ev[0] == "error":  # why, in its log line
+                why = getattr(ev[1], "message", str(ev[1]))
+                state[CUT_KEY] = why if getattr(ev[1], "code", None) == "server_shutting_down" else f"error: {why}"
             return ev
 
     ctx = ServerContext(worker, auth, parse, model_id, next_event)
@@ -237,4 +246,7 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
         return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None,
                 "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize, "batch": worker.batch_summary()}
 
+    for route in app.routes:  # HEAD wherever GET (clients probe URLs with it): the GET's answer without a body
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
     return app

@@ -7,11 +7,10 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List, Optional
 
 from mlx_dflash.models.discovery import discover
-from mlx_dflash.models.model_names import find
+from mlx_dflash.models.model_names import find_listed, same_path
 from mlx_dflash.models.settings_checks import check_settings
 from mlx_dflash.settings.schema import GlobalSettings
 
@@ -48,6 +47,11 @@ class Catalog:
     def check(self, model_id: str, settings) -> None:
         """SettingsError if these settings cannot be loaded (checked without loading)."""
 
+    def explicit_max_tokens(self, model_id: str) -> Optional[int]:
+        """The max_tokens a user set for the model (None: not set). A catalog of
+        fixed settings cannot tell: their value counts as set."""
+        return self.settings(model_id).max_tokens
+
     def prompt_cache_bytes(self) -> int:
         return GlobalSettings().prompt_cache_mb << 20
 
@@ -76,20 +80,14 @@ class ManagerCatalog(Catalog):
         return resolve(None, self.store).id
 
     def find(self, name: str, served: Optional[str] = None) -> Optional[str]:
-        """The id of the target `name` refers to, by the resolution every command
-        uses (model_names.find: exact id, any case, ORG/NAME for NAME, a model's folder);
-        None for a name no model here has. A folder path is taken only when it is a
-        listed model's folder or the served one: a client must not make the server
-        read folders of its choosing. A drafter or other non-target: ValueError."""
-        entries = discover(self.store)
-        if name.startswith((".", "/", "~", "\\")) or Path(name).expanduser().exists():  # a path (as find sees it)
-            want = Path(name).expanduser().resolve()
-            if served is not None and Path(served).expanduser().resolve() == want:
-                return served
-            hits = [e for e in entries if Path(e.path).resolve() == want]
-            e = hits[0] if hits else None
-        else:
-            e = find(name, entries, self.store)
+        """The id of the target `name` refers to: one of the names the server lists
+        (model_names.find_listed: exact id, any case, ORG/NAME for NAME) or the folder
+        it serves; None for any other name. A client's name never reaches the
+        filesystem: no stat of paths of its choosing, whatever their length. A
+        drafter or other non-target: ValueError."""
+        if served is not None and name.startswith((".", "/", "~", "\\")) and same_path(name, served):
+            return served
+        e = find_listed(name, discover(self.store))
         if e is None:
             return None
         if e.kind != "target":
@@ -99,6 +97,15 @@ class ManagerCatalog(Catalog):
 
     def settings(self, model_id: str):
         return self.store.model(model_id)
+
+    def explicit_max_tokens(self, model_id: str) -> Optional[int]:
+        """The max_tokens a user set for `model_id` (None: not set; a request without
+        one then gets the room left in the context, prompt_ids.max_new_tokens)."""
+        try:
+            v = self.store.explicit(model_id).get("max_tokens")
+        except ValueError:  # an unreadable settings file: as unset
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
     def check(self, model_id: str, settings) -> None:
         """The checks `settings set` and load_model make against the model files (the

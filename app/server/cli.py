@@ -29,39 +29,43 @@ CALIBRATION_TEMP = re.compile(r"^.+\.\d+\.tmp$")  # calibrate._write's NAME.PID.
 def add_parser(sub):
     p = sub.add_parser("serve", help="run a local OpenAI-compatible server")
     p.add_argument("--model", default=None,
-                   help="model id (or folder) to load at start and use by default (see `mlx-dflash models list`)")
-    p.add_argument("--host", default=None, help="address to listen on (default from settings: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default from settings: 8000)")
+                   help="The model to load at start and answer with by default: an id from `mlx-dflash models list`, or a "
+                        "folder (default: the default model).")
+    p.add_argument("--host", default=None, help="The address to listen on (default from settings: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=None, help="The port to listen on (default from settings: 8000).")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help=f"require this API key (first line of FILE) as 'Authorization: Bearer KEY' or "
-                        f"'x-api-key: KEY' (default: ${KEY_ENV}, else settings api_key, else none)")
+                   help=f"Require the API key on the first line of FILE, sent as 'Authorization: Bearer KEY' or "
+                        f"'x-api-key: KEY' (default: ${KEY_ENV}, else the api_key setting, else no key).")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: it would show in `ps`
     p.add_argument("--cors", nargs="+", default=None, metavar="ORIGIN",
-                   help="web pages (origins such as http://localhost:3000) allowed to call the server from a "
-                        "browser; '*' for any (default from settings: none)")
+                   help="Web pages (origins such as http://localhost:3000) that may call the server from a "
+                        "browser; '*' allows any (default from settings: none).")
     p.add_argument("--allowed-hosts", nargs="+", default=(), metavar="NAME",
-                   help="extra names clients may reach the server by (Host header; '*.example.org' for a domain, "
-                        "'*' for any); IP addresses, localhost and this machine's name always work")
-    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait for the worker (default 8)")
+                   help="Other names clients may reach the server by, as their Host header says ('*.example.org' "
+                        "for a domain, '*' for any). IP addresses, localhost and this machine's name always work.")
+    p.add_argument("--queue-size", type=int, default=8, help="How many requests may wait for the worker; past that, a request is answered 429 "
+                        "(default 8).")
     p.add_argument("--max-batch", default=None, metavar="auto|N",
-                   help="requests decoded together, DFlash in the batch: 1..64 (1: one at a time) or auto, the "
-                        "largest size that still pays on this machine, measured once per model (default from "
-                        "settings: auto)")
+                   help="How many requests are decoded together, with DFlash in the batch: 1..64 (1: one at a time), "
+                        "or auto: the largest size that still pays on this machine, measured once per model "
+                        "(default from settings: auto).")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
-                   help="on Ctrl-C, how long running generations may go on before they are stopped (default 10)")
+                   help="On Ctrl-C, how long running generations may go on before they are stopped (default 10).")
     p.add_argument("--strict-models", action="store_true",
-                   help="answer 404 to a request naming a model this server does not have (default: such "
-                        "requests, e.g. a client's own default name, are answered by the default model)")
+                   help="Answer 404 to a request that names a model this server does not have. Without it, such a "
+                        "request (a client's own default name, say) is answered by the default model.")
     p.add_argument("--header-timeout", type=float, default=HEAD_TIMEOUT_S, metavar="SECONDS",
-                   help=f"close a connection whose request headers are not complete this long after it opened "
-                        f"(default {HEAD_TIMEOUT_S:g})")
+                   help=f"Close a connection whose request headers are not complete this long after it opened "
+                        f"(default {HEAD_TIMEOUT_S:g}).")
     p.add_argument("--keep-alive", type=float, default=KEEP_ALIVE_S, metavar="SECONDS",
-                   help=f"close a connection idle this long between requests (default {KEEP_ALIVE_S:g})")
-    p.add_argument("--quiet", action="store_true", help="no log line per request")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+                   help=f"Close a connection that stays idle this long between requests (default {KEEP_ALIVE_S:g}).")
+    p.add_argument("--quiet", action="store_true", help="Write no log line per request.")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="How much the HTTP server (uvicorn) itself logs (default warning).")
     p.add_argument("--split", default="auto", choices=("auto", "tensor", "pipeline"),
-                   help="under mlx.launch: how the target is split over the ranks (default auto: tensor "
-                        "parallelism where mlx-lm has it for the family, else pipeline); rank 0 serves")
+                   help="Under mlx.launch: how the target is split over the ranks (default auto: tensor "
+                        "parallelism where mlx-lm has it for the family, else pipeline). Rank 0 answers the "
+                        "requests; the other ranks compute their part of each step.")
 
 
 def api_key(args, settings_key: Optional[str]) -> Optional[str]:

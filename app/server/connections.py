@@ -7,6 +7,7 @@ requests while idle sockets hold every slot)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import h11
@@ -38,6 +39,15 @@ class Connection(H11Protocol):
                 self._arm()
         else:
             self._disarm()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a head over MAX_HEAD_BYTES, a malformed line):
+        answered in the API's JSON error format, as every other error, not h11's text."""
+        body = json.dumps({"error": {"message": f"invalid HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_http_request"}}).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self._disarm()

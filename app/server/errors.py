@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Optional
@@ -31,13 +32,23 @@ class APIError(Exception):
 _PATH = re.compile(r"(?<![\w.~/-])(~|/[^\s'\"`/:,;()<>\[\]{}]+)((?:/[^\s'\"`/:,;()<>\[\]{}]*)+)")
 
 
+@functools.lru_cache(maxsize=1)
+def _top_folders() -> frozenset:
+    """The folders at the filesystem's root, read once: a message may quote any path
+    (a client's model name among them), and none of it is looked up on disk."""
+    try:
+        return frozenset(e.name for e in os.scandir("/") if e.is_dir())
+    except OSError:
+        return frozenset()
+
+
 def scrub_paths(text: str) -> str:
     """`text` without this machine's folder names (an error a client sees may
     quote a path): /Users/me/models/x/config.json -> .../config.json. Only paths
     under a top-level folder that exists here, so URL paths (/v1/models) stay."""
     def short(m):
         root = m.group(1)
-        if root != "~" and not os.path.isdir(root):
+        if root != "~" and root[1:] not in _top_folders():
             return m.group(0)
         tail = m.group(2).rstrip("/").rsplit("/", 1)[-1]
         return ".../" + tail if tail else "..."

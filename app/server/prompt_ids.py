@@ -65,6 +65,25 @@ def vocab_size(lm) -> Optional[int]:
     return int(n) if isinstance(n, int) else None
 
 
+def max_new_tokens(asked: Optional[int], n_prompt: int, ctx: Optional[int], cap: Optional[int],
+                   default: int) -> int:
+    """How many tokens a request may generate, as the APIs decide it: what the client
+    asked for (`asked`), else the room left in the context (`ctx`: the model's own
+    limit, from its config) capped by the server's max_tokens setting only where a
+    user set one (`cap`); never past the end of the context (finish_reason "length").
+    A model whose config says no context gets `cap`, else the settings' `default`."""
+    room = None if ctx is None else max(1, ctx - n_prompt)
+    want = asked if asked is not None else cap
+    if want is None:
+        return room if room is not None else default
+    return want if room is None else max(1, min(want, room))
+
+
+def user_cap(catalog, model_id: str) -> Optional[int]:
+    """The max_tokens setting of `model_id` where a user set one, else None (catalog.Catalog)."""
+    return catalog.explicit_max_tokens(model_id)
+
+
 def limit(job: Job, lm) -> Optional[int]:
     """The most prompt tokens `job` may have (None: any, e.g. a token count)."""
     return None if job.kind == "count" else context_limit(lm.model)

@@ -35,6 +35,7 @@ MAX_BODY = 64 << 20  # bytes; far above any context this runs
 LARGE_BODY = 8 << 20  # bytes: after a request this large, freed memory is handed back to the system
 STATS_KEY = "mlx_dflash.engine.stats"  # scope["state"] entry: the request's GenerationStats, for the log line
 CUT_KEY = "mlx_dflash.cut"  # scope["state"] entry: why the server stopped the request (shutdown), for the log line
+SENT_KEY = "mlx_dflash.sent"  # scope["state"] entry: tokens sent so far (the log line of a request cut short)
 
 
 @dataclass
@@ -105,10 +106,12 @@ class RequestLog:
     def begin(self, scope, t0: float) -> None:
         self.open[id(scope)] = (scope["method"], scope["path"], t0)
 
-    def end(self, scope, status, stats, t0: float, why: str = "") -> None:
+    def end(self, scope, status, stats, t0: float, why: str = "", sent: Optional[int] = None) -> None:
+        """`sent`: the tokens sent before the request was cut short (no stats then)."""
         if self.open.pop(id(scope), None) is None:
             return  # already logged (cut by the shutdown)
-        extra = f" tokens={stats.generation_tokens} tau={stats.tau:.2f}" if stats is not None else ""
+        extra = f" tokens={stats.generation_tokens} tau={stats.tau:.2f}" if stats is not None else \
+            f" tokens={sent}" if sent is not None else ""
         self._line(scope["method"], scope["path"], status or 499, extra + (f" ({why})" if why else ""), t0)
 
     def cut_open(self, why: str) -> None:
@@ -175,7 +178,8 @@ class RequestGate:
                 return await _preflight(send_, scope, origin, self.policy)
             await self.app(scope, self._counted(scope, receive, send_, seen), send_)
         finally:
-            self.log.end(scope, seen["status"], state.get(STATS_KEY), t0, state.get(CUT_KEY, ""))
+            why = state.get(CUT_KEY) or ("client left" if SENT_KEY in state and STATS_KEY not in state else "")
+            self.log.end(scope, seen["status"], state.get(STATS_KEY), t0, why, state.get(SENT_KEY))
             length = _header(scope, b"content-length")
             if length is not None and length.strip().isdigit() and int(length) >= LARGE_BODY:
                 release_memory()

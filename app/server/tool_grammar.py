@@ -1,18 +1,19 @@
 """Tool calls the client can run. Once the model opens a call (the tokenizer's
 tool-call start marker, as it chose to), the call is decoded under a grammar:
 a JSON object whose `name` is one of the offered tools and whose `arguments`
-fit that tool (`_arguments`: its keys and their value schemas when its schema
-allows no other keys, its whole schema when the client marked it `strict`, any
-JSON object otherwise), then the end marker. Before and after a call the model's
-text is untouched; inside one, each token is drawn from the model's
-distribution restricted to tokens that keep the call valid (llama.cpp's lazy
-tool grammar). A call the model writes validly is kept as written (any JSON
-layout, keys in any order); one that would name a tool the client does not
-have, repeat or invent a key, or never close its JSON, becomes a call the
-client can run, instead of text that is neither.
+fit that tool's parameters schema as JSON Schema means it (tool_schema.py:
+llguidance compiles the schema itself), then the end marker. Before and after
+a call the model's text is untouched; inside one, each token is drawn from the
+model's distribution restricted to tokens that keep the call valid (llama.cpp's
+lazy tool grammar). A call the model writes validly is kept as written (any
+JSON layout; declared keys in the schema's order, as llguidance writes objects);
+one that would name a tool the client does not have, leave out a required key,
+add a key the schema does not allow, or never close its JSON, becomes a call
+the client can run, instead of text that is neither.
 
 The grammar covers the JSON-in-tags format (mlx-lm's json_tools parser: Qwen,
-Hermes) with single-token markers; other formats decode as the model writes.
+Hermes) and Qwen3-Coder's XML (xml_grammar.py: the same rules in its own syntax),
+with single-token markers; other formats decode as the model writes.
 Setting `tool_grammar` off (per model) leaves every call as written."""
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ except ImportError:  # (a dependency; where its wheel is missing, calls are serv
     llguidance = None
 
 from .structured import common_prefix, ll_tokenizer, masked
+from .tool_schema import WS, arguments
 from .tools import GenRequest, forced_name, forced_prefix, parser_name, template_tools
+from .xml_grammar import call_grammar as xml_call_grammar
 
 
 def _marker_id(tok, marker: Optional[str]) -> Optional[int]:
@@ -46,8 +49,8 @@ def unsupported(tok) -> Optional[str]:
         return "llguidance is not installed (pip install llguidance)"
     if not getattr(tok, "has_tool_calling", False):
         return "the model has no tool-call format"
-    if parser_name(tok) != "json_tools":
-        return f"its tool-call format ({parser_name(tok)}) is not JSON in tags"
+    if parser_name(tok) not in FORMATS:
+        return f"its tool-call format ({parser_name(tok)}) has no grammar here (JSON in tags and Qwen3-Coder's XML do)"
     if _marker_id(tok, tok.tool_call_start) is None or _marker_id(tok, tok.tool_call_end) is None:
         return "its tool-call markers are not single tokens"
     return None
@@ -58,87 +61,33 @@ def _lit(s: str) -> str:
     return json.dumps(json.dumps(s, ensure_ascii=False))
 
 
-def _compiles(schema) -> bool:
-    try:
-        return not llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
-    except Exception:  # a schema the compiler refuses
-        return False
-
-
-# between JSON tokens: nothing, a space, or a line break and its indent, as JSON is written
-# compact, spaced or pretty-printed; not runs of blank lines (a weak model loops on them)
-WS = r"( |\n[ \t]{0,32})"
-ANY_ORDER = 6  # up to this many properties, keys in any order (2^n grammar states); past it, the schema's order
-
-
-def _json(schema: dict) -> str:
-    """A Lark rule body for a JSON value of `schema`, with the call's whitespace."""
-    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": WS + "?"}})
-
-
-def _arguments(fn: dict, rule: str) -> List[str]:
-    """Lark rules for a tool's arguments, `rule` first. A strict tool: its schema.
-    A schema that lists its properties and allows no others: an object of those
-    keys, each at most once and the required ones all, each value by its own
-    schema, in any order (as the model writes them; past ANY_ORDER keys, in the
-    schema's order); else any JSON object."""
-    schema = fn.get("parameters")
-    if not isinstance(schema, dict):
-        return [f"{rule}: {_json({'type': 'object'})}"]
-    if fn.get("strict") is True and _compiles(schema):
-        return [f"{rule}: {_json(schema)}"]
-    props = schema.get("properties")
-    if not (isinstance(props, dict) and props and schema.get("additionalProperties", True) is False):
-        return [f"{rule}: {_json({'type': 'object'})}"]
-    keys = list(props)
-    need = {i for i, k in enumerate(keys) if k in (schema.get("required") or [])}
-    rules = []
-    for j, key in enumerate(keys):
-        sub = props[key]
-        ok = isinstance(sub, dict) and "$ref" not in json.dumps(sub) and _compiles(sub)
-        rules.append(f"{rule}_p{j}: {_lit(key)} ws \":\" ws {rule}_v{j}")
-        rules.append(f"{rule}_v{j}: {_json(sub if ok else {})}")
-
-    def rest(state, nxt, done) -> str:  # after the pairs of `state`: another pair, or the end when `done`
-        alts = [f'ws "," ws {rule}_p{j} {rule}_r{s}' for j, s in nxt]
-        return f"{rule}_r{state}: " + " | ".join(alts + (['""'] if done else []))
-
-    if len(keys) <= ANY_ORDER:  # a state per set of keys used
-        full = (1 << len(keys)) - 1
-        for m in range(1, full + 1):
-            used = {i for i in range(len(keys)) if m >> i & 1}
-            nxt = [(j, m | 1 << j) for j in range(len(keys)) if j not in used]
-            rules.append(rest(m, nxt, need <= used))
-        first = [f"{rule}_p{j} {rule}_r{1 << j}" for j in range(len(keys))]
-    else:  # a state per last key used: later keys only, none required skipped
-        def after(i):
-            return [(j, j) for j in range(i + 1, len(keys)) if not any(r in need for r in range(i + 1, j))]
-        for i in range(len(keys)):
-            rules.append(rest(i, after(i), not any(r > i for r in need)))
-        first = [f"{rule}_p{j} {rule}_r{j}" for j, _ in after(-1)]
-    empty = [] if need else ['""']
-    return [f'{rule}: "{{" ws ({" | ".join(first + empty)}) ws "}}"'] + rules
-
-
 def grammar(tok, tools: List[dict]) -> str:
     """The llguidance (Lark) grammar of what follows the start marker: one call to
-    one of `tools` (OpenAI-style function tools), then the end marker."""
-    return _grammar(_marker_id(tok, tok.tool_call_end), json.dumps(tools, sort_keys=True))
+    one of `tools` (OpenAI-style function tools) in the tokenizer's format, then the end marker."""
+    # (the tools in order: keys go in the schema's order)
+    return _grammar(parser_name(tok), _marker_id(tok, tok.tool_call_end), json.dumps(tools))
 
 
 @lru_cache(maxsize=16)  # an agent sends the same tools with every request
-def _grammar(end: int, tools_json: str) -> str:
+def _grammar(fmt: str, end: int, tools_json: str) -> str:
+    return FORMATS[fmt](json.loads(tools_json), end)
+
+
+def json_call_grammar(tools: List[dict], end: int) -> str:
+    """JSON in tags (mlx-lm's json_tools parser): {"name": ..., "arguments": {...}}."""
     rules, alts = [], []
-    for i, t in enumerate(json.loads(tools_json)):
+    for i, t in enumerate(tools):
         fn = t["function"]
         alts.append(f"c{i}")
         name, args = f'"\\"name\\"" ws ":" ws {_lit(fn["name"])}', f'"\\"arguments\\"" ws ":" ws a{i}'
         rules.append(f'c{i}: {name} ws "," ws {args} | {args} ws "," ws {name}')  # either order parses
-        rules += _arguments(fn, f"a{i}")
+        rules.append(f"a{i}: {arguments(fn)}")
     head = [f'start: NL? "{{" ws ({" | ".join(alts)}) ws "}}" NL? <[{end}]>', "ws: WS?", f"WS: /{WS}/",
             'NL: "\\n"']
     return "\n".join(head + rules)
+
+
+FORMATS = {"json_tools": json_call_grammar, "qwen3_coder": xml_call_grammar}  # mlx-lm parser -> call grammar
 
 
 # (id of the llguidance tokenizer, grammar) -> (that tokenizer, kept alive so its id stays

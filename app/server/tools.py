@@ -86,6 +86,8 @@ def forced_prefix(req: GenRequest, tok) -> str:
     name = forced_name(req.tool_choice)
     if name and parser_name(tok) == "json_tools":  # the format is known: name the function too
         prefix += "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+    elif name and parser_name(tok) == "qwen3_coder":
+        prefix += f"\n<function={name}>\n"
     return prefix
 
 

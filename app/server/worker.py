@@ -27,7 +27,7 @@ from mlx_dflash.target.adapter import Target
 from .catalog import Counters, Job, context_limit
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
-from .prompt_ids import prompt_ids, text_chars, too_long
+from .prompt_ids import max_new_tokens, prompt_ids, text_chars, too_long, user_cap
 from .reasoning import ThinkStream, opens_thinking
 from .tool_grammar import call_grammar
 from .tools import ToolStream, template_tools
@@ -332,9 +332,8 @@ class Worker:
         ctx = context_limit(lm.model)
         if ctx is not None and len(ids) >= ctx:
             raise too_long(len(ids), ctx, job)
-        max_tokens = req.limit()
-        if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
-            max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
+        max_tokens = max_new_tokens(req.limit(), len(ids), ctx, user_cap(self.catalog, lm.id),
+                                    settings.max_tokens)
         fallback = fallback_reason(req)
         n_lp = req.n_logprobs()
 
@@ -343,7 +342,7 @@ class Worker:
                 job.send("progress", done, total)
 
         n_vocab = Target(lm.model).vocab_size
-        procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens or settings.max_tokens)
+        procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens)
         if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and engine.processors:
             calls = call_grammar(req, tok, n_vocab, ids)
             if calls is not None:

@@ -3,7 +3,34 @@ the streamed text."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import weakref
+from typing import Callable, List, Optional, Sequence, Tuple
+
+REPLACEMENT = "\ufffd"  # the text of an id the tokenizer has none for (Unicode's replacement character)
+_TEXTLESS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def textless(tokenizer) -> Callable[[int], bool]:
+    """Whether an id has no text in `tokenizer`: past its vocabulary (a model's vocabulary
+    is often padded past its tokenizer's) or a hole in it. mlx-lm's detokenizers fail on
+    such an id (TypeError, IndexError) or write "!" for it. Computed once per tokenizer."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return _TEXTLESS[hf]
+    except (KeyError, TypeError):
+        pass
+    ids = set(hf.get_vocab().values())
+    n = max(ids, default=-1) + 1
+    holes = frozenset(range(n)) - ids
+
+    def no_text(token: int) -> bool:
+        return token >= n or token < 0 or token in holes
+
+    try:
+        _TEXTLESS[hf] = no_text
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return no_text
 
 
 class Emitter:
@@ -18,6 +45,7 @@ class Emitter:
         self.detok = tokenizer.detokenizer if tokenizer is not None else None
         if self.detok is not None:
             self.detok.reset()
+            self.no_text = textless(tokenizer)
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.max_tokens = max_tokens
@@ -35,8 +63,12 @@ class Emitter:
             return self._final("stop")
         self.tokens.append(token)
         if self.detok is not None:
-            self.detok.add_token(token)
-            self.buf += self.detok.last_segment
+            if self.no_text(token):  # counted, and shown as what it is: a token with no text
+                self.detok.finalize()  # (the text before it first, whole)
+                self.buf += self.detok.last_segment + REPLACEMENT
+            else:
+                self.detok.add_token(token)
+                self.buf += self.detok.last_segment
         if self.stop:
             # a stop string ending in the new text starts within the held-back tail
             hits = [i for i in (self.buf.find(s) for s in self.stop) if i >= 0]

@@ -6,6 +6,7 @@ id, or the folder name of a model kept as ORG/NAME elsewhere. Never downloads
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,13 @@ def find(name: str, entries: list, store) -> Optional[ModelEntry]:
         if e.kind == "target":
             e.compatible_drafters = compatible_drafters(e, entries)
         return e
+    return find_listed(name, entries)
+
+
+def find_listed(name: str, entries: list) -> Optional[ModelEntry]:
+    """The model among `entries` whose id `name` spells (exactly, any case, ORG/NAME
+    for NAME or NAME for ORG/NAME), None if none; never touches the filesystem (the
+    server matches clients' names with it: a client must not make it stat paths)."""
     for e in entries:
         if e.id == name:
             return e
@@ -62,6 +70,15 @@ def find(name: str, entries: list, store) -> Optional[ModelEntry]:
     if len(hits) > 1:
         raise SettingsError(f"'{name}' could be {' or '.join(e.id for e in hits)}; use one of these ids")
     return hits[0] if hits else None
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether two spellings of a path name the same place, by their text alone
+    (`~` expanded, made absolute, `..` folded): no filesystem access."""
+    def norm(p: str) -> str:
+        return os.path.normpath(os.path.abspath(os.path.expanduser(p)))
+
+    return norm(a) == norm(b)
 
 
 def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
@@ -80,7 +97,7 @@ def resolve(model_id: Optional[str], store: Optional[SettingsStore] = None,
     if model_id == "embedded/target":
         raise HubError(f"the embedded default model is missing from {default_pair()[0]}; "
                        "reinstall mlx-dflash or pass a model id (mlx-dflash models list)")
-    if _is_repo_id(model_id) and download:
+    if _is_repo_id(model_id) and download and not _near(model_id, entries):  # (a near miss: a typo, not a repo)
         try:
             path = resolve_path(model_id, "model")  # the hub's cache, or a download
         except HubError as err:  # the same message as without download, and what the fetch said
@@ -105,9 +122,12 @@ def _unknown(what: str, name: str, entries: list) -> SettingsError:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:  # meant as a path
         return SettingsError(f"{what} folder {name} does not exist; pass a folder that holds config.json, "
                              "or an id from `mlx-dflash models list`")
+    near = _near(name, entries)
+    if near:  # a near miss of a name here: a typo, not a model to download
+        return SettingsError(f"unknown {what} '{name}'{near}")
     hint = (f"download it with `mlx-dflash models pull {name}`" if _is_repo_id(name)
             else "see `mlx-dflash models list`")
-    return SettingsError(f"unknown {what} '{name}'{_near(name, entries)}; {hint}")
+    return SettingsError(f"unknown {what} '{name}'; {hint}")
 
 
 def _near(name: str, entries: list) -> str:

@@ -14,7 +14,8 @@ Users edit the file in place too, and an editor's save is not atomic: a reader
 may see it half-written. So a file that does not parse is read again once it
 has settled (size and mtime unchanged for SETTLE seconds) before it is called
 unreadable, and it is never moved away (the rest of the user's write would go
-into the backup): it is copied to a named backup (never overwritten), and the
+into the backup): it is copied to a named backup (never overwritten; one per content,
+across commands: a later command finds the copy and names it), and the
 last good settings this store read stay in use (the defaults when it read none),
 with one line naming both files; the next write replaces it. Reads are cached by
 the file's (mtime, size, inode), so a long-running server re-reads the file only
@@ -186,6 +187,23 @@ class SettingsStore:
             backup = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
         return backup
 
+    def _kept_copy(self, data: bytes) -> Optional[Path]:
+        """An earlier backup of this file with exactly `data` in it, if any."""
+        try:
+            names = os.listdir(self.path.parent)
+        except OSError:
+            return None
+        for name in sorted(names):
+            if not name.startswith(f"{self.path.name}.corrupt-"):
+                continue
+            p = self.path.parent / name
+            try:
+                if p.stat().st_size == len(data) and p.read_bytes() == data:
+                    return p
+            except OSError:
+                continue
+        return None
+
     def _back_up(self, why: str, data: bytes, keep: bool) -> None:
         """Copy the unreadable file (its bytes as read: `data`) to a named backup, once
         per content, and say so in one line. The file itself stays: an editor may
@@ -194,6 +212,11 @@ class SettingsStore:
         if key in self._backed_up:
             return
         self._backed_up.add(key)
+        using = "still using the settings read before" if keep else "using the defaults"
+        kept = self._kept_copy(data)
+        if kept is not None:  # copied by an earlier command: one copy per content, not one per command
+            _warn(f"settings file {self.path} is unreadable ({why}); a copy is in {kept}; {using} until it is fixed")
+            return
         backup = self._backup_path()
         try:
             with open(backup, "xb") as f:
@@ -201,7 +224,6 @@ class SettingsStore:
         except OSError as e:
             raise CorruptSettings(f"settings file {self.path} is unreadable ({why}) and cannot be copied "
                                   f"aside ({e.strerror}); move or delete it by hand") from None
-        using = "still using the settings read before" if keep else "using the defaults"
         _warn(f"settings file {self.path} is unreadable ({why}); copied it to {backup}; {using} "
               "until it is fixed")
 
