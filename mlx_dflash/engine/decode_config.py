@@ -10,10 +10,9 @@ from typing import Callable, List, Optional, Sequence
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from ..policy.registry import MODES, fit_block_size, plan
+from ..settings.schema import check_decode_fields
 from .sampling import SamplingParams
 
-KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths
-KV_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
@@ -62,21 +61,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.verify_mode not in MODES:
             raise ValueError(f"unknown verify mode '{self.verify_mode}'; valid: {', '.join(MODES)}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block size must be >= 1, got {self.block_size}")
         self.sampling()  # validates temperature, top_p, top_k, min_p
-        if self.drafter_window is not None and self.drafter_window < 1:
-            raise ValueError(f"drafter_window must be >= 1 (or None: unbounded), got {self.drafter_window}")
-        if self.drafter_sink < 0:
-            raise ValueError(f"drafter_sink must be >= 0, got {self.drafter_sink}")
-        if self.kv_bits not in KV_BITS:
-            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}")
-        if self.kv_group_size not in KV_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
-        if self.quantized_kv_start < 0:
-            raise ValueError(f"quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+        check_decode_fields(self)  # the checks the model settings make of the same fields
         if self.prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
 

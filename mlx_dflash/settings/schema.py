@@ -117,20 +117,29 @@ LONG_CONTEXT_KEYS = {
     "quantized_kv_start": "quantized_kv_start",
 }
 MODEL_KEYS.update(LONG_CONTEXT_KEYS)
-KV_BITS = (None, 4, 8)
 
 
-def check_long_context(s: "ModelSettings") -> None:
-    if s.drafter_window is not None and s.drafter_window < 1:
-        raise SettingsError(f"drafter.window must be >= 1 (or none: unbounded), got {s.drafter_window}")
-    if s.drafter_sink < 0:
-        raise SettingsError(f"drafter.sink must be >= 0, got {s.drafter_sink}")
-    if s.kv_bits not in KV_BITS:
-        raise SettingsError(f"kv_bits must be none, 4 or 8, got {s.kv_bits}")
-    if s.kv_group_size not in GROUP_SIZES:
-        raise SettingsError(f"kv_group_size must be 32, 64 or 128, got {s.kv_group_size}")
-    if s.quantized_kv_start < 0:
-        raise SettingsError(f"quantized_kv_start must be >= 0, got {s.quantized_kv_start}")
+# The fields a model's settings and a request's decode config (engine/decode_config.py) share:
+# one check each, so a setting never holds a value generation refuses, nor the reverse.
+KV_BITS = (None, 2, 3, 4, 5, 6, 8)  # mx.quantize's widths (mlx-lm's kv_bits)
+DECODE_CHECKS = {
+    "max_tokens": (lambda v: v >= 1, "must be >= 1"),
+    "block_size": (lambda v: v is None or v >= 1, "must be >= 1"),
+    "drafter_window": (lambda v: v is None or v >= 1, "must be >= 1 (or none: unbounded)"),
+    "drafter_sink": (lambda v: v >= 0, "must be >= 0"),
+    "kv_bits": (lambda v: v in KV_BITS, "must be none or one of 2, 3, 4, 5, 6, 8"),
+    "kv_group_size": (lambda v: v in GROUP_SIZES, "must be 32, 64 or 128"),
+    "quantized_kv_start": (lambda v: v >= 0, "must be >= 0"),
+}
+
+
+def check_decode_fields(values, label=lambda field: field) -> None:
+    """ValueError (one line, the field named by `label`) for the first shared
+    field of `values` (an object with those attributes) that fails its check."""
+    for field, (ok, what) in DECODE_CHECKS.items():
+        v = getattr(values, field)
+        if not ok(v):
+            raise ValueError(f"{label(field)} {what}, got {v}")
 
 
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
@@ -231,8 +240,6 @@ def check_model(s: ModelSettings) -> None:
     modes = verify_modes()
     if s.verify_mode not in modes:
         raise SettingsError(f"unknown verify mode '{s.verify_mode}'; valid: {', '.join(modes)}")
-    if s.block_size < 1:
-        raise SettingsError(f"block_size must be >= 1, got {s.block_size}")
     if s.drafter_quant_bits not in QUANT_BITS:
         raise SettingsError(f"drafter.quant_bits must be none, 4 or 8 (or auto), got {s.drafter_quant_bits}")
     if s.drafter_quant_group_size not in GROUP_SIZES:
@@ -251,11 +258,12 @@ def check_model(s: ModelSettings) -> None:
         SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p)
     except ValueError as e:
         raise SettingsError(str(e)) from None
-    if s.max_tokens < 1:
-        raise SettingsError(f"max_tokens must be >= 1, got {s.max_tokens}")
     if s.max_context < 1:
         raise SettingsError(f"max_context must be >= 1, got {s.max_context}")
-    check_long_context(s)
+    try:
+        check_decode_fields(s, lambda field: FIELD_TO_KEY[field])
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
 
 
 def check_global(g: GlobalSettings) -> None:
