@@ -23,6 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import rollback as rb
+from . import verify_attention as va
+from .rebind import forward_with, uses
 
 
 class TargetError(ValueError):
@@ -99,6 +101,7 @@ class _State:
         self.want: set = set()  # the layers whose outputs this forward keeps
         self.feats: Optional[dict] = None  # layer index -> output
         self.stop: Optional[int] = None  # raise _Stop after this layer (training features)
+        self.verify = False  # attention modules run verify_attention's form where it pays
 
 
 class _Tap:
@@ -123,6 +126,25 @@ class _Tap:
 
 class _Stop(Exception):
     pass
+
+
+class _Attention:
+    """Stands in for a decoder layer's attention module in a view: the module
+    itself, or during a verify forward (state.verify) the same forward on a
+    copy of it that calls verify_attention.attention where its code calls
+    mlx-lm's scaled_dot_product_attention."""
+
+    NAME = "scaled_dot_product_attention"
+
+    def __init__(self, module, state: _State):
+        self._module, self._state = module, state
+        self._verify = forward_with(copy.copy(module), {self.NAME: va.attention})
+
+    def __call__(self, *args, **kwargs):
+        return (self._verify if self._state.verify else self._module)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _Counting:
@@ -316,12 +338,14 @@ class Target:
         for i, n in self._mixers:
             mixers.setdefault(i, []).append(n)
         for i, layer in enumerate(self.layers):
-            entry = layer
-            if i in mixers:
-                entry = copy.copy(layer)
-                for n in mixers[i]:
-                    entry[n] = rb.Mixer(layer[n])
-                    recorders.append(entry[n])
+            attn = [n for n, m in layer.children().items()
+                    if isinstance(m, nn.Module) and n not in mixers.get(i, ()) and uses(m, [_Attention.NAME])]
+            entry = copy.copy(layer) if i in mixers or attn else layer
+            for n in mixers.get(i, ()):
+                entry[n] = rb.Mixer(layer[n])
+                recorders.append(entry[n])
+            for n in attn:
+                entry[n] = _Attention(layer[n], self._state)
             lst[pos[i]] = _Tap(entry, i, self._state)
         return view.root, recorders
 
@@ -405,12 +429,13 @@ class Target:
         return rb.selectable(rec)
 
     # -- the forward -----------------------------------------------------------------
-    def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None):
+    def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None,
+             verify: bool = False):
         """The model's own forward through this session's view, keeping the
         outputs of the layers in `want` and recording the recurrent mixers'
-        calls into `sink`."""
+        calls into `sink`; `verify`: attention in verify_attention's form."""
         st = self._state
-        st.feats, st.want, st.stop = {}, set(want), stop
+        st.feats, st.want, st.stop, st.verify = {}, set(want), stop, verify
         for m in self._recorders:
             m.sink = sink
         logits = None
@@ -419,7 +444,7 @@ class Target:
         except _Stop:
             pass
         finally:
-            feats, st.feats, st.want, st.stop = st.feats, None, set(), None
+            feats, st.feats, st.want, st.stop, st.verify = st.feats, None, set(), None, False
             for m in self._recorders:
                 m.sink = None
         return logits, feats
@@ -434,6 +459,16 @@ class Target:
 
     def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
         """tokens [B, L] -> (logits [B, L, V], features [B, L, len(capture)*H] or None)."""
+        return self._forward(tokens, cache, capture, False)
+
+    def verify_forward(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
+        """`__call__` for a verify (a few new rows over a cached context): the
+        same forward, with attention in verify_attention's split form where that
+        is faster (a long context on the CPU); equal to `__call__` within float
+        rounding (the same sums in another order), its exact logits elsewhere."""
+        return self._forward(tokens, cache, capture, True)
+
+    def _forward(self, tokens, cache, capture, verify: bool):
         capture = self.checked_capture(capture)
         L = tokens.shape[1]
         with self._lock:
@@ -441,7 +476,7 @@ class Target:
             if rec is not None and not rec.saved:
                 rec = None
             sink = rec.calls if rec is not None and 1 < L <= MAX_REPLAY else None
-            logits, feats = self._run(tokens, cache, capture, sink=sink)
+            logits, feats = self._run(tokens, cache, capture, sink=sink, verify=verify)
             self._rec = rec
         if not capture:
             return logits, None

@@ -1,0 +1,125 @@
+"""c(w), a verify's cost in one-token steps, against context length: mlx-lm's
+attention (`Target.__call__`, today's verify) against the split form
+(`Target.verify_forward`, target/verify_attention.py); bench/verify_attention.md.
+
+Per model and context length: a cache holding `n` tokens (the first 1024
+prefilled, the rest random K/V rows as calibrate.SYNTHETIC_FROM does: a step's
+cost depends on shapes, not values), then in each round, interleaved: a
+one-token step (mlx-lm's own forward: what plain decoding pays), and for each
+width w a w-token forward through each form, each evaluated with its argmax
+(what a verify reads back) and the cache restored after it. c(w) is the median
+over rounds of T(w) / T(1) within the round (load drift cancels within a
+round). Also the largest |logit difference| between the two forms and whether
+their argmaxes agree on every row.
+
+    python scripts/bench_verify_attention.py --models embedded:float32,qwen3-0.6b:float32 \\
+        --contexts 1024,4096,8192,16384,32768 --widths 2,3,5,8,16 --rounds 5 --out bench/verify_attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx_dflash  # noqa: E402,F401 (first: it binds mlx-cpu to the fast BLAS, fastblas.py)
+import mlx.core as mx  # noqa: E402
+
+from mlx_dflash.engine.calibrate import extend_with_random_rows  # noqa: E402
+from mlx_dflash.target.adapter import Target  # noqa: E402
+
+REAL_ROWS = 1024
+
+
+def load(spec: str):
+    """'embedded:float32' (the embedded target) or a realistic target name ('qwen3-0.6b:float32')."""
+    name, _, dtype = spec.partition(":")
+    dtype = dtype or "float32"
+    if name == "embedded":
+        from mlx_dflash.models.loader import load as load_pair
+        from mlx_dflash.models.discovery import default_pair
+        model = load_pair(str(default_pair()[0]), None, dtype=dtype, auto_drafter=False)[0]
+    else:
+        from app.bench.realistic import build_target
+        model = build_target(name, dtype)
+    return model
+
+
+def filled(target: Target, n: int):
+    cache = target.make_cache()
+    real = min(n, REAL_ROWS)
+    ids = ((mx.arange(real) * 7919 + 11) % target.vocab_size)[None]
+    for a in range(0, real, 512):
+        mx.eval(target(ids[:, a: a + 512], cache)[0])
+    if n > real:
+        extend_with_random_rows(cache, n - real)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def timed(fn, tokens, cache, restore):
+    t = time.perf_counter()
+    logits, _ = fn(tokens, cache)
+    mx.eval(mx.argmax(logits, axis=-1))
+    dt = time.perf_counter() - t
+    restore()
+    return dt, logits
+
+
+def measure(target: Target, n: int, widths, rounds: int) -> dict:
+    cache = filled(target, n)
+    restore = target.checkpoint(cache)
+    toks = {w: ((mx.arange(w) * 31 + 5) % target.vocab_size)[None] for w in [1, *widths]}
+    forms = {"mlx": target.__call__, "split": target.verify_forward}
+    err, agree = {}, {}
+    for w in widths:  # warm-up (first calls at a shape) and the exactness check
+        _, a = timed(forms["mlx"], toks[w], cache, restore)
+        _, b = timed(forms["split"], toks[w], cache, restore)
+        err[w] = mx.abs(a - b).max().item()
+        agree[w] = bool(mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item())
+    timed(forms["mlx"], toks[1], cache, restore)
+    t1, ratio = [], {f: {w: [] for w in widths} for f in forms}
+    for _ in range(rounds):
+        one, _ = timed(forms["mlx"], toks[1], cache, restore)
+        t1.append(one)
+        for w in widths:
+            for f, fn in forms.items():
+                ratio[f][w].append(timed(fn, toks[w], cache, restore)[0] / one)
+    return {"context": n, "t1_ms": 1e3 * statistics.median(t1),
+            "c": {f: {w: statistics.median(r) for w, r in per.items()} for f, per in ratio.items()},
+            "max_abs_logit_diff": err, "argmax_equal": agree}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="embedded:float32")
+    ap.add_argument("--contexts", default="1024,4096,8192,16384,32768")
+    ap.add_argument("--widths", default="2,3,5,8,16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="folder for one JSON per model")
+    a = ap.parse_args(argv)
+    widths = [int(x) for x in a.widths.split(",")]
+    for spec in a.models.split(","):
+        target = Target(load(spec))
+        rows = []
+        for n in (int(x) for x in a.contexts.split(",")):
+            r = measure(target, n, widths, a.rounds)
+            rows.append(r)
+            print(f"{spec} context {n}: t1 {r['t1_ms']:.1f} ms  "
+                  + "  ".join(f"c({w}) {r['c']['mlx'][w]:.2f} -> {r['c']['split'][w]:.2f}" for w in widths)
+                  + f"  max |dlogit| {max(r['max_abs_logit_diff'].values()):.2e}"
+                  + f"  argmax equal {all(r['argmax_equal'].values())}", flush=True)
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            Path(a.out, spec.replace(":", "-") + ".json").write_text(json.dumps(
+                {"model": spec, "argv": sys.argv, "rounds": a.rounds, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
