@@ -17,64 +17,75 @@ flash-attention merge), which is the same sum in another order:
 - the prefix (every key before the w new ones) is seen by every new row: no
   mask there, only the w x w causal block takes one;
 - the prefix is taken in chunks whose scores stay in cache;
-- exp runs as a polynomial in plain arithmetic that mlx compiles to a fused
-  kernel (`exp_nonpositive`, within 2 ulp of mx.exp);
+- exp runs as a polynomial in plain arithmetic that mlx compiles into one
+  loop (`exp_shifted`, within 1 ulp of mx.exp, ~4x faster on x86);
 - the probabilities are normalised after the product with the values (w x D
   divisions instead of w x context).
-Elsewhere (a one-row step, a short context, quantized caches, attention
-sinks, additive masks, a GPU) it is mlx-lm's own function, unchanged."""
+Elsewhere (a one-row step, a short context, quantized caches, additive
+masks, a GPU) it is mlx-lm's own function, unchanged."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
-# Where the split form is used (measured on mlx-cpu: bench/verify_attention.md)
-MIN_PREFIX = 1024  # cached keys before the new rows; below, mlx-lm's own path is as fast
-MAX_ROWS = 64  # new rows; a longer forward is a prefill chunk, mlx-lm's path
-CHUNK_ELEMS = 1 << 16  # scores per chunk (all groups): small enough to stay in cache
+# Where the split form is used, measured on mlx-cpu (bench/verify_attention.md):
+# it pays once a layer's prefix scores (query heads x cached keys) outnumber
+# what its extra operations cost; sooner for half types, whose products mlx-cpu
+# runs outside BLAS (the split form computes in float32)
+MIN_SCORES = 8192
+MIN_SCORES_HALF = 2048
+MAX_ROWS = 64  # new rows; a longer forward is a prefill chunk: mlx-lm's path
+CHUNK_ELEMS = 1 << 16  # scores per chunk (all groups and rows): small enough to stay in cache
 
 
-def pays(rows: int, prefix: int) -> bool:
-    """Whether the split form is faster here: a verify's few rows over a long
-    prefix, on the CPU (on a GPU mlx's fused kernels are the fast path)."""
-    return 1 < rows <= MAX_ROWS and prefix >= MIN_PREFIX and mx.default_device() == mx.cpu
+def pays(rows: int, prefix: int, heads: int, dtype) -> bool:
+    """Whether the split form is faster: a verify's few rows (2..MAX_ROWS) over
+    a long prefix, on the CPU (on a GPU mlx's fused kernels are the fast path)."""
+    least = MIN_SCORES if dtype == mx.float32 else MIN_SCORES_HALF
+    return (1 < rows <= MAX_ROWS and heads * prefix >= least
+            and mx.default_device() == mx.cpu)
 
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention(queries, keys, values, cache,
     scale, mask, sinks)`, computed by `split_attention` where that pays."""
     rows = queries.shape[2]
-    plain = (sinks is not None or hasattr(cache, "bits")  # quantized keys: mlx-lm's own products
+    plain = (hasattr(cache, "bits")  # quantized keys: mlx-lm's own products
              or not (mask is None or isinstance(mask, str) and mask == "causal"
                      or isinstance(mask, mx.array) and mask.dtype == mx.bool_)
-             or not pays(rows, keys.shape[2] - rows))
+             or not pays(rows, keys.shape[2] - rows, queries.shape[1], queries.dtype))
     if plain:
         return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    return split_attention(queries, keys, values, scale, mask)
+    return split_attention(queries, keys, values, scale, mask, sinks)
+
+
+LOG2E = 1.4426950408889634
+ROUND = 12582912.0  # 1.5 * 2**23: (y + ROUND) - ROUND is y rounded to an integer (|y| < 2**22)
+LOW = -87.0  # exp(LOW) ~ 1.6e-38: what a softmax's sum (>= 1) cannot see
 
 
 @mx.compile
-def _exp_parts(x):
-    # exp(x) = 2**n * p(f), x * log2(e) = n + f, |f| <= 1/2: the range reduction
-    # and the Cephes polynomial mlx's own exp uses (simd/math.h), in operations
-    # the compiled kernel vectorises (no floor, no fma calls); x <= 0 here
-    y = mx.maximum(x, -87.0) * 1.442695
-    n = -((0.5 - y).astype(mx.int32))  # round(y): the truncation of a non-negative number
-    f = y - n.astype(mx.float32)
-    p = 1.535336188319500e-4
-    p = p * f + 1.339887440266574e-3
-    p = p * f + 9.618437357674640e-3
-    p = p * f + 5.550332471162809e-2
-    p = p * f + 2.402264791363012e-1
-    p = p * f + 6.931472028550421e-1
-    p = mx.where(x < -87.0, 0.0, p * f + 1.0)
-    return (n + 127) << 23, p  # the bits of 2**n as a float32, and p(f)
+def _exp_parts(s, m):
+    # exp(x) = 2**n * p(f) with x * log2(e) = n + f, |f| <= 1/2: mlx's own
+    # range reduction and Cephes polynomial (mlx/backend/cpu/simd/math.h), here
+    # in plain float arithmetic shallow enough (Estrin's scheme, no floor, no
+    # casts but the last) that mlx compiles it into ONE loop; mx.exp on an x86
+    # build calls floor and fma per element and runs ~4x slower
+    y = mx.maximum(s - m, LOW) * LOG2E
+    n = (y + ROUND) - ROUND
+    f = y - n
+    f2 = f * f
+    p = (1.0 + 6.931472028550421e-1 * f) + f2 * ((2.402264791363012e-1 + 5.550332471162809e-2 * f)
+                                                + f2 * ((9.618437357674640e-3 + 1.339887440266574e-3 * f)
+                                                        + f2 * 1.535336188319500e-4))
+    return ((n + 127.0) * 8388608.0).astype(mx.int32), p  # the bits of the float 2**n, and p(f)
 
 
-def exp_nonpositive(x: mx.array) -> mx.array:
-    """exp(x) for float32 x <= 0 (exactly 0 below -87, as mx.exp gives 0 below -88)."""
-    bits, p = _exp_parts(x)
+def exp_shifted(s: mx.array, m: mx.array) -> mx.array:
+    """exp(max(s - m, -87)) for float32 s <= m (a softmax's shifted scores):
+    within 1 ulp of mx.exp(s - m), ~1.6e-38 where that is below -87."""
+    bits, p = _exp_parts(s, m)
     return bits.view(mx.float32) * p
 
 
@@ -88,25 +99,27 @@ def _part(q, k, v, mask, rows: int):
     """(row max, sum of exp, exp @ v) over one piece of the key axis, in float32:
     q [B, G, R, D] (R = the group's query heads x `rows` new rows), k and v
     [B, G, n, D], mask None or boolean, broadcastable to [B, G, R // rows, rows, n]."""
-    s = (q @ k.swapaxes(-1, -2)).astype(mx.float32)
+    k, v = k.astype(mx.float32), v.astype(mx.float32)  # half types: BLAS products, not mlx-cpu's own
+    s = q @ k.swapaxes(-1, -2)
     if mask is not None:
         B, G, R, n = s.shape
         s = mx.where(mask, s.reshape(B, G, R // rows, rows, n), mx.finfo(mx.float32).min).reshape(B, G, R, n)
     m = s.max(axis=-1, keepdims=True)
-    e = exp_nonpositive(s - m)
-    return m, e.sum(axis=-1, keepdims=True), (e.astype(v.dtype) @ v).astype(mx.float32)
+    e = exp_shifted(s, m)
+    return m, e.sum(axis=-1, keepdims=True), e @ v
 
 
-def split_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
+def split_attention(queries, keys, values, scale: float, mask=None, sinks=None) -> mx.array:
     """softmax(scale * q @ k.T, masked) @ v for queries [B, H, L, D] over keys
     and values [B, G, K, D] (G divides H), the last L keys being the new rows'.
     mask: None, "causal" (new row i sees the prefix and new rows 0..i) or a
-    boolean array broadcastable to [B, H, L, K]."""
+    boolean array broadcastable to [B, H, L, K]; sinks: None or [H], a logit
+    per head that takes part in the softmax and carries no value (gpt-oss)."""
     B, H, L, D = queries.shape
     G, K = keys.shape[1], keys.shape[2]
     rep = H // G
     S = K - L
-    q = (queries * scale).reshape(B, G, rep * L, D)  # row r: query head r // L of the group, new row r % L
+    q = (queries.astype(mx.float32) * scale).reshape(B, G, rep * L, D)  # row r: query head r // L of the group, new row r % L
     full = None
     if isinstance(mask, mx.array):  # as [b, G or 1, rep or 1, L, K]
         m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
@@ -121,6 +134,9 @@ def split_attention(queries, keys, values, scale: float, mask=None) -> mx.array:
     else:
         block = None if full is None else full[..., S:]
     parts.append(_part(q, keys[:, :, S:], values[:, :, S:], block, L))
+    if sinks is not None:  # a column of its own: exp(sink - max) in the sum, nothing in the product
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(G, rep, 1), (G, rep, L)).reshape(1, G, rep * L, 1)
+        parts.append((sink, 1.0, 0.0))
     top = parts[0][0]
     for m, _, _ in parts[1:]:
         top = mx.maximum(top, m)
