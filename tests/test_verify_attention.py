@@ -237,7 +237,10 @@ def speculative_greedy(t: Target, cache, first: int, ref, seed: int):
     """Greedy speculative decoding whose verifies are `verify_forward`: each
     cycle's drafts are the reference's next tokens for a random-length prefix,
     then wrong (every acceptance length, rollback after each); what the target
-    accepts and its bonus tokens are emitted. Returns the tokens emitted after `first`."""
+    accepts and its bonus tokens are emitted. Each verify's logits are checked
+    against today's verify (`__call__`) on the same cache: greedy equality alone
+    would not see a small error over a long context.
+    Returns the tokens emitted after `first`."""
     rng = random.Random(seed)
     out, anchor = [], first
     while len(out) < len(ref):
@@ -246,7 +249,13 @@ def speculative_greedy(t: Target, cache, first: int, ref, seed: int):
         drafts = list(ref[len(out): len(out) + right])
         drafts += [(ref[len(out) + i] + 1 + rng.randrange(VOCAB - SPECIAL - 1)) % (VOCAB - SPECIAL) + SPECIAL
                    if len(out) + i < len(ref) else SPECIAL for i in range(len(drafts), w - 1)]
-        logits, _ = t.verify_forward(mx.array([anchor] + drafts)[None], cache)
+        x = mx.array([anchor] + drafts)[None]
+        restore = t.checkpoint(cache)
+        today = t(x, cache)[0]  # today's verify, on the same cache
+        mx.eval(today)
+        restore()
+        logits, _ = t.verify_forward(x, cache)
+        assert mx.allclose(logits, today, rtol=1e-4, atol=1e-4).item(), mx.abs(logits - today).max().item()
         tgt = mx.argmax(logits[0], axis=-1).tolist()
         a = 0
         while a < w - 1 and drafts[a] == tgt[a]:
