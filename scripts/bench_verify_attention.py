@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,6 +97,12 @@ def measure(target: Target, n: int, widths, rounds: int) -> dict:
             "max_abs_logit_diff": err, "argmax_equal": agree}
 
 
+def commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    return r.stdout.strip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="embedded:float32")
@@ -107,6 +115,7 @@ def main(argv=None) -> int:
     for spec in a.models.split(","):
         target = Target(load(spec))
         rows = []
+        load_before = os.getloadavg()
         for n in (int(x) for x in a.contexts.split(",")):
             r = measure(target, n, widths, a.rounds)
             rows.append(r)
@@ -117,7 +126,8 @@ def main(argv=None) -> int:
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
             Path(a.out, spec.replace(":", "-") + ".json").write_text(json.dumps(
-                {"model": spec, "argv": sys.argv, "rounds": a.rounds, "rows": rows}, indent=1))
+                {"model": spec, "argv": sys.argv, "rounds": a.rounds, "commit": commit(),
+                 "load_average": {"start": load_before, "end": os.getloadavg()}, "rows": rows}, indent=1))
     return 0
 
 
