@@ -9,7 +9,9 @@ one-token step (mlx-lm's own forward: what plain decoding pays), and for each
 width w a w-token forward through each form, each evaluated with its argmax
 (what a verify reads back) and the cache restored after it. c(w) is the median
 over rounds of T(w) / T(1) within the round (load drift cancels within a
-round). Also the largest |logit difference| between the two forms and whether
+round); c_cpu the same with this process's CPU time, which another process's
+load does not inflate (it counts every thread: a product on two threads counts
+twice). Also the largest |logit difference| between the two forms and whether
 their argmaxes agree on every row.
 
     python scripts/bench_verify_attention.py --models embedded:float32,qwen3-0.6b:float32 \\
@@ -32,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_dflash  # noqa: E402,F401 (first: it binds mlx-cpu to the fast BLAS, fastblas.py)
 import mlx.core as mx  # noqa: E402
 
+from app.bench.realistic import build_target  # noqa: E402
 from mlx_dflash.engine.calibrate import extend_with_random_rows  # noqa: E402
+from mlx_dflash.models.discovery import default_pair  # noqa: E402
+from mlx_dflash.models.loader import load as load_pair  # noqa: E402
 from mlx_dflash.target.adapter import Target  # noqa: E402
 
 REAL_ROWS = 1024
@@ -43,13 +48,8 @@ def load(spec: str):
     name, _, dtype = spec.partition(":")
     dtype = dtype or "float32"
     if name == "embedded":
-        from mlx_dflash.models.loader import load as load_pair
-        from mlx_dflash.models.discovery import default_pair
-        model = load_pair(str(default_pair()[0]), None, dtype=dtype, auto_drafter=False)[0]
-    else:
-        from app.bench.realistic import build_target
-        model = build_target(name, dtype)
-    return model
+        return load_pair(str(default_pair()[0]), None, dtype=dtype, auto_drafter=False)[0]
+    return build_target(name, dtype)
 
 
 def filled(target: Target, n: int):
@@ -65,12 +65,13 @@ def filled(target: Target, n: int):
 
 
 def timed(fn, tokens, cache, restore):
-    t = time.perf_counter()
+    """(wall seconds, CPU seconds of this process, logits) of one forward read back as a verify is."""
+    t, c = time.perf_counter(), time.process_time()
     logits, _ = fn(tokens, cache)
     mx.eval(mx.argmax(logits, axis=-1))
-    dt = time.perf_counter() - t
+    dt, dc = time.perf_counter() - t, time.process_time() - c
     restore()
-    return dt, logits
+    return dt, dc, logits
 
 
 def measure(target: Target, n: int, widths, rounds: int) -> dict:
@@ -80,21 +81,29 @@ def measure(target: Target, n: int, widths, rounds: int) -> dict:
     forms = {"mlx": target.__call__, "split": target.verify_forward}
     err, agree = {}, {}
     for w in widths:  # warm-up (first calls at a shape) and the exactness check
-        _, a = timed(forms["mlx"], toks[w], cache, restore)
-        _, b = timed(forms["split"], toks[w], cache, restore)
+        a = timed(forms["mlx"], toks[w], cache, restore)[2]
+        b = timed(forms["split"], toks[w], cache, restore)[2]
         err[w] = mx.abs(a - b).max().item()
         agree[w] = bool(mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item())
     timed(forms["mlx"], toks[1], cache, restore)
-    t1, ratio = [], {f: {w: [] for w in widths} for f in forms}
+    t1, c1 = [], []
+    wall = {f: {w: [] for w in widths} for f in forms}
+    cpu = {f: {w: [] for w in widths} for f in forms}
     for _ in range(rounds):
-        one, _ = timed(forms["mlx"], toks[1], cache, restore)
+        one, one_cpu, _ = timed(forms["mlx"], toks[1], cache, restore)
         t1.append(one)
+        c1.append(one_cpu)
         for w in widths:
             for f, fn in forms.items():
-                ratio[f][w].append(timed(fn, toks[w], cache, restore)[0] / one)
-    return {"context": n, "t1_ms": 1e3 * statistics.median(t1),
-            "c": {f: {w: statistics.median(r) for w, r in per.items()} for f, per in ratio.items()},
-            "max_abs_logit_diff": err, "argmax_equal": agree}
+                dt, dc, _ = timed(fn, toks[w], cache, restore)
+                wall[f][w].append(dt / one)
+                cpu[f][w].append(dc / one_cpu)
+
+    def med(per):
+        return {f: {w: statistics.median(r) for w, r in x.items()} for f, x in per.items()}
+
+    return {"context": n, "t1_ms": 1e3 * statistics.median(t1), "t1_cpu_ms": 1e3 * statistics.median(c1),
+            "c": med(wall), "c_cpu": med(cpu), "max_abs_logit_diff": err, "argmax_equal": agree}
 
 
 def commit() -> str:
@@ -121,6 +130,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{spec} context {n}: t1 {r['t1_ms']:.1f} ms  "
                   + "  ".join(f"c({w}) {r['c']['mlx'][w]:.2f} -> {r['c']['split'][w]:.2f}" for w in widths)
+                  + "  | CPU time: "
+                  + "  ".join(f"{r['c_cpu']['mlx'][w]:.2f} -> {r['c_cpu']['split'][w]:.2f}" for w in widths)
                   + f"  max |dlogit| {max(r['max_abs_logit_diff'].values()):.2e}"
                   + f"  argmax equal {all(r['argmax_equal'].values())}", flush=True)
         if a.out:

@@ -16,6 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from tiny_families import FAMILIES, SPECIAL, VOCAB, build
 
+from mlx_dflash.engine.batch_cache import join, to_batch
 from mlx_dflash.target import verify_attention as va
 from mlx_dflash.target.adapter import Target
 
@@ -186,8 +187,6 @@ def test_verify_forward_in_bfloat16(everywhere, calls):
 def test_verify_forward_is_call_on_a_batch(family, everywhere, calls):
     """Rows of different lengths joined as the batch engine joins them (left
     padding: boolean masks per row; sliding windows; recurrent layers)."""
-    from mlx_dflash.engine.batch_cache import join, to_batch
-
     t = Target(model_of(family))
     rng = random.Random(11)
     batch = None

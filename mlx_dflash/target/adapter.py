@@ -1,14 +1,17 @@
 """Target adapter: the mlx-lm model's OWN forward (`model(tokens, cache=cache)`,
 whatever it does inside: embedding scales, soft-capping, per-layer masks,
 sliding windows, MoE routing, recurrent layers) plus the outputs of chosen
-decoder layers; rollback after a verify for every cache kind (rollback.py).
+decoder layers; rollback after a verify for every cache kind (rollback.py);
+for a verify, attention in a form whose cost does not grow with the context
+where that is faster (`verify_forward`, verify_attention.py).
 
 The loaded instance is never changed. Each Target observes through its own
 view: shallow copies of the modules from the model down to the list holding
 the decoder layers (same weight arrays, no copy), whose list holds permanent
-taps around the same layer objects (a recurrent layer: a copy whose mixer
-records its calls). So any number of sessions on one model, in any threads,
-share nothing but read-only weights."""
+taps around the layers (a layer with a recurrent mixer or an attention module:
+a copy whose mixer records its calls and whose attention module can run the
+verify's form). So any number of sessions on one model, in any threads, share
+nothing but read-only weights."""
 
 from __future__ import annotations
 
@@ -299,8 +302,8 @@ class Target:
     decoder layers in `capture` (indices into `model.layers`, any layer kind).
     One Target per session: its forwards run one at a time (its own lock);
     Targets on the same model are independent. The view is built once: the
-    modules it copies (those on the path to the layer list, the recurrent
-    mixers) keep the arrays they held then, so after changing the loaded
+    modules it copies (those on the path to the layer list, the layers, their
+    mixers and attention modules) keep the arrays they held then, so after changing the loaded
     model's weights (update, load_weights, quantize) build a new Target (each
     Decoder session builds its own)."""
 
