@@ -16,6 +16,8 @@ their argmaxes agree on every row.
 
     python scripts/bench_verify_attention.py --models embedded:float32,qwen3-0.6b:float32 \\
         --contexts 1024,4096,8192,16384,32768 --widths 2,3,5,8,16 --rounds 5 --out bench/verify_attention
+    python scripts/bench_verify_attention.py --sweep "4,2,96;16,8,128;4,2,96:bfloat16" \\
+        --contexts 256,512,1024,2048,4096 --widths 2,5,16 --rounds 9
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from app.bench.realistic import build_target  # noqa: E402
 from mlx_dflash.engine.calibrate import extend_with_random_rows  # noqa: E402
 from mlx_dflash.models.discovery import default_pair  # noqa: E402
 from mlx_dflash.models.loader import load as load_pair  # noqa: E402
+from mlx_dflash.target import verify_attention as va  # noqa: E402
 from mlx_dflash.target.adapter import Target  # noqa: E402
 
 REAL_ROWS = 1024
@@ -106,6 +109,38 @@ def measure(target: Target, n: int, widths, rounds: int) -> dict:
             "c": med(wall), "c_cpu": med(cpu), "max_abs_logit_diff": err, "argmax_equal": agree}
 
 
+def sweep(shape: str, prefixes, widths, reps: int) -> list:
+    """Where the split form pays (verify_attention.MIN_SCORES): one layer's
+    attention alone, mlx-lm's (mx.fast, causal) against the split form, for
+    `shape` 'heads,kv_heads,head_dim[:dtype]' over each prefix length and width;
+    medians of `reps` interleaved runs (wall clock). Returns rows of
+    (prefix, width, mlx ms, split ms)."""
+    dims, _, dtype = shape.partition(":")
+    H, G, D = (int(x) for x in dims.split(","))
+    dt = getattr(mx, dtype or "float32")
+    out = []
+    for S in prefixes:
+        for w in widths:
+            ks = mx.random.split(mx.random.key(S + w), 3)
+            q = mx.random.normal((1, H, w, D), key=ks[0]).astype(dt)
+            k = mx.random.normal((1, G, S + w, D), key=ks[1]).astype(dt)
+            v = mx.random.normal((1, G, S + w, D), key=ks[2]).astype(dt)
+            mx.eval(q, k, v)
+            fns = {"mlx": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask="causal"),
+                   "split": lambda: va.split_attention(q, k, v, D ** -0.5, "causal")}
+            times = {f: [] for f in fns}
+            for i in range(reps + 2):
+                for f, fn in fns.items():
+                    t = time.perf_counter()
+                    mx.eval(fn())
+                    if i >= 2:
+                        times[f].append(time.perf_counter() - t)
+            out.append((S, w, 1e3 * statistics.median(times["mlx"]), 1e3 * statistics.median(times["split"])))
+            print(f"{shape} prefix {S} width {w}: mlx {out[-1][2]:.2f} ms, split {out[-1][3]:.2f} ms, "
+                  f"ratio {out[-1][3] / out[-1][2]:.2f}", flush=True)
+    return out
+
+
 def commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[1])
@@ -119,8 +154,17 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="2,3,5,8,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="folder for one JSON per model")
+    ap.add_argument("--sweep", default=None, help="instead: one layer's attention alone, split against mlx-lm's, "
+                    "for shapes 'heads,kv_heads,head_dim[:dtype]' separated by ';', at --contexts x --widths")
     a = ap.parse_args(argv)
     widths = [int(x) for x in a.widths.split(",")]
+    if a.sweep:
+        rows = {shape: sweep(shape, [int(x) for x in a.contexts.split(",")], widths, a.rounds)
+                for shape in a.sweep.split(";")}
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            Path(a.out, "sweep.json").write_text(json.dumps({"argv": sys.argv, "commit": commit(), "rows": rows}))
+        return 0
     for spec in a.models.split(","):
         target = Target(load(spec))
         rows = []

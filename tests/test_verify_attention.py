@@ -222,6 +222,27 @@ def test_quantized_kv_cache_is_mlx_lms_own(everywhere, calls):
     assert calls[0] == 0
 
 
+def test_verify_forward_runs_a_subclass_call(everywhere, calls):
+    """verify_forward is the target's own __call__ in verify mode, so a subclass
+    that wraps __call__ (distributed.ShardedTarget: capture hand-over, counts) keeps its part."""
+    class Counting(Target):
+        n = 0
+
+        def __call__(self, tokens, cache, capture=()):
+            self.n += 1
+            return super().__call__(tokens, cache, capture)
+
+    t = Counting(model_of("qwen3"))
+    cache = t.make_cache()
+    t(mx.array([list(range(SPECIAL, SPECIAL + 50))]), cache)
+    logits, feats = t.verify_forward(mx.array([[7, 8, 9]]), cache, [1])
+    mx.eval(logits, feats)
+    assert t.n == 2 and calls[0] > 0 and feats.shape == (1, 3, t.hidden_size)
+    split = calls[0]
+    mx.eval(t(mx.array([[10, 11]]), cache)[0])  # and after it, __call__ is mlx-lm's attention again
+    assert calls[0] == split
+
+
 def _copy_cache(cache):
     """An independent copy of a prompt cache (arrays are immutable; the lists holding them are not)."""
     out = []

@@ -325,6 +325,7 @@ class Target:
         args = getattr(model, "args", None)
         self.sliding_window = getattr(args, "sliding_window", None)
         self._rec: Optional[rb.Record] = None  # the last forward's rollback record
+        self._verifying = False  # set by verify_forward around its __call__
         self._lock = threading.RLock()
         self._state = _State()
         self._view, self._recorders = self._build_view(where)
@@ -462,16 +463,6 @@ class Target:
 
     def __call__(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
         """tokens [B, L] -> (logits [B, L, V], features [B, L, len(capture)*H] or None)."""
-        return self._forward(tokens, cache, capture, False)
-
-    def verify_forward(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
-        """`__call__` for a verify (a few new rows over a cached context): the
-        same forward, with attention in verify_attention's split form where that
-        is faster (a long context on the CPU); equal to `__call__` within float
-        rounding (the same sums in another order), its exact logits elsewhere."""
-        return self._forward(tokens, cache, capture, True)
-
-    def _forward(self, tokens, cache, capture, verify: bool):
         capture = self.checked_capture(capture)
         L = tokens.shape[1]
         with self._lock:
@@ -479,11 +470,24 @@ class Target:
             if rec is not None and not rec.saved:
                 rec = None
             sink = rec.calls if rec is not None and 1 < L <= MAX_REPLAY else None
-            logits, feats = self._run(tokens, cache, capture, sink=sink, verify=verify)
+            logits, feats = self._run(tokens, cache, capture, sink=sink, verify=self._verifying)
             self._rec = rec
         if not capture:
             return logits, None
         return logits, mx.concatenate([feats[i] for i in capture], axis=-1)
+
+    def verify_forward(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
+        """`self(tokens, cache, capture)` for a verify (a few new rows over a
+        cached context): the same forward (a subclass's __call__ included), with
+        attention in verify_attention's split form where that is faster (a long
+        context on the CPU): equal to __call__ within float rounding (the same
+        sums in another order), and exactly __call__ elsewhere."""
+        with self._lock:  # (reentrant: __call__ takes it again)
+            self._verifying = True
+            try:
+                return self(tokens, cache, capture)
+            finally:
+                self._verifying = False
 
     def features(self, tokens: mx.array, layer_ids: Sequence[int]) -> mx.array:
         """tokens [S, L] -> tapped layer outputs [S, L, taps*H] through the model's
