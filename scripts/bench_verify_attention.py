@@ -11,8 +11,10 @@ width w a w-token forward through each form, each evaluated with its argmax
 over rounds of T(w) / T(1) within the round (load drift cancels within a
 round); c_cpu the same with this process's CPU time, which another process's
 load does not inflate (it counts every thread: a product on two threads counts
-twice). Also the largest |logit difference| between the two forms and whether
-their argmaxes agree on every row.
+twice). Also the largest |logit difference| between the two forms, whether
+their argmaxes agree on every row, and how far each is from the logits of w
+one-token steps on the same tokens (plain decoding): the tolerance a verify has
+today.
 
     python scripts/bench_verify_attention.py --models embedded:float32,qwen3-0.6b:float32 \\
         --contexts 1024,4096,8192,16384,32768 --widths 2,3,5,8,16 --rounds 5 --out bench/verify_attention
@@ -82,12 +84,16 @@ def measure(target: Target, n: int, widths, rounds: int) -> dict:
     restore = target.checkpoint(cache)
     toks = {w: ((mx.arange(w) * 31 + 5) % target.vocab_size)[None] for w in [1, *widths]}
     forms = {"mlx": target.__call__, "split": target.verify_forward}
-    err, agree = {}, {}
+    err, agree, off_plain = {}, {}, {}
     for w in widths:  # warm-up (first calls at a shape) and the exactness check
         a = timed(forms["mlx"], toks[w], cache, restore)[2]
         b = timed(forms["split"], toks[w], cache, restore)[2]
         err[w] = mx.abs(a - b).max().item()
         agree[w] = bool(mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item())
+        plain = mx.concatenate([target(toks[w][:, i: i + 1], cache)[0] for i in range(w)], axis=1)  # w steps
+        mx.eval(plain)
+        restore()
+        off_plain[w] = {f: mx.abs(x - plain).max().item() for f, x in (("mlx", a), ("split", b))}
     timed(forms["mlx"], toks[1], cache, restore)
     t1, c1 = [], []
     wall = {f: {w: [] for w in widths} for f in forms}
@@ -106,7 +112,8 @@ def measure(target: Target, n: int, widths, rounds: int) -> dict:
         return {f: {w: statistics.median(r) for w, r in x.items()} for f, x in per.items()}
 
     return {"context": n, "t1_ms": 1e3 * statistics.median(t1), "t1_cpu_ms": 1e3 * statistics.median(c1),
-            "c": med(wall), "c_cpu": med(cpu), "max_abs_logit_diff": err, "argmax_equal": agree}
+            "c": med(wall), "c_cpu": med(cpu), "max_abs_logit_diff": err, "argmax_equal": agree,
+            "max_abs_logit_diff_from_plain_steps": off_plain}
 
 
 def sweep(shape: str, prefixes, widths, reps: int) -> list:
@@ -177,6 +184,8 @@ def main(argv=None) -> int:
                   + "  | CPU time: "
                   + "  ".join(f"{r['c_cpu']['mlx'][w]:.2f} -> {r['c_cpu']['split'][w]:.2f}" for w in widths)
                   + f"  max |dlogit| {max(r['max_abs_logit_diff'].values()):.2e}"
+                  + "  from plain steps: today {:.2e}, split {:.2e}".format(
+                      *(max(d[f] for d in r["max_abs_logit_diff_from_plain_steps"].values()) for f in ("mlx", "split")))
                   + f"  argmax equal {all(r['argmax_equal'].values())}", flush=True)
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
