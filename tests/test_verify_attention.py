@@ -54,9 +54,10 @@ def test_exp_is_mx_exp_within_an_ulp():
     assert va.exp_shifted(mx.array([2.0]), mx.array(2.0)).item() == 1.0
 
 
-CASES = [  # B, H, G, L, K, D
+CASES = [  # B, H, G, L, K, D (, value head dim)
     (1, 4, 2, 8, 3000, 96), (2, 4, 4, 3, 1500, 32), (1, 16, 8, 16, 2100, 128), (1, 8, 1, 5, 900, 64),
     (3, 2, 1, 2, 40, 32), (1, 2, 2, 4, 4, 16),  # no prefix at all
+    (1, 4, 2, 6, 700, 64, 48),  # values narrower than keys (MLA-style heads)
 ]
 
 
@@ -75,9 +76,10 @@ def _mask(kind, B, H, L, K, key):
 @pytest.mark.parametrize("sinks", [False, True])
 def test_split_equals_mlx_attention(case, mask, sinks, monkeypatch):
     monkeypatch.setattr(va, "CHUNK_ELEMS", 1 << 12)  # many chunks, the last one partial
-    B, H, G, L, K, D = case
+    B, H, G, L, K, D = case[:6]
+    Dv = case[6] if len(case) > 6 else D
     ks = mx.random.split(mx.random.key(sum(case)), 5)
-    q, k, v = (mx.random.normal(s, key=kk) for s, kk in zip([(B, H, L, D), (B, G, K, D), (B, G, K, D)], ks))
+    q, k, v = (mx.random.normal(s, key=kk) for s, kk in zip([(B, H, L, D), (B, G, K, D), (B, G, K, Dv)], ks))
     m = _mask(mask, B, H, L, K, ks[3])
     s = mx.random.normal((H,), key=ks[4]) * 3 if sinks else None
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=m, sinks=s)

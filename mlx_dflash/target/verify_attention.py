@@ -145,4 +145,4 @@ def split_attention(queries, keys, values, scale: float, mask=None, sinks=None) 
         w = mx.exp(m - top)
         den = den + w * s
         out = out + w * o
-    return (out / den).astype(queries.dtype).reshape(B, H, L, D)
+    return (out / den).astype(queries.dtype).reshape(B, H, L, values.shape[-1])
