@@ -94,7 +94,8 @@ def test_split_in_half_types_is_float32_attention_rounded(dtype):
     BLAS): the result is float32 attention on the same inputs, rounded once."""
     B, H, G, L, K, D = 1, 4, 2, 8, 3000, 96
     ks = mx.random.split(mx.random.key(7), 3)
-    q, k, v = (mx.random.normal(s, key=kk).astype(dtype) for s, kk in zip([(B, H, L, D), (B, G, K, D), (B, G, K, D)], ks))
+    shapes = [(B, H, L, D), (B, G, K, D), (B, G, K, D)]
+    q, k, v = (mx.random.normal(s, key=kk).astype(dtype) for s, kk in zip(shapes, ks))
     exact = mx.fast.scaled_dot_product_attention(*(x.astype(mx.float32) for x in (q, k, v)), scale=D ** -0.5,
                                                  mask="causal")
     got = va.split_attention(q, k, v, D ** -0.5, "causal")

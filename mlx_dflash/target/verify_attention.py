@@ -119,7 +119,8 @@ def split_attention(queries, keys, values, scale: float, mask=None, sinks=None) 
     G, K = keys.shape[1], keys.shape[2]
     rep = H // G
     S = K - L
-    q = (queries.astype(mx.float32) * scale).reshape(B, G, rep * L, D)  # row r: query head r // L of the group, new row r % L
+    # row r of group g: query head g * rep + r // L, new row r % L
+    q = (queries.astype(mx.float32) * scale).reshape(B, G, rep * L, D)
     full = None
     if isinstance(mask, mx.array):  # as [b, G or 1, rep or 1, L, K]
         m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
