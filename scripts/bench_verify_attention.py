@@ -165,12 +165,13 @@ def main(argv=None) -> int:
                     "for shapes 'heads,kv_heads,head_dim[:dtype]' separated by ';', at --contexts x --widths")
     a = ap.parse_args(argv)
     widths = [int(x) for x in a.widths.split(",")]
+    code = commit()  # the code this process runs (HEAD may move while it does)
     if a.sweep:
         rows = {shape: sweep(shape, [int(x) for x in a.contexts.split(",")], widths, a.rounds)
                 for shape in a.sweep.split(";")}
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            Path(a.out, "sweep.json").write_text(json.dumps({"argv": sys.argv, "commit": commit(), "rows": rows}))
+            Path(a.out, "sweep.json").write_text(json.dumps({"argv": sys.argv, "commit": code, "rows": rows}))
         return 0
     for spec in a.models.split(","):
         target = Target(load(spec))
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
             Path(a.out, spec.replace(":", "-") + ".json").write_text(json.dumps(
-                {"model": spec, "argv": sys.argv, "rounds": a.rounds, "commit": commit(),
+                {"model": spec, "argv": sys.argv, "rounds": a.rounds, "commit": code,
                  "load_average": {"start": load_before, "end": os.getloadavg()}, "rows": rows}, indent=1))
     return 0
 
