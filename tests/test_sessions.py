@@ -12,6 +12,7 @@ from drafters import OracleDrafter, reference_tokens
 from tiny_families import build
 
 from mlx_dflash import generate
+from mlx_dflash.target import verify_attention as va
 from mlx_dflash.target.adapter import Target
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "Janet's ducks lay 16 eggs per day. She eats",
@@ -91,10 +92,13 @@ def test_two_sessions_in_two_threads_equal_their_single_threaded_runs(family, to
 
 
 @pytest.mark.parametrize("family", ["falcon_h1", "gemma3_text", "qwen3_5", "lfm2"])
-def test_targets_and_rollback_leave_the_model_as_loaded(family):
-    """Probe, capture, verify, rollback and training features: no entry of the
-    layer list, no child and no attribute of any module is replaced, even for a
-    moment (checked from inside the forward, through a layer's own call)."""
+def test_targets_and_rollback_leave_the_model_as_loaded(family, monkeypatch):
+    """Probe, capture, verify (split attention included), rollback and training
+    features: no entry of the layer list, no child and no attribute of any
+    module is replaced, even for a moment (checked from inside the forward,
+    through a layer's own call)."""
+    monkeypatch.setattr(va, "MIN_SCORES", 0)  # the split form at these short contexts
+    monkeypatch.setattr(va, "MIN_SCORES_HALF", 0)
     model = build(family)
     before = fingerprint(model)
     layers = list(model.layers)
@@ -125,10 +129,13 @@ def test_targets_and_rollback_leave_the_model_as_loaded(family):
     t2(mx.arange(4, 9)[None], c2, [1])
     t(mx.arange(20, 28)[None], c, [0, 2])
     t.trim(c, 3)
+    t.verify_forward(mx.arange(40, 46)[None], c, [0, 2])  # split attention, on copies of the attention modules
+    t.trim(c, 2)
     t.features(mx.arange(4, 12)[None], [0, 1])
     view_list[2] = Check(view_list[2])  # only t's view: the model never sees it
     t(mx.arange(30, 36)[None], c, [0])
-    assert seen == [True]
+    t.verify_forward(mx.arange(50, 55)[None], c, [0])
+    assert seen == [True, True]
     assert fingerprint(model) == before
     assert all(x is y for x, y in zip(model.layers, layers))
 

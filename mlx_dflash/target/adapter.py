@@ -1,14 +1,17 @@
 """Target adapter: the mlx-lm model's OWN forward (`model(tokens, cache=cache)`,
 whatever it does inside: embedding scales, soft-capping, per-layer masks,
 sliding windows, MoE routing, recurrent layers) plus the outputs of chosen
-decoder layers; rollback after a verify for every cache kind (rollback.py).
+decoder layers; rollback after a verify for every cache kind (rollback.py);
+for a verify, attention in a form whose cost does not grow with the context
+where that is faster (`verify_forward`, verify_attention.py).
 
 The loaded instance is never changed. Each Target observes through its own
 view: shallow copies of the modules from the model down to the list holding
 the decoder layers (same weight arrays, no copy), whose list holds permanent
-taps around the same layer objects (a recurrent layer: a copy whose mixer
-records its calls). So any number of sessions on one model, in any threads,
-share nothing but read-only weights."""
+taps around the layers (a layer with a recurrent mixer or an attention module:
+a copy whose mixer records its calls and whose attention module can run the
+verify's form). So any number of sessions on one model, in any threads, share
+nothing but read-only weights."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import rollback as rb
+from . import verify_attention as va
+from .rebind import forward_with, uses
 
 
 class TargetError(ValueError):
@@ -99,6 +104,7 @@ class _State:
         self.want: set = set()  # the layers whose outputs this forward keeps
         self.feats: Optional[dict] = None  # layer index -> output
         self.stop: Optional[int] = None  # raise _Stop after this layer (training features)
+        self.verify = False  # attention modules run verify_attention's form where it pays
 
 
 class _Tap:
@@ -123,6 +129,25 @@ class _Tap:
 
 class _Stop(Exception):
     pass
+
+
+class _Attention:
+    """Stands in for a decoder layer's attention module in a view: the module
+    itself, or during a verify forward (state.verify) the same forward on a
+    copy of it that calls verify_attention.attention where its code calls
+    mlx-lm's scaled_dot_product_attention."""
+
+    NAME = "scaled_dot_product_attention"
+
+    def __init__(self, module, state: _State):
+        self._module, self._state = module, state
+        self._verify = forward_with(copy.copy(module), {self.NAME: va.attention})
+
+    def __call__(self, *args, **kwargs):
+        return (self._verify if self._state.verify else self._module)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _Counting:
@@ -277,8 +302,8 @@ class Target:
     decoder layers in `capture` (indices into `model.layers`, any layer kind).
     One Target per session: its forwards run one at a time (its own lock);
     Targets on the same model are independent. The view is built once: the
-    modules it copies (those on the path to the layer list, the recurrent
-    mixers) keep the arrays they held then, so after changing the loaded
+    modules it copies (those on the path to the layer list, the layers, their
+    mixers and attention modules) keep the arrays they held then, so after changing the loaded
     model's weights (update, load_weights, quantize) build a new Target (each
     Decoder session builds its own)."""
 
@@ -300,6 +325,7 @@ class Target:
         args = getattr(model, "args", None)
         self.sliding_window = getattr(args, "sliding_window", None)
         self._rec: Optional[rb.Record] = None  # the last forward's rollback record
+        self._verifying = False  # set by verify_forward around its __call__
         self._lock = threading.RLock()
         self._state = _State()
         self._view, self._recorders = self._build_view(where)
@@ -316,12 +342,14 @@ class Target:
         for i, n in self._mixers:
             mixers.setdefault(i, []).append(n)
         for i, layer in enumerate(self.layers):
-            entry = layer
-            if i in mixers:
-                entry = copy.copy(layer)
-                for n in mixers[i]:
-                    entry[n] = rb.Mixer(layer[n])
-                    recorders.append(entry[n])
+            attn = [n for n, m in layer.children().items()
+                    if isinstance(m, nn.Module) and n not in mixers.get(i, ()) and uses(m, [_Attention.NAME])]
+            entry = copy.copy(layer) if i in mixers or attn else layer
+            for n in mixers.get(i, ()):
+                entry[n] = rb.Mixer(layer[n])
+                recorders.append(entry[n])
+            for n in attn:
+                entry[n] = _Attention(layer[n], self._state)
             lst[pos[i]] = _Tap(entry, i, self._state)
         return view.root, recorders
 
@@ -405,12 +433,13 @@ class Target:
         return rb.selectable(rec)
 
     # -- the forward -----------------------------------------------------------------
-    def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None):
+    def _run(self, tokens, cache, want: Sequence[int], stop: Optional[int] = None, sink: Optional[list] = None,
+             verify: bool = False):
         """The model's own forward through this session's view, keeping the
         outputs of the layers in `want` and recording the recurrent mixers'
-        calls into `sink`."""
+        calls into `sink`; `verify`: attention in verify_attention's form."""
         st = self._state
-        st.feats, st.want, st.stop = {}, set(want), stop
+        st.feats, st.want, st.stop, st.verify = {}, set(want), stop, verify
         for m in self._recorders:
             m.sink = sink
         logits = None
@@ -419,7 +448,7 @@ class Target:
         except _Stop:
             pass
         finally:
-            feats, st.feats, st.want, st.stop = st.feats, None, set(), None
+            feats, st.feats, st.want, st.stop, st.verify = st.feats, None, set(), None, False
             for m in self._recorders:
                 m.sink = None
         return logits, feats
@@ -441,11 +470,24 @@ class Target:
             if rec is not None and not rec.saved:
                 rec = None
             sink = rec.calls if rec is not None and 1 < L <= MAX_REPLAY else None
-            logits, feats = self._run(tokens, cache, capture, sink=sink)
+            logits, feats = self._run(tokens, cache, capture, sink=sink, verify=self._verifying)
             self._rec = rec
         if not capture:
             return logits, None
         return logits, mx.concatenate([feats[i] for i in capture], axis=-1)
+
+    def verify_forward(self, tokens: mx.array, cache: list, capture: Sequence[int] = ()):
+        """`self(tokens, cache, capture)` for a verify (a few new rows over a
+        cached context): the same forward (a subclass's __call__ included), with
+        attention in verify_attention's split form where that is faster (a long
+        context on the CPU): equal to __call__ within float rounding (the same
+        sums in another order), and exactly __call__ elsewhere."""
+        with self._lock:  # (reentrant: __call__ takes it again)
+            self._verifying = True
+            try:
+                return self(tokens, cache, capture)
+            finally:
+                self._verifying = False
 
     def features(self, tokens: mx.array, layer_ids: Sequence[int]) -> mx.array:
         """tokens [S, L] -> tapped layer outputs [S, L, taps*H] through the model's

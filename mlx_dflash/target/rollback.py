@@ -27,7 +27,6 @@ every cache kind mlx-lm uses, alone or mixed per layer (CacheList included).
 from __future__ import annotations
 
 import copy
-import types
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -45,6 +44,8 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
+
+from .rebind import forward_with
 
 # caches whose own trim drops the last rows exactly
 ROW_CACHES = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
@@ -361,7 +362,7 @@ class Mixer:
                 self.module[name] = Tape(child, self)
         self.sink: Optional[list] = None
         self.call: Optional[Call] = None
-        self._forward = _with_scans(self.module, {"gated_delta_update": self._gated_delta_update,
+        self._forward = forward_with(self.module, {"gated_delta_update": self._gated_delta_update,
                                                   "ssm_update": self._ssm_update})
 
     def __call__(self, *args, **kwargs):
@@ -457,30 +458,3 @@ def _rows(args, kwargs) -> int:
         if isinstance(v, mx.array) and v.ndim >= 2:
             return v.shape[1]
     return 0
-
-
-def _with_scans(module, scans: dict):
-    """`module`'s own forward, run with the scan functions its code calls by
-    name (e.g. gated_delta_update) replaced by `scans`, for this copy only: the
-    class's method bodies are reused with other globals (mlx-lm's modules and
-    the loaded instance are untouched). Methods of the class that call them
-    are bound on the copy; returns the forward."""
-    def swapped(fn):
-        g = dict(fn.__globals__)
-        g.update({k: v for k, v in scans.items() if k in g})
-        f = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-        f.__kwdefaults__ = fn.__kwdefaults__
-        return f
-
-    forward = None
-    for klass in type(module).__mro__:
-        if klass in (nn.Module, dict, object):
-            break
-        for name, fn in vars(klass).items():
-            if not isinstance(fn, types.FunctionType) or not set(scans) & set(fn.__code__.co_names):
-                continue
-            if name == "__call__":
-                forward = forward or swapped(fn).__get__(module)
-            elif name not in module.__dict__:
-                module.__dict__[name] = swapped(fn).__get__(module)  # the copy's, found before the class's
-    return forward or module
