@@ -421,17 +421,20 @@ class Engine:
         return events
 
     # -- the caches of the running set ---------------------------------------------------------
-    def _forward(self, tokens: mx.array, layers, quantize: bool = True):
+    def _forward(self, tokens: mx.array, layers, verify: bool = False):
         """The target over tokens [B, w] with the set's caches (a set of one:
         its KV quantized after the forward, as mlx-lm's generate_step does; after
-        a verify, only once its rejected rows are dropped: `_rollback`)."""
+        a verify, only once its rejected rows are dropped: `_rollback`). A
+        verify's attention takes the form whose cost does not grow with the
+        context where that is faster (Target.verify_forward)."""
+        run = self.target.verify_forward if verify else self.target
         if self.cache is None:
             s = self.rows[0]
-            out = self.target(tokens, s.pc.target, layers)
-            if quantize:
+            out = run(tokens, s.pc.target, layers)
+            if not verify:
                 self._quantize(s)
             return out
-        return self.target(tokens, self.cache, layers)
+        return run(tokens, self.cache, layers)
 
     def _rollback(self, width: int, drop: List[int]) -> None:
         """Row b drops its last drop[b] rows of a forward of `width` tokens."""
@@ -625,7 +628,7 @@ class Engine:
         W = drafts.shape[1] + 1
         vin = mx.concatenate([mx.array([s.anchor for s in rows], mx.int32)[:, None], drafts], axis=1)
         layers = self.capture_layers if any(s.capture for s in rows) else []
-        logits, f = self._forward(vin, layers, quantize=False)
+        logits, f = self._forward(vin, layers, verify=True)
         res: list = [None] * len(rows)
         plain = [b for b, s in enumerate(rows) if s.sp.greedy and s.hist is None]
         if plain:  # the longest prefix of each row's drafts equal to the target's argmax
