@@ -153,7 +153,6 @@ def test_regenerate_copy_and_token_colours(chat_backend, tmp_path):
         cont = generate(lm.model, lm.tokenizer, ids, None, max_tokens=40).token_ids
         lm.drafter = OracleDrafter(len(ids), cont, lm.model.args.vocab_size, noise=0.5, seed=1,
                                    layer_ids=lm.drafter.config.target_layer_ids)
-        app.prompt_cache.drafter = None
         answer = await say(pilot, "colour")
         flags = {d for _, d in answer.spans}
         assert flags == {True, False} and "".join(t for t, _ in answer.spans) == answer.content
@@ -348,7 +347,8 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
         await until(pilot, lambda: app.turn is None, "the stopped turn")
         await until(pilot, lambda: not app.query(AnswerBubble), "the empty answer's removal")
         assert turn.text == "" and app.status == "stopped"
-        lm, pc = app.loaded, app.prompt_cache
+        lm = app.loaded
+        [(pc, _)] = app.prompt_store.entries.values()  # the stopped turn's cache, given back to the store
         prompt = build_prompt(lm.tokenizer, system, [{"role": "user", "content": "hi"}])
         # stopped after the chunk in flight: two chunks kept, the last not done
         assert pc.tokens == prompt[:4096] and len(prompt) > 4096

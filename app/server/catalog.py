@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 from mlx_dflash.models.discovery import discover
 from mlx_dflash.models.model_names import find
 from mlx_dflash.models.settings_checks import check_settings
+from mlx_dflash.settings.schema import GlobalSettings
 
 # -- models ---------------------------------------------------------------------------------
 
@@ -78,6 +79,13 @@ class ManagerCatalog:
 
             return GlobalSettings().prompt_cache_mb << 20
 
+    def globals(self):
+        """The global settings (the defaults if the file cannot be read now)."""
+        try:
+            return self.store.globals()
+        except (ValueError, AttributeError):
+            return GlobalSettings()
+
 
 def context_limit(model) -> Optional[int]:
     args = getattr(model, "args", None)
@@ -142,6 +150,12 @@ class Counters:
                  prompt_tokens_per_second=(self.prompt_tokens - self.reused_prompt_tokens) / self.prompt_time
                  if self.prompt_time else 0.0)
         return d
+
+
+def disk_budget(catalog) -> int:
+    """The prompt store's disk budget in bytes (a catalog without settings: none)."""
+    g = getattr(catalog, "globals", None)
+    return g().prompt_store_bytes()[1] if g is not None else 0
 
 
 def store_budget(catalog) -> int:

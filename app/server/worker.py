@@ -17,12 +17,12 @@ import traceback
 from typing import Dict, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.cache.prompt_store import PromptStore
+from mlx_dflash.cache.prompt_store import PromptStore, open_store
 from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
 from mlx_dflash.target.adapter import Target
 
 from .batcher import Batcher
-from .catalog import Counters, Job, context_limit, store_budget
+from .catalog import Counters, Job, context_limit, disk_budget, store_budget
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .prompt_ids import prompt_ids, text_chars, too_long
@@ -234,8 +234,13 @@ class Worker:
         if self.lm is not lm:
             return None
         if self.store is None:
-            self.store = PromptStore(store_budget(self.catalog))
+            self.store = self._new_store(lm)
         return self.store
+
+    def _new_store(self, lm) -> PromptStore:
+        """The prompt store of `lm`: memory, over the disk tier (prompt_cache_disk_gb)."""
+        return open_store(store_budget(self.catalog), disk_budget(self.catalog), lm.model, lm.tokenizer,
+                          lm.drafter, lm.id)
 
     def _stored(self) -> None:
         store = self.store
@@ -446,7 +451,7 @@ class Worker:
             gen = batch.stream(ids, cfg)
         else:
             if self.store is None:
-                self.store = PromptStore(store_budget(self.catalog))
+                self.store = self._new_store(lm)
             target = Target(lm.model)
             with_drafter = cfg.keeps_drafter_context(lm.drafter, len(ids))
             branch = self.store.branch_point(target, ids, lm.drafter, with_drafter)

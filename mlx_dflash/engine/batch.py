@@ -49,7 +49,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..cache.prompt_cache import PromptCache, lookup_index, reuse
+from ..cache.prompt_cache import PromptCache, lookup_index, origin, reuse
 from ..drafting.batch_draft import propose_batch
 from ..drafting.drafter import Drafter
 from ..drafting.lookup import NgramIndex
@@ -220,6 +220,7 @@ class BatchEngine:
         common = reuse(self.target, pc, ids, self.drafter if row.drafts else None, row.config.drafter_layout)
         row.pc, row.cache, row.tokens, row.rest = pc, pc.target, list(ids[:common]), list(ids[common:])
         row.stats.reused_tokens = common
+        row.stats.prompt_cache = origin(pc, common)
         if row.drafts:
             row.dcache = pc.drafter
             row.pending = [pc.pending] if pc.pending is not None else []

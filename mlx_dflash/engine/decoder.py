@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..cache.prompt_cache import PromptCache, lookup_index, reuse
+from ..cache.prompt_cache import PromptCache, lookup_index, origin, reuse
 from ..policy.base import DFLASH, LOOKUP, Draft, LoopState, Plain, Policy
 from ..policy.registry import POLICIES, PolicyContext
 from ..target.adapter import Target
@@ -147,6 +147,7 @@ class Decoder:
         self._plan(ids)
         common = reuse(self.target, self.pc, ids, self.use, cfg.drafter_layout)
         self.stats.reused_tokens = common
+        self.stats.prompt_cache = origin(self.pc, common)
         self.emit = Emitter(self.tokenizer, cfg.stop, cfg.max_tokens)
         if cfg.logits_processors:
             self.hist = mx.array(ids, mx.int32)
