@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import struct
 import sys
 import threading
@@ -58,6 +59,8 @@ MAX_QUEUED = 4  # writes waiting; more are dropped (speed only: the memory tier 
 LOCK_WAIT_S = 30.0  # another process holding the folder's lock longer: skip this write
 STALE_TMP_S = 3600.0  # a temp file this old was left by a writer that died
 SUFFIX = ".safetensors"
+IDENTITY = "identity.json"
+LOCK = ".lock"
 
 
 def log(msg: str) -> None:
@@ -551,7 +554,12 @@ class DiskTier:
         t0 = time.perf_counter()
         for sub in ("entries", "blocks"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / ".lock"))
+        label = self.dir / IDENTITY
+        if not label.exists():  # what the folder is for (`mlx-dflash cache list`)
+            tmp = label.with_name(f".{IDENTITY}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.ident, indent=1))
+            os.replace(tmp, label)
+        lock = FileLock(str(self.root / LOCK))
         try:
             lock.acquire(timeout=LOCK_WAIT_S)
         except Timeout:
@@ -668,6 +676,61 @@ def _alive_writer(name: str, now: float, de) -> bool:
     except OSError:
         return True
     return True
+
+
+def folders(root: Path) -> List[dict]:
+    """Every identity folder under the prompts folder: its identity (as written),
+    entries, blocks, bytes and last use, most recently used first."""
+    out = []
+    try:
+        versions = [v for v in os.scandir(root) if v.is_dir()]
+    except OSError:
+        return out
+    for v in versions:
+        for ns in (x for x in os.scandir(v.path) if x.is_dir()):
+            d = Path(ns.path)
+            try:
+                ident = json.loads((d / IDENTITY).read_text())
+            except (OSError, ValueError):
+                ident = {}
+            row = {"folder": str(d), "format": v.name, "current": v.name == f"v{FORMAT}", "identity": ident,
+                   "entries": 0, "blocks": 0, "bytes": 0, "last_used": 0.0, "tokens": []}
+            for sub in ("entries", "blocks"):
+                try:
+                    items = [e for e in os.scandir(d / sub) if e.name.endswith(SUFFIX) and not e.name.startswith(".")]
+                except OSError:
+                    continue
+                for e in items:
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue
+                    row[sub] += 1
+                    row["bytes"] += st.st_size
+                    if sub == "entries":
+                        row["last_used"] = max(row["last_used"], st.st_mtime)
+                        try:
+                            row["tokens"].append(len(read_meta(Path(e.path))["tokens"]))
+                        except (OSError, ValueError, KeyError, TypeError):
+                            pass
+            out.append(row)
+    return sorted(out, key=lambda r: -r["last_used"])
+
+
+def clear(root: Path, folder: Optional[str] = None) -> Tuple[int, int]:
+    """Delete every cached prompt (or one identity folder's), under the lock
+    writers take. Returns (files, bytes) removed."""
+    files = size = 0
+    if not Path(root).is_dir():
+        return 0, 0
+    with FileLock(str(Path(root) / LOCK), timeout=LOCK_WAIT_S):
+        for row in folders(root):
+            if folder is not None and row["folder"] != folder:
+                continue
+            files += row["entries"] + row["blocks"]
+            size += row["bytes"]
+            shutil.rmtree(row["folder"], ignore_errors=True)
+    return files, size
 
 
 def _scan(root: Path):

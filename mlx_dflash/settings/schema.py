@@ -89,7 +89,7 @@ class GlobalSettings:
 
     def prompt_store_bytes(self) -> tuple:
         """(memory, disk) budgets of the prompt store in bytes."""
-        return self.prompt_cache_mb << 20, int(self.prompt_cache_disk_gb * (1 << 30))
+        return self.prompt_cache_mb << 20, int(self.prompt_cache_disk_gb * 1e9)
 
 
 # user-facing key (file, CLI) -> dataclass field
