@@ -28,6 +28,7 @@ bytes, the least recently used entries go, then the blocks nothing uses."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -217,8 +218,15 @@ def _write(path: Path, caches: list, meta: dict) -> int:
     renamed into place. Returns the bytes written."""
     meta = dict(meta, crc=_crc(_arrays(caches)))
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident() % 10**6}.tmp{SUFFIX}")
+    need = sum(int(a.nbytes) for a in _arrays(caches).values())
     try:
-        save_prompt_cache(str(tmp), caches, {"dflash": json.dumps(meta)})
+        open(tmp, "wb").close()  # (a read-only or missing folder: the OSError, not MLX's RuntimeError)
+        try:
+            save_prompt_cache(str(tmp), caches, {"dflash": json.dumps(meta)})
+        except RuntimeError as e:  # MLX's writer says only that it could not write
+            if shutil.disk_usage(tmp.parent).free < need:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({e})") from None
         size = tmp.stat().st_size
         os.replace(tmp, path)
     except BaseException:
@@ -397,6 +405,8 @@ class DiskTier:
         want = {"format": FORMAT, "identity": self.key}
         nbytes = 0
         try:
+            if not path.exists():
+                raise FileNotFoundError(path)
             caches, meta = _read(path, want)
             nbytes += path.stat().st_size
             n = len(meta["tokens"])
@@ -408,13 +418,13 @@ class DiskTier:
             parts: Dict[int, list] = {i: [] for i in rows}
             for h in e.blocks[:k]:
                 bp = self._block_path(h)
+                if not bp.exists():
+                    raise ValueError(f"its block {h[:12]} is missing")
                 try:
                     got, bm = _read(bp, dict(want, hash=h))
-                except FileNotFoundError:
-                    raise ValueError(f"block {h[:12]} is missing") from None
-                except Exception as err:  # a broken block: drop it, and with it this entry
-                    self._drop(bp, f"{type(err).__name__}: {err}")
-                    raise ValueError(f"block {h[:12]} was broken") from None
+                except Exception as err:  # a broken block goes, and with it this entry (one line for both)
+                    _unlink(bp)
+                    raise ValueError(f"its block {h[:12]} is broken: {type(err).__name__}: {err}") from None
                 if bm["layers"] != rows:
                     raise ValueError("block layout differs")
                 nbytes += bp.stat().st_size
@@ -452,7 +462,7 @@ class DiskTier:
         dt = time.perf_counter() - t0
         s = self.stats
         s.hits += 1
-        s.loaded_tokens += len(pc.tokens)
+        s.loaded_tokens += min(upto, len(pc.tokens))  # (served; the rest is trimmed)
         s.bytes_read += nbytes
         s.load_time += dt
         pc.origin = {"tier": "disk", "bytes": nbytes, "load_ms": round(dt * 1000, 1)}
@@ -655,6 +665,13 @@ class DiskTier:
                             pass
             except OSError:
                 continue
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _alive_writer(name: str, now: float, de) -> bool:
