@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
+from mlx_dflash.cache.memory import default_limit
 from mlx_dflash.models.discovery import discover
 from mlx_dflash.models.model_names import find
 from mlx_dflash.models.settings_checks import check_settings
@@ -156,6 +157,13 @@ def disk_budget(catalog) -> int:
     """The prompt store's disk budget in bytes (a catalog without settings: none)."""
     g = getattr(catalog, "globals", None)
     return g().prompt_store_bytes()[1] if g is not None else 0
+
+
+def memory_limit(catalog) -> Optional[int]:
+    """The server's memory budget in bytes (memory_budget_gb, or a share of the
+    machine); None for a catalog without settings (no budget)."""
+    g = getattr(catalog, "globals", None)
+    return default_limit(g().memory_budget_gb) if g is not None else None
 
 
 def store_budget(catalog) -> int:

@@ -17,12 +17,13 @@ import traceback
 from typing import Dict, Optional
 
 from mlx_dflash import DecodeConfig, stream_generate
+from mlx_dflash.cache.memory import MemoryBudget, Refused, footprint, warn_if_over
 from mlx_dflash.cache.prompt_store import PromptStore, open_store
 from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
 from mlx_dflash.target.adapter import Target
 
 from .batcher import Batcher
-from .catalog import Counters, Job, context_limit, disk_budget, store_budget
+from .catalog import Counters, Job, context_limit, disk_budget, memory_limit, store_budget
 from .errors import APIError, bad_request, error_line
 from .processors import fallback_reason, logits_processors, logprob_entry
 from .prompt_ids import prompt_ids, text_chars, too_long
@@ -62,6 +63,7 @@ class Worker:
         self.refused = None  # the last refusal of changed settings (logged once)
         self.store = None  # its PromptStore (mlx_dflash.cache.prompt_store)
         self.cache_summary = None  # (model id, store summary) for /metrics
+        self.memory: Optional[MemoryBudget] = None  # the memory budget of the model loaded (None: no budget)
         self.metrics: Dict[str, Counters] = {}
         self.lock = threading.Lock()  # guards metrics
         self.closing = False  # shutting down: no new jobs, queued ones answered 503
@@ -169,6 +171,8 @@ class Worker:
     def _run(self, job, batch: Optional[Batcher] = None):
         try:
             self._serve(job, batch)
+        except Refused as e:  # the memory budget: 413 (can never fit) or 429 (not now)
+            self._fail(job, APIError(e.status, e.message, code="memory_budget"))
         except APIError as e:
             self._fail(job, e)
         except PrefillCancelled:  # (in a branch checkpoint's prefill: the kept prefix is lost)
@@ -182,6 +186,9 @@ class Worker:
             traceback.print_exc(file=sys.stderr)
             self._clear_store()  # a KV cache may be half-written
             self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
+        finally:
+            if self.memory is not None:
+                self.memory.release(id(job))
 
     # -- max_batch > 1: admission to the batch --------------------------------------------
     def _admit(self, job):
@@ -236,6 +243,34 @@ class Worker:
         if self.store is None:
             self.store = self._new_store(lm)
         return self.store
+
+    def _new_budget(self, lm) -> Optional[MemoryBudget]:
+        """The memory budget for `lm` (just loaded: its footprint is measured here, by the thread that owns it)."""
+        limit = memory_limit(self.catalog)
+        if limit is None:
+            return None
+        try:
+            fp = footprint(lm.model, lm.drafter)
+        except Exception as e:  # noqa: BLE001 - a model the probe fails on is served without a budget
+            sys.stderr.write(f"mlx-dflash: no memory budget for '{lm.id}' (its footprint could not be measured: "
+                             f"{type(e).__name__}: {error_line(e)})\n")
+            return None
+        b = MemoryBudget(limit, fp, store=lambda: self.store)
+        warn_if_over(b)
+        return b
+
+    def _reserve(self, job, lm, prompt: int, max_tokens: int, settings) -> None:
+        """Admission by the request's projected memory (may wait; Refused if it cannot fit)."""
+        if self.memory is None:
+            return
+        window = getattr(settings, "drafter_window", None) if lm.drafter is not None else 0
+        need = self.memory.project(prompt, max_tokens, window=window, sink=getattr(settings, "drafter_sink", 0))
+        self.memory.admit(id(job), need, f" ({prompt} prompt tokens + max_tokens {max_tokens})")
+
+    def flush(self, timeout: float) -> None:
+        """Wait for the prompt store's writes to disk (shutting down)."""
+        if self.store is not None:
+            self.store.close(timeout)
 
     def _new_store(self, lm) -> PromptStore:
         """The prompt store of `lm`: memory, over the disk tier (prompt_cache_disk_gb)."""
@@ -381,6 +416,7 @@ class Worker:
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
         self.lm_key, self.refused = model_id, None
+        self.memory = self._new_budget(self.lm)
         self.picked = None  # auto: measured again for this model
         self.prefill = None
         self.lm_load = self._load_key(self.lm.id)
@@ -421,6 +457,7 @@ class Worker:
         max_tokens = req.limit()
         if ctx is not None:  # generation ends at the end of the context (finish_reason "length")
             max_tokens = max(1, min(max_tokens or settings.max_tokens, ctx - len(ids)))
+        self._reserve(job, lm, len(ids), max_tokens or settings.max_tokens, settings)
         fallback = fallback_reason(req)
         n_lp = req.n_logprobs()
 

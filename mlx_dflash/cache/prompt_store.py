@@ -15,6 +15,8 @@ the store and MLX's streams are per thread, so no entry may hold lazy arrays
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -70,6 +72,15 @@ def _covers(a: PromptCache, b: PromptCache) -> bool:
     return nb <= na and db <= da and common_prefix(b.tokens, a.tokens) == nb
 
 
+def _locked(method):
+    """One thread at a time in the store (the memory budget spills from the requests' threads)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 @dataclass
 class StoreStats:
     hits: int = 0
@@ -90,14 +101,17 @@ class PromptStore:
         self.stats = StoreStats()
         self.shared: set = set()  # keys of branch points: always copied, never taken over
         self._next = 0
+        self._lock = threading.RLock()  # (_locked)
 
     @property
     def nbytes(self) -> int:
-        return sum(b for _, b in self.entries.values())
+        with self._lock:
+            return sum(b for _, b in self.entries.values())
 
     def __len__(self) -> int:
         return len(self.entries)
 
+    @_locked
     def clear(self) -> None:
         """Forget every entry in memory (the disk tier keeps its own)."""
         self.entries.clear()
@@ -109,6 +123,7 @@ class PromptStore:
         with a drafter, those its context covers as rows or pending features)."""
         return reusable(pc, drafter if with_drafter else None)
 
+    @_locked
     def match(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
               ) -> Tuple[Optional[object], int]:
         """(key of the entry sharing the longest reusable prefix with `ids`, its length).
@@ -138,6 +153,7 @@ class PromptStore:
                 best, best_n = key, n
         return best, best_n
 
+    @_locked
     def branch_point(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False) -> int:
         """The longest prefix `ids` shares with an entry that cannot be cut back
         to it (recurrent state): where conversations branch, e.g. after a shared
@@ -150,6 +166,7 @@ class PromptStore:
             best = max(best, self.disk.match(ids, with_drafter and drafter is not None)[2])
         return best if best > n else 0
 
+    @_locked
     def take(self, target: Target, ids: Sequence[int], drafter=None, with_drafter: bool = False
              ) -> Tuple[PromptCache, int]:
         """A PromptCache the caller may mutate, holding the best reusable prefix
@@ -180,6 +197,7 @@ class PromptStore:
         self.entries.move_to_end(key)
         return copy.deepcopy(pc), n
 
+    @_locked
     def put(self, pc: PromptCache, target: Optional[Target] = None, shared: bool = False) -> None:
         """Keep `pc` (the caller hands it over). Trimmable entries whose tokens
         are a prefix of it are dropped (it serves their prompts as well); the
@@ -216,6 +234,7 @@ class PromptStore:
             self.disk.save(pc)
         return size
 
+    @_locked
     def spill(self, nbytes: int) -> int:
         """Free at least `nbytes` of memory (the server's memory budget asks), least
         recently used entries first, to disk. Returns the bytes freed."""
@@ -228,6 +247,7 @@ class PromptStore:
         """Wait for the disk tier's writes (a process about to exit)."""
         return self.disk.flush(timeout) if self.disk is not None else True
 
+    @_locked
     def summary(self) -> dict:
         out = {"entries": len(self.entries), "bytes": self.nbytes, "budget": self.budget,
                "tokens": [len(pc.tokens) for pc, _ in self.entries.values()], **self.stats.__dict__}
