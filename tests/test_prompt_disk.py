@@ -497,3 +497,18 @@ def test_a_restarted_server_answers_from_disk(pairs, tmp_path, monkeypatch):
     assert warm_r.choices[0].message.content == cold_r.choices[0].message.content
     disk = metrics["models"]["pair"]["prompt_cache"]["disk"]
     assert disk["hits"] == 1 and disk["bytes_read"] > 0 and disk["load_time"] > 0
+
+
+def test_prompts_cached_by_another_version_are_skipped_with_one_line(pair, tmp_path, capsys):
+    model, tok, drafter = pair
+    ids = prompt(tok, "How do I list files?")
+    old = dict(identity(model, tok, drafter), mlx_dflash="0.0.1")  # the same model, an older mlx-dflash
+    s = PromptStore(1 << 30, DiskTier(tmp_path, old, 1 << 30, block=BLOCK))
+    run(s, *pair, ids, block_size=W)
+    capsys.readouterr()
+    r, n, _ = run(store_of(*pair, tmp_path), *pair, ids, block_size=W)
+    err = [line for line in capsys.readouterr().err.splitlines() if "prompt cache" in line]
+    assert n == 0 and r.token_ids == cold(*pair, ids, block_size=W)
+    assert len(err) == 1 and "another version" in err[0] and "mlx-dflash 0.0.1" in err[0], err
+    rows = folders(tmp_path)
+    assert {r["identity"]["mlx_dflash"] for r in rows} == {"0.0.1", identity(model, tok, drafter)["mlx_dflash"]}

@@ -314,7 +314,7 @@ class DiskTier:
         self._writer: Optional[threading.Thread] = None
         self._queued_bytes = 0
         self.readonly: Optional[str] = None  # why writing is off (logged once)
-        self._said: set = set()  # errors logged once
+        self._noted = False  # other versions' folders looked for
 
     # -- paths ---------------------------------------------------------------------------
     def _entry_path(self, name: str) -> Path:
@@ -323,14 +323,24 @@ class DiskTier:
     def _block_path(self, h: str) -> Path:
         return self.dir / "blocks" / f"{h}{SUFFIX}"
 
-    def _say_once(self, key: str, msg: str) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log(msg)
-
     # -- the index -----------------------------------------------------------------------
+    def _note_other_versions(self) -> None:
+        """One line when this model's prompts were cached by another version of
+        mlx-dflash, MLX or mlx-lm: they are not used (and go first when room is needed)."""
+        weights = self.ident["model"]["weights"]
+        others = [r for r in folders(self.root) if r["folder"] != str(self.dir) and r["entries"]
+                  and ((r["identity"].get("model") or {}).get("weights") == weights)]
+        if others:
+            seen = sorted({f"mlx-dflash {r['identity'].get('mlx_dflash')}, mlx {r['identity'].get('mlx')}, "
+                           f"mlx-lm {r['identity'].get('mlx_lm')}, format {r['format'][1:]}" for r in others})
+            log(f"{sum(r['entries'] for r in others)} prompts of this model cached by another version are not used "
+                f"({'; '.join(seen)}); they go as the least recently used when room is needed")
+
     def refresh(self) -> None:
         """Bring the index in line with the folder (other processes write and evict too)."""
+        if not self._noted:
+            self._noted = True
+            self._note_other_versions()
         try:
             listing = {e.name[: -len(SUFFIX)]: e for e in os.scandir(self.dir / "entries")
                        if e.name.endswith(SUFFIX) and not e.name.startswith(".")}
