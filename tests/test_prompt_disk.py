@@ -17,8 +17,9 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
 from mlx_dflash import generate, load
-from mlx_dflash.cache import disk as disk_mod
-from mlx_dflash.cache.disk import DiskTier, folders
+from mlx_dflash.cache import disk_format
+from mlx_dflash.cache.disk import DiskTier
+from mlx_dflash.cache.disk_folder import folders
 from mlx_dflash.cache.identity import digest, identity
 from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.target.adapter import Target
@@ -271,7 +272,7 @@ def _enospc_save(path, caches, metadata=None):
 def test_a_full_disk_is_skipped_with_one_line(pair, tmp_path, capsys, monkeypatch):
     model, tok, drafter = pair
     ids = prompt(tok, "How do I list files?")
-    monkeypatch.setattr(disk_mod, "save_prompt_cache", _enospc_save)
+    monkeypatch.setattr(disk_format, "save_prompt_cache", _enospc_save)
     s = store_of(*pair, tmp_path)
     r, _, _ = run(s, *pair, ids, block_size=W)
     err = [line for line in capsys.readouterr().err.splitlines() if "prompt cache" in line]
@@ -356,7 +357,7 @@ KILLED_WRITER = textwrap.dedent("""
         if "/entries/" in str(dst):  # blocks are in place, the entry half-written: killed now
             os.kill(os.getpid(), signal.SIGKILL)
         return real(src, dst)
-    disk.os.replace = replace
+    disk.os.replace = replace  # (the os module: every rename in the process)
     run(store_of(model, tok, drafter, {root!r}), model, tok, drafter, prompt(tok, "How do I list files?"),
         block_size=4)
 """)

@@ -9,7 +9,8 @@ import time
 
 from app.commands.models import human
 from app.errors import UserError
-from mlx_dflash.cache.disk import clear, folders, root_dir
+from mlx_dflash.cache.disk import root_dir
+from mlx_dflash.cache.disk_folder import clear, folders
 from mlx_dflash.models.settings_checks import settings_store
 from mlx_dflash.platform.paths import cache_dir
 from mlx_dflash.settings.schema import GlobalSettings

@@ -28,17 +28,12 @@ bytes, the least recently used entries go, then the blocks nothing uses."""
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import queue
-import shutil
-import struct
 import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -46,22 +41,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 from filelock import FileLock, Timeout
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
-from ..drafting.drafter import ContextCache
-from ..target import rollback as rb
+from .disk_folder import IDENTITY, LOCK, LOCK_WAIT_S, evict, folders, remove_stale, unlink
+from .disk_format import (SUFFIX, arrays_of, block_hashes, common_prefix, context_from, context_rows, context_spec,
+                          contiguous, freeze, hash_of, ids_bytes, is_rows, join_rows, layer_kind, max_trim,
+                          pending_cache, read_file, read_meta, rows_of, write_file)
 from .identity import FORMAT, digest
 from .prompt_cache import PromptCache
 
 BLOCK = 256  # tokens per shared block
 MIN_TOKENS = 16  # shorter prefixes are not worth a file
 MAX_QUEUED = 4  # writes waiting; more are dropped (speed only: the memory tier still has them)
-LOCK_WAIT_S = 30.0  # another process holding the folder's lock longer: skip this write
-STALE_TMP_S = 3600.0  # a temp file this old was left by a writer that died
-SUFFIX = ".safetensors"
-IDENTITY = "identity.json"
-LOCK = ".lock"
 
 
 def log(msg: str) -> None:
@@ -70,187 +60,6 @@ def log(msg: str) -> None:
 
 def root_dir(cache_dir: Path) -> Path:
     return Path(cache_dir) / "prompts"
-
-
-# -- hashing -------------------------------------------------------------------------------
-
-def _h(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()[:32]
-
-
-def _ids(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype=np.int64).tobytes()
-
-
-def block_hashes(seed: str, tokens: Sequence[int], block: int = BLOCK) -> List[str]:
-    """The hash of every full block of `tokens`, each covering all the tokens up to its end."""
-    out, h = [], seed
-    for i in range(len(tokens) // block):
-        h = _h(h.encode(), _ids(tokens[i * block:(i + 1) * block]))
-        out.append(h)
-    return out
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-# -- cache layers as rows and states ----------------------------------------------------------
-
-def _is_rows(c, n: int) -> bool:
-    """A layer whose cache is the K/V rows of all `n` tokens by position, stored
-    in blocks (exact types: a subclass may keep more state)."""
-    return type(c) in (KVCache, QuantizedKVCache) and c.keys is not None and c.offset == n
-
-
-def _kind(c) -> str:
-    if isinstance(c, QuantizedKVCache):
-        return f"QuantizedKVCache:{c.bits}:{c.group_size}"
-    return type(c).__name__
-
-
-def _rows(c, a: int, b: int):
-    """Rows [a, b) of a row layer as a cache of its own kind holding only them."""
-    if isinstance(c, QuantizedKVCache):
-        k = tuple(x[..., a:b, :] for x in c.keys)
-        v = tuple(x[..., a:b, :] for x in c.values)
-        return QuantizedKVCache.from_state((k, v, b - a, c.group_size, c.bits))
-    return KVCache.from_state((c.keys[..., a:b, :], c.values[..., a:b, :], b - a))
-
-
-def _join(parts: list, template: str):
-    """Row caches (in order) as one layer cache holding all their rows."""
-    n = sum(p.offset for p in parts)
-    if template.startswith("QuantizedKVCache"):
-        _, bits, group = template.split(":")
-        k = tuple(mx.concatenate([p.keys[i] for p in parts], axis=-2) for i in range(3))
-        v = tuple(mx.concatenate([p.values[i] for p in parts], axis=-2) for i in range(3))
-        return QuantizedKVCache.from_state((k, v, n, int(group), int(bits)))
-    return KVCache.from_state((mx.concatenate([p.keys for p in parts], axis=2),
-                               mx.concatenate([p.values for p in parts], axis=2), n))
-
-
-def max_trim(caches: list) -> int:
-    """How many trailing tokens these caches could drop once loaded (no forward
-    recorded: a recurrent state cannot go back at all)."""
-    if rb.unsupported_kind(caches) or rb.recurrent(caches):
-        return 0
-    leaves = [x for c in caches for x in rb.leaves(c)]
-    if any(isinstance(x, rb.ROW_CACHES) and not x.is_trimmable() for x in leaves):
-        return 0
-    rot = [x for x in leaves if isinstance(x, rb.RotatingKVCache)]
-    if not rot:
-        return sys.maxsize
-    hi = min(x.offset for x in rot)
-    lo = 0
-    while lo < hi:  # rotating_can_trim holds for every n up to a limit
-        mid = (lo + hi + 1) // 2
-        if all(rb.rotating_can_trim(x, mid) for x in rot):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _arrays(caches: list) -> Dict[str, mx.array]:
-    """The arrays save_prompt_cache writes, by its names (tree_flatten of the states)."""
-    return {k: v for k, v in tree_flatten([c.state for c in caches]) if isinstance(v, mx.array)}
-
-
-def _crc(arrays: Dict[str, mx.array]) -> Dict[str, int]:
-    return {k: zlib.crc32(memoryview(v)) for k, v in arrays.items()}
-
-
-def _contiguous(caches: list) -> list:
-    """The same caches with every array a contiguous copy (what the CRCs are of), evaluated."""
-    out = []
-    for c in caches:
-        st = c.state
-        new = type(c).from_state(_map(st))
-        out.append(new)
-    mx.eval([a for a in _arrays(out).values()])
-    return out
-
-
-def _map(x, fn=mx.contiguous):
-    if isinstance(x, mx.array):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(y, fn) for y in x)
-    return x
-
-
-def _freeze(c):
-    """A copy of a layer cache that later writes into `c` do not reach (its arrays
-    are new array objects over the same data; lists are copied)."""
-    return type(c).from_state(_map(c.state, lambda a: a[...]))
-
-
-# -- the file format -------------------------------------------------------------------------
-
-def read_meta(path: Path) -> dict:
-    """The metadata of one of our safetensors files, from its header alone."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("truncated header")
-        n = struct.unpack("<Q", head)[0]
-        if n > 64 << 20:
-            raise ValueError("not a safetensors file")
-        h = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
-    ends = [v["data_offsets"][1] for k, v in h.items() if k != "__metadata__"]
-    if size < 8 + n + max(ends, default=0):
-        raise ValueError("truncated")
-    meta = json.loads(h.get("__metadata__", {}).get("0.dflash", "null"))
-    if not isinstance(meta, dict):
-        raise ValueError("not a prompt cache file")
-    return meta
-
-
-def _write(path: Path, caches: list, meta: dict) -> int:
-    """Write `caches` (contiguous, evaluated) with `meta` and their CRCs: a temp file,
-    renamed into place. Returns the bytes written."""
-    meta = dict(meta, crc=_crc(_arrays(caches)))
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident() % 10**6}.tmp{SUFFIX}")
-    need = sum(int(a.nbytes) for a in _arrays(caches).values())
-    try:
-        open(tmp, "wb").close()  # (a read-only or missing folder: the OSError, not MLX's RuntimeError)
-        try:
-            save_prompt_cache(str(tmp), caches, {"dflash": json.dumps(meta)})
-        except RuntimeError as e:  # MLX's writer says only that it could not write
-            if shutil.disk_usage(tmp.parent).free < need:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
-            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} ({e})") from None
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    return size
-
-
-def _read(path: Path, want: dict) -> Tuple[list, dict]:
-    """(caches, metadata) of a file, checked: format, identity and every array's CRC."""
-    caches, md = load_prompt_cache(str(path), return_metadata=True)
-    meta = json.loads(md["dflash"])
-    for k, v in want.items():
-        if meta.get(k) != v:
-            raise ValueError(f"{k} {meta.get(k)!r}, expected {v!r}")
-    arrays = _arrays(caches)
-    mx.eval(list(arrays.values()))
-    crc = meta.get("crc") or {}
-    if set(crc) != set(arrays) or any(zlib.crc32(memoryview(a)) != crc[k] for k, a in arrays.items()):
-        raise ValueError("checksum mismatch")
-    return caches, meta
 
 
 # -- the tier --------------------------------------------------------------------------------
@@ -307,7 +116,7 @@ class DiskTier:
         self.budget = max(0, int(budget))
         self.block = block
         self.stats = DiskStats()
-        self.seed = _h(self.key.encode(), str(block).encode())
+        self.seed = hash_of(self.key.encode(), str(block).encode())
         self.index: Dict[str, Entry] = {}
         self._lock = threading.Lock()  # the index
         self._queue: "queue.Queue[_Job]" = queue.Queue()
@@ -417,7 +226,7 @@ class DiskTier:
         try:
             if not path.exists():
                 raise FileNotFoundError(path)
-            caches, meta = _read(path, want)
+            caches, meta = read_file(path, want)
             nbytes += path.stat().st_size
             n = len(meta["tokens"])
             rows = [i for i, kind in enumerate(meta["layers"]) if kind["rows"]]
@@ -431,9 +240,9 @@ class DiskTier:
                 if not bp.exists():
                     raise ValueError(f"its block {h[:12]} is missing")
                 try:
-                    got, bm = _read(bp, dict(want, hash=h))
+                    got, bm = read_file(bp, dict(want, hash=h))
                 except Exception as err:  # a broken block goes, and with it this entry (one line for both)
-                    _unlink(bp)
+                    unlink(bp)
                     raise ValueError(f"its block {h[:12]} is broken: {type(err).__name__}: {err}") from None
                 if bm["layers"] != rows:
                     raise ValueError("block layout differs")
@@ -446,16 +255,16 @@ class DiskTier:
                 c = caches[i]
                 if kind["rows"]:
                     ps = parts[i] + ([c] if keep == n and c.offset else [])
-                    c = _join(ps, kind["kind"]) if ps else c
+                    c = join_rows(ps, kind["kind"]) if ps else c
                 target.append(c)
             pc = PromptCache(target=target, tokens=[int(t) for t in meta["tokens"][:keep]])
             if meta["drafter"] is not None and drafter is not None:
                 d = meta["drafter"]
-                pc.drafter = [_context(c, spec) for c, spec in zip(caches[ncache:], d["layers"])]
+                pc.drafter = [context_from(c, spec) for c, spec in zip(caches[ncache:], d["layers"])]
                 pc.drafter_id, pc.drafter_layout = id(drafter), tuple(d["layout"])
                 if d["pending"]:
                     pc.pending = caches[-1].cache[0]
-            mx.eval([a for a in _arrays(pc.target).values()])
+            mx.eval([a for a in arrays_of(pc.target).values()])
         except FileNotFoundError:  # evicted by another process meanwhile: a miss
             with self._lock:
                 self.index.pop(e.name, None)
@@ -489,7 +298,7 @@ class DiskTier:
         d = pc.drafter if pc.drafter is not None and pc.drafter_id is not None else None
         reach = d[0].offset + (pc.pending.shape[1] if pc.pending is not None else 0) if d else -1
         layout = list(pc.drafter_layout) if d else [None, 0]
-        name = _h(self.seed.encode(), _ids(pc.tokens), json.dumps([reach, layout]).encode())
+        name = hash_of(self.seed.encode(), ids_bytes(pc.tokens), json.dumps([reach, layout]).encode())
         with self._lock:
             known = self.index.get(name)
         if known is not None or self._entry_path(name).exists():
@@ -499,19 +308,19 @@ class DiskTier:
                 pass
             return
         target = list(pc.target)
-        kinds = [{"kind": _kind(c), "rows": _is_rows(c, n)} for c in target]
+        kinds = [{"kind": layer_kind(c), "rows": is_rows(c, n)} for c in target]
         sig = json.dumps([k["kind"] for k in kinds if k["rows"]]).encode()
-        blocks = block_hashes(_h(self.seed.encode(), sig), pc.tokens, self.block)
+        blocks = block_hashes(hash_of(self.seed.encode(), sig), pc.tokens, self.block)
         # capture: a row layer as its rows so far (a later write into the cache makes new arrays)
-        snap = [_rows(c, 0, n) if k["rows"] else _freeze(c) for c, k in zip(target, kinds)]
-        dsnap = [_snapshot_context(c) for c in d] if d else []
+        snap = [rows_of(c, 0, n) if k["rows"] else freeze(c) for c, k in zip(target, kinds)]
+        dsnap = [context_rows(c) for c in d] if d else []
         pending = pc.pending[...] if d and pc.pending is not None else None
-        mx.eval(list(_arrays(snap + dsnap).values()) + ([pending] if pending is not None else []))  # (views)
+        mx.eval(list(arrays_of(snap + dsnap).values()) + ([pending] if pending is not None else []))  # (views)
         meta = {"format": FORMAT, "identity": self.key, "tokens": list(map(int, pc.tokens)), "reach": reach,
                 "layout": layout, "max_trim": min(max_trim(target), n), "blocks": blocks, "layers": kinds,
                 "drafter": None if not d else {"layout": layout, "pending": pending is not None,
-                                               "layers": [_context_spec(c) for c in d]}}
-        nbytes = sum(int(a.nbytes) for a in _arrays(snap + dsnap).values()) + (
+                                               "layers": [context_spec(c) for c in d]}}
+        nbytes = sum(int(a.nbytes) for a in arrays_of(snap + dsnap).values()) + (
             int(pending.nbytes) if pending is not None else 0)
         if self._queue.qsize() >= MAX_QUEUED:
             self.stats.skipped += 1
@@ -594,17 +403,18 @@ class DiskTier:
                 if p.exists():
                     continue
                 a, b = i * self.block, (i + 1) * self.block
-                part = _contiguous([_rows(job.target[j], a, b) for j in rows])
-                written += _write(p, part, {"format": FORMAT, "identity": self.key, "hash": h, "layers": rows})
+                part = contiguous([rows_of(job.target[j], a, b) for j in rows])
+                written += write_file(p, part, {"format": FORMAT, "identity": self.key, "hash": h, "layers": rows})
             tail = len(job.blocks) * self.block
-            own = [_rows(c, tail, n) if k["rows"] else c for c, k in zip(job.target, job.meta["layers"])]
+            own = [rows_of(c, tail, n) if k["rows"] else c for c, k in zip(job.target, job.meta["layers"])]
             extra = list(job.drafter)
             if job.pending is not None:
-                extra.append(_pending_cache(job.pending))
-            written += _write(self._entry_path(job.name), _contiguous(own + extra), job.meta)
+                extra.append(pending_cache(job.pending))
+            written += write_file(self._entry_path(job.name), contiguous(own + extra), job.meta)
             self._forget_covered(job)
-            self._evict()
-            self._remove_stale()
+            evict(self.root, self.budget)
+            remove_stale(self.dir)
+            self.refresh()
         finally:
             lock.release()
         self.stats.writes += 1
@@ -633,192 +443,3 @@ class DiskTier:
             self._entry_path(name).unlink()
         except OSError:
             pass
-
-    # -- the budget (under the folder lock) ------------------------------------------------
-    def _evict(self) -> None:
-        """Least recently used entries first, over every identity's folder, until the
-        prompts folder is under budget; then the blocks no entry names."""
-        entries, blocks = _scan(self.root)
-        total = sum(s for _, s, _ in entries) + sum(s for s, _ in blocks.values())
-        entries.sort(key=lambda x: x[2])  # oldest use first
-        while total > self.budget and entries:
-            path, size, _ = entries.pop(0)
-            try:
-                path.unlink()
-                total -= size
-            except OSError:
-                pass
-        used = set()
-        for path, _, _ in entries:
-            try:
-                used.update((path.parent.parent.name, h) for h in read_meta(path)["blocks"])
-            except (OSError, ValueError, KeyError):
-                continue
-        for (ns, h), (size, path) in blocks.items():
-            if (ns, h) not in used:
-                try:
-                    path.unlink()
-                except OSError:
-                    pass
-        self.refresh()
-
-    def _remove_stale(self) -> None:
-        """Temp files of writers that died (killed mid-write)."""
-        now = time.time()
-        for sub in ("entries", "blocks"):
-            try:
-                for de in os.scandir(self.dir / sub):
-                    if de.name.startswith(".") and ".tmp" in de.name and not _alive_writer(de.name, now, de):
-                        try:
-                            os.unlink(de.path)
-                        except OSError:
-                            pass
-            except OSError:
-                continue
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
-
-
-def _alive_writer(name: str, now: float, de) -> bool:
-    """Whether a temp file may still be being written: its process is alive and
-    it is younger than STALE_TMP_S."""
-    try:
-        pid = int(name.split(".")[2])
-        age = now - de.stat().st_mtime
-    except (ValueError, IndexError, OSError):
-        return False
-    if age > STALE_TMP_S:
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def folders(root: Path) -> List[dict]:
-    """Every identity folder under the prompts folder: its identity (as written),
-    entries, blocks, bytes and last use, most recently used first."""
-    out = []
-    try:
-        versions = [v for v in os.scandir(root) if v.is_dir()]
-    except OSError:
-        return out
-    for v in versions:
-        for ns in (x for x in os.scandir(v.path) if x.is_dir()):
-            d = Path(ns.path)
-            try:
-                ident = json.loads((d / IDENTITY).read_text())
-            except (OSError, ValueError):
-                ident = {}
-            row = {"folder": str(d), "format": v.name, "current": v.name == f"v{FORMAT}", "identity": ident,
-                   "entries": 0, "blocks": 0, "bytes": 0, "last_used": 0.0, "tokens": []}
-            for sub in ("entries", "blocks"):
-                try:
-                    items = [e for e in os.scandir(d / sub) if e.name.endswith(SUFFIX) and not e.name.startswith(".")]
-                except OSError:
-                    continue
-                for e in items:
-                    try:
-                        st = e.stat()
-                    except OSError:
-                        continue
-                    row[sub] += 1
-                    row["bytes"] += st.st_size
-                    if sub == "entries":
-                        row["last_used"] = max(row["last_used"], st.st_mtime)
-                        try:
-                            row["tokens"].append(len(read_meta(Path(e.path))["tokens"]))
-                        except (OSError, ValueError, KeyError, TypeError):
-                            pass
-            out.append(row)
-    return sorted(out, key=lambda r: -r["last_used"])
-
-
-def clear(root: Path, folder: Optional[str] = None) -> Tuple[int, int]:
-    """Delete every cached prompt (or one identity folder's), under the lock
-    writers take. Returns (files, bytes) removed."""
-    files = size = 0
-    if not Path(root).is_dir():
-        return 0, 0
-    with FileLock(str(Path(root) / LOCK), timeout=LOCK_WAIT_S):
-        for row in folders(root):
-            if folder is not None and row["folder"] != folder:
-                continue
-            files += row["entries"] + row["blocks"]
-            size += row["bytes"]
-            shutil.rmtree(row["folder"], ignore_errors=True)
-    return files, size
-
-
-def _scan(root: Path):
-    """Every entry (path, bytes, last use) and block ((identity, hash) -> (bytes,
-    path)) under the prompts folder, every format version included."""
-    entries, blocks = [], {}
-    try:
-        versions = [v for v in os.scandir(root) if v.is_dir()]
-    except OSError:
-        return entries, blocks
-    for v in versions:
-        for ns in (x for x in os.scandir(v.path) if x.is_dir()):
-            for sub in ("entries", "blocks"):
-                try:
-                    items = list(os.scandir(os.path.join(ns.path, sub)))
-                except OSError:
-                    continue
-                for de in items:
-                    if not de.name.endswith(SUFFIX) or de.name.startswith("."):
-                        continue
-                    try:
-                        st = de.stat()
-                    except OSError:
-                        continue
-                    if sub == "entries" and v.name == f"v{FORMAT}":
-                        entries.append((Path(de.path), st.st_size, st.st_mtime))
-                    elif sub == "blocks" and v.name == f"v{FORMAT}":
-                        blocks[(ns.name, de.name[: -len(SUFFIX)])] = (st.st_size, Path(de.path))
-                    else:  # another format's files: counted first to go
-                        entries.append((Path(de.path), st.st_size, 0.0))
-    return entries, blocks
-
-
-# -- the drafter's context as mlx-lm caches --------------------------------------------------
-
-def _context_spec(c) -> dict:
-    if isinstance(c, ContextCache):
-        return {"window": c.window, "sink": c.sink, "offset": c.offset}
-    return {"offset": c.offset}
-
-
-def _snapshot_context(c):
-    """A drafter layer's context as a KVCache holding exactly its rows."""
-    if c.keys is None:
-        return KVCache()
-    rows = c.rows if isinstance(c, ContextCache) else c.offset
-    return KVCache.from_state((c.keys[..., :rows, :], c.values[..., :rows, :], rows))
-
-
-def _context(saved, spec: dict):
-    """A drafter layer's cache back from its KVCache and spec."""
-    if "window" in spec:
-        c = ContextCache(spec["window"], spec["sink"])
-        if saved.keys is not None:
-            c.keys, c.values = saved.keys, saved.values
-        c.offset = spec["offset"]
-        return c
-    return saved
-
-
-def _pending_cache(pending: mx.array):
-    c = ArraysCache(1)
-    c.cache = [pending]
-    return c
