@@ -23,27 +23,19 @@ from mlx_dflash.cache.disk_folder import folders
 from mlx_dflash.cache.identity import digest, identity
 from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.target.adapter import Target
+from test_prompt_store import SYSTEM, prompt
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
 N = 10
 W = 4  # a fixed width: every cycle drafts, so the drafter context follows the target
 BLOCK = 32  # small blocks: short prompts span several
-SYSTEM = "You are a helpful assistant for a small software project. Answer briefly. " * 3
 
 
 @pytest.fixture(scope="module")
 def pair(pairs):
     d = pairs()
-    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
-    return model, tok, drafter
-
-
-def prompt(tok, *turns, system=SYSTEM):
-    msgs = [{"role": "system", "content": system}] + [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-    return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)
+    return load(str(d / "target"), str(d / "drafter"))
 
 
 def store_of(model, tok, drafter, root, budget=1 << 30, mem=1 << 30):
