@@ -4,8 +4,8 @@
 (bench/agents_prompts, scripts/capture_agent_prompts.py) replayed against
 `serve` on the embedded model, greedy: each one cold, again from memory, a new
 session sharing only its instructions (another first message) from memory;
-then the server is stopped and started again on the same cache folder: the
-same request from disk, and another new session from disk. The outputs of the
+then the server is stopped and started again on the same cache folder: another
+new session (its instructions from disk), then the first request again (from disk). The outputs of the
 cold and the disk runs must be identical (asserted).
 
 `load` mode: 16 clients with long prompts against one `serve` under a small
@@ -166,9 +166,9 @@ def ttft(args) -> dict:
     before = srv.metrics()
     rc = srv.stop()
     srv = Serve(home, log, "--max-batch", "1")  # restarted: only the disk is shared
-    for n in names:
-        rows[n]["disk, after a restart"] = ask(srv, n)
+    for n in names:  # the new session first: its instructions can only come from disk
         rows[n]["new session, disk"] = ask(srv, n, OTHER[1])
+        rows[n]["disk, after a restart"] = ask(srv, n)
         print(n, {k: (v["prompt_tokens"], v["cached"], round(v["ttft_ms"])) for k, v in rows[n].items()}, flush=True)
     for n in names:  # the same request, the same answer: cold, from memory, from disk
         for k in ("memory", "disk, after a restart"):
