@@ -10,6 +10,7 @@ from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
 from app.chat.engine import Prefill
+from app.chat.widgets import status_markup
 from app.chat.screens import ConfirmScreen
 from app.chat.history import Chat, HistoryStore
 from app.chat.history import Message as ChatMessage
@@ -363,3 +364,21 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
         assert answer.stats["prompt_tokens"] == len(prompt) and answer.stats["mode"] == "dflash"
 
     drive(chat_backend, tmp_path, body)
+
+
+def test_a_new_start_of_the_chat_finds_its_prompt_on_disk(chat_backend, tmp_path):
+    """The prompt store's disk tier: the next start of the app (nothing in memory)
+    continues the reopened chat from the prefix the last one wrote, and says so."""
+    chat_backend.store.set_model("target", max_tokens=8)
+
+    async def first(app, pilot):
+        return (await say(pilot, "Tell me about lists.")).content
+
+    async def second(app, pilot):
+        answer = await say(pilot, "And dicts?")
+        return answer.stats, status_markup(app.loaded, app.settings, app.last_stats, "ready", False, True)
+
+    drive(chat_backend, tmp_path, first)  # (quitting waits for its write to disk)
+    stats, bar = drive(chat_backend, tmp_path, second)
+    assert stats["prompt_cache"]["tier"] == "disk" and stats["reused_tokens"] > 20
+    assert f"cached {stats['reused_tokens']}/{stats['prompt_tokens']} from disk" in bar  # (a bar wide enough)
