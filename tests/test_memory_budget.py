@@ -136,3 +136,14 @@ def test_the_server_refuses_what_cannot_fit_in_one_line(pairs, tmp_path, monkeyp
     assert big.status_code == 413 and "\n" not in big.json()["error"]["message"]
     assert big.json()["error"]["code"] == "memory_budget" and "memory_budget_gb" in big.json()["error"]["message"]
     assert m["limit"] == int(0.2e9) and m["refused_413"] == 1 and m["running"] == 0 and m["peak"] <= m["limit"]
+
+
+def test_the_store_holds_only_the_room_running_requests_leave():
+    from mlx_dflash.cache.prompt_store import PromptStore
+
+    store = PromptStore(1 << 30)
+    b = budget(1024, store)
+    b.admit("a", 700 * MB)
+    assert store.room == (1024 - 100 - 64 - 700) * MB  # what admission leaves it
+    b.release("a")
+    assert store.room == (1024 - 100 - 64) * MB

@@ -182,6 +182,7 @@ class MemoryBudget:
                 if over <= 0:
                     self.running[key] = need
                     self.peak = max(self.peak, self.committed())
+                    self._cap_store()
                     return
                 alone = self.base + self.slack + need
                 if alone > self.limit:
@@ -204,9 +205,17 @@ class MemoryBudget:
             if self.running.pop(key, None) is None:
                 return
             self.cv.notify_all()
+            self._cap_store()
         over = self.committed() - self.limit  # (the finished request's cache went to the store)
         if over > 0:
             self.spill(over)
+
+    def _cap_store(self) -> None:
+        """The store's memory tier may hold what the running requests leave (its puts
+        between two admissions evict to disk beyond that)."""
+        s = self.store()
+        if s is not None:
+            s.cap = max(0, self.limit - self.base - self.slack - sum(self.running.values()))
 
     def summary(self) -> dict:
         return {"limit": self.limit, "committed": self.committed(), "base": self.base, "running": len(self.running),

@@ -97,6 +97,7 @@ class PromptStore:
         self.budget = max(0, int(budget))
         self.disk = disk
         self.keep_last = keep_last  # the newest entry stays whatever its size (a chat's live conversation)
+        self.cap: Optional[int] = None  # the room a server's memory budget leaves it now (memory.py), if less
         self.entries: "OrderedDict[int, Tuple[PromptCache, int]]" = OrderedDict()  # key -> (cache, bytes)
         self.stats = StoreStats()
         self.shared: set = set()  # keys of branch points: always copied, never taken over
@@ -107,6 +108,11 @@ class PromptStore:
     def nbytes(self) -> int:
         with self._lock:
             return sum(b for _, b in self.entries.values())
+
+    @property
+    def room(self) -> int:
+        """Bytes it may hold now: its budget, or less when the server's memory budget says so."""
+        return self.budget if self.cap is None else min(self.budget, self.cap)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -209,7 +215,7 @@ class PromptStore:
         if self.disk is not None:  # in the background (it captures the arrays now)
             self.disk.save(pc)
         size = cache_bytes(pc)
-        if size > self.budget and not self.keep_last:
+        if size > self.room and not self.keep_last:
             return
         if target is not None and target.can_trim(pc.target, len(pc.tokens)):  # it can serve any prefix
             for k in [k for k, (e, _) in self.entries.items()
@@ -221,7 +227,7 @@ class PromptStore:
         self.entries[self._next] = (pc, size)
         if shared:
             self.shared.add(self._next)
-        while self.nbytes > self.budget and len(self.entries) > 1:
+        while self.nbytes > self.room and len(self.entries) > 1:
             self._evict_one()
 
     def _evict_one(self) -> int:
