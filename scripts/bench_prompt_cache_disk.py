@@ -14,7 +14,7 @@ only; the server's RSS sampled from /proc every 0.1 s: its peak against the
 budget, every HTTP status, and whether the process is still alive.
 
     python scripts/bench_prompt_cache_disk.py ttft --out bench/prompt_cache_disk.json
-    python scripts/bench_prompt_cache_disk.py load --budget-gb 1.6 --clients 16 --requests 2"""
+    python scripts/bench_prompt_cache_disk.py load --budget-gb 1.5 --clients 16 --requests 2 --words 1500"""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def load(args) -> dict:
     home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-"))
     subprocess.run([sys.executable, "-m", "app.cli", "settings", "set", "memory_budget_gb", str(args.budget_gb)],
                    cwd=ROOT, env=dict(os.environ, MLX_DFLASH_HOME=str(home), PYTHONPATH=str(ROOT)), check=True)
-    srv = Serve(home, Path(args.log), "--max-batch", str(args.max_batch))
+    srv = Serve(home, Path(args.log), "--max-batch", str(args.max_batch), "--queue-size", str(args.queue_size))
     base = srv.rss()
     peak, samples, stop = [base], [], threading.Event()
 
@@ -252,7 +252,7 @@ def load(args) -> dict:
     m = srv.metrics()
     alive = srv.proc.poll() is None
     rc = srv.stop()
-    counts = {str(s): statuses.count(s) for s in sorted(set(map(str, statuses)))}
+    counts = {k: [str(s) for s in statuses].count(k) for k in sorted({str(s) for s in statuses})}
     return {"budget_bytes": int(args.budget_gb * 1e9), "rss_at_start": base, "rss_peak": peak[0],
             "statuses": counts, "errors": sorted(set(errors))[:5], "alive_after": alive, "exit": rc,
             "wall_s": wall, "memory": m.get("memory"), "attempts": len(statuses), "requests": len(served),
@@ -271,6 +271,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", default="4")
     ap.add_argument("--retries", type=int, default=6, help="per request, after a 429 (backing off)")
+    ap.add_argument("--queue-size", type=int, default=32, help="serve --queue-size: every client may wait in it")
     args = ap.parse_args()
     res = ttft(args) if args.mode == "ttft" else load(args)
     if args.mode == "ttft":
