@@ -34,7 +34,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -100,8 +100,7 @@ class _Job:
     drafter: list
     pending: Optional[mx.array]
     blocks: List[str]
-    nbytes: int
-    done: threading.Event = field(default_factory=threading.Event)
+    nbytes: int  # what it holds in memory until written
 
 
 class DiskTier:
@@ -368,7 +367,6 @@ class DiskTier:
                 self._write_failed(e)
             finally:
                 self._queued_bytes -= job.nbytes
-                job.done.set()
 
     def _write_failed(self, e: BaseException) -> None:
         self.stats.write_errors += 1
