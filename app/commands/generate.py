@@ -160,8 +160,9 @@ def run(args):
     out = _Pipe()
     text, ids, r, warned = [], [], None, False
     eos = set(tok.eos_token_ids)
+    gen, kept = stream_generate(lm.model, tok, prompt_ids, lm.drafter, prompt_cache=pc, config=cfg), False
     try:
-        for r in stream_generate(lm.model, tok, prompt_ids, lm.drafter, prompt_cache=pc, config=cfg):
+        for r in gen:
             if not (r.finish_reason == "stop" and r.token in eos):
                 ids.append(r.token)
             text.append(r.text)
@@ -172,6 +173,7 @@ def run(args):
                     sys.stderr.write(f"mlx-dflash: {why}\n")
             if not args.json:
                 out.write(r.text)
+        kept = True  # the generation ended as it should
         if r is None:
             return 0
         s = r.stats
@@ -193,9 +195,11 @@ def run(args):
                 f"accept {s.acceptance_rate:.0%}, mode {s.mode}{', fallback: ' + s.fallback if s.fallback else ''}, "
                 f"{model_dtype(lm.model)}]\n")
     except _Pipe.Closed:
+        kept = True  # (the cache agrees with the tokens at every yield)
         return 0  # the reader took what it wanted
     finally:
-        if r is not None:  # (the output is out: writing the prefix delays only the exit)
+        gen.close()  # (its drafter features go to the cache)
+        if kept and r is not None:  # not after an error: the cache may be half-written
             cache.put(pc, target)
-        cache.close(timeout=60)
+        cache.close(timeout=60)  # the output is out: writing the prefix delays only the exit
     return 0
