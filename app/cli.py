@@ -25,6 +25,7 @@ COMMANDS = {
     "train-drafter": "app.commands.train",
     "inspect": "app.commands.inspect",
     "doctor": "app.commands.doctor",
+    "cache": "app.commands.cache",
 }
 
 

@@ -10,6 +10,7 @@ from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
 from app.chat.engine import Prefill
+from app.chat.widgets import status_markup
 from app.chat.screens import ConfirmScreen
 from app.chat.history import Chat, HistoryStore
 from app.chat.history import Message as ChatMessage
@@ -153,7 +154,6 @@ def test_regenerate_copy_and_token_colours(chat_backend, tmp_path):
         cont = generate(lm.model, lm.tokenizer, ids, None, max_tokens=40).token_ids
         lm.drafter = OracleDrafter(len(ids), cont, lm.model.args.vocab_size, noise=0.5, seed=1,
                                    layer_ids=lm.drafter.config.target_layer_ids)
-        app.prompt_cache.drafter = None
         answer = await say(pilot, "colour")
         flags = {d for _, d in answer.spans}
         assert flags == {True, False} and "".join(t for t, _ in answer.spans) == answer.content
@@ -348,7 +348,8 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
         await until(pilot, lambda: app.turn is None, "the stopped turn")
         await until(pilot, lambda: not app.query(AnswerBubble), "the empty answer's removal")
         assert turn.text == "" and app.status == "stopped"
-        lm, pc = app.loaded, app.prompt_cache
+        lm = app.loaded
+        [(pc, _)] = app.prompt_store.entries.values()  # the stopped turn's cache, given back to the store
         prompt = build_prompt(lm.tokenizer, system, [{"role": "user", "content": "hi"}])
         # stopped after the chunk in flight: two chunks kept, the last not done
         assert pc.tokens == prompt[:4096] and len(prompt) > 4096
@@ -384,3 +385,21 @@ def test_a_reopened_chat_shows_its_end(chat_backend, tmp_path):
         assert box.scroll_y == box.max_scroll_y > 0
 
     drive(chat_backend, tmp_path, body)
+
+
+def test_a_new_start_of_the_chat_finds_its_prompt_on_disk(chat_backend, tmp_path):
+    """The prompt store's disk tier: the next start of the app (nothing in memory)
+    continues the reopened chat from the prefix the last one wrote, and says so."""
+    chat_backend.store.set_model("target", max_tokens=8)
+
+    async def first(app, pilot):
+        return (await say(pilot, "Tell me about lists.")).content
+
+    async def second(app, pilot):
+        answer = await say(pilot, "And dicts?")
+        return answer.stats, status_markup(app.loaded, app.settings, app.last_stats, "ready", False, True)
+
+    drive(chat_backend, tmp_path, first)  # (quitting waits for its write to disk)
+    stats, bar = drive(chat_backend, tmp_path, second)
+    assert stats["prompt_cache"]["tier"] == "disk" and stats["reused_tokens"] > 20
+    assert f"cached {stats['reused_tokens']}/{stats['prompt_tokens']} from disk" in bar  # (a bar wide enough)

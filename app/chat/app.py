@@ -5,9 +5,10 @@ thread-local, and the engine runs one generation at a time per model. The
 engine thread posts token batches to the UI as messages, so the UI never
 blocks; Esc sets a flag the engine checks after every token (and after every
 chunk of a long prompt's prefill, whose progress the status bar shows) and
-closes the generator. One PromptCache is kept for the loaded model: a follow-up turn only
-prefills what is new since the last one, and switching chats, regenerating or
-clearing is handled by the engine trimming the cache to the common prefix."""
+closes the generator. One prompt store is kept for the loaded model (engine.prompt_store:
+memory, then disk): a follow-up turn only prefills what is new since the last one,
+switching chats, regenerating or clearing is handled by the engine trimming the
+cache to the common prefix, and a new start of the app finds its prompts on disk."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from textual.containers import VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
-from .engine import RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, generate_job, one_line
+from .engine import (RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, generate_job, one_line,
+                     prompt_store)
 from .history import Chat, HistoryStore
 from .history import Message as ChatMessage
 from .screens import ConfirmScreen, HelpScreen, ListScreen
@@ -65,7 +67,7 @@ class ChatApp(App):
         self.mask_timings = mask_timings  # snapshot tests: no wall-clock numbers on screen
         self.flush_s = flush_s  # how often the engine posts a token batch
         self.turn: Optional[Turn] = None  # the answer being generated
-        self.prompt_cache = None
+        self.prompt_store = None  # the loaded model's (engine.prompt_store)
         self.reopen_last = reopen_last
         self.chat = Chat()
         self.warned_acceptance = False  # the low-acceptance warning, once per loaded model
@@ -100,6 +102,8 @@ class ChatApp(App):
             turn.cancel.set()
             self.record(turn, dict(turn.stats, finish="stopped"))
         self._engine.shutdown(wait=False, cancel_futures=True)
+        if self.prompt_store is not None:  # the last turn's prefix, still being written to disk
+            self.prompt_store.close(timeout=10)
 
     def submit(self, fn, *args) -> None:
         """Run `fn` on the engine thread (in this app's context, so it can post messages)."""
@@ -127,16 +131,17 @@ class ChatApp(App):
 
     # -- loading --
     def load(self, model_id) -> None:
-        self.loaded, self.settings, self.prompt_cache = None, None, None
+        self.loaded, self.settings, self.prompt_store = None, None, None
         self.set_status(f"loading {model_id or 'the default model'}…")
 
         def job():
             try:
                 lm = self.backend.load(model_id)
+                store = prompt_store(self.backend, lm)  # (on this thread: it reads the weights)
             except Exception as e:  # every load error is shown as one line
                 self.post_message(Loaded(model_id, error=one_line(e)))
             else:
-                self.post_message(Loaded(model_id, lm))
+                self.post_message(Loaded(model_id, lm, store=store))
 
         self.submit(job)
 
@@ -145,11 +150,9 @@ class ChatApp(App):
             self.set_status(f"error: {m.error}")
             self.notify(m.error, severity="error", timeout=10)
             return
-        from mlx_dflash import PromptCache
-
         self.loaded, self.model_id = m.loaded, m.loaded.id
         self.settings = m.loaded.settings
-        self.prompt_cache = PromptCache()  # a new model: nothing cached is valid
+        self.prompt_store = m.store  # a new model: nothing cached for another is valid
         self.last_stats = {}
         self.warned_acceptance = False
         self.set_status("ready")
@@ -332,7 +335,7 @@ class ChatApp(App):
         self.chat.system, self.chat.model = self.settings.system_prompt, self.loaded.id
         self.set_status("generating…")
         history = [{"role": m.role, "content": m.content} for m in self.chat.messages]
-        self.submit(generate_job, self.post_message, self.flush_s, turn, history, self.prompt_cache)
+        self.submit(generate_job, self.post_message, self.flush_s, turn, history, self.prompt_store)
 
     def _check_acceptance(self, turn: Turn, stats: dict) -> None:
         """At the end of a turn: a drafter is judged on a whole answer, not its start

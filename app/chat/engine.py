@@ -12,6 +12,9 @@ from typing import Optional
 from textual.message import Message
 
 from mlx_dflash import DecodeConfig, stream_generate
+from mlx_dflash.cache.prompt_store import PromptStore, open_store
+from mlx_dflash.settings.schema import GlobalSettings
+from mlx_dflash.target.adapter import Target
 
 from .history import Chat
 
@@ -44,13 +47,24 @@ class ManagerBackend:
         return self.store.set_model(model_id, **changes)
 
 
+def prompt_store(backend, lm) -> PromptStore:
+    """The loaded model's prompt store: the conversation being continued (and a
+    few others) in memory, every turn's prefix on disk, so a new chat, a chat
+    opened again or the next start of the app finds its prompt prefilled."""
+    try:
+        g = backend.store.globals()
+    except (AttributeError, ValueError):  # a backend without settings, or an unreadable file
+        g = GlobalSettings()
+    return open_store(*g.prompt_store_bytes(), lm.model, lm.tokenizer, lm.drafter, lm.id, keep_last=True)
+
+
 # settings whose change needs the drafter (or model) loaded again
 RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype", "dtype")
 
 # stats the chat keeps per answer (GenerationStats.to_dict keys)
 STATS_KEYS = ("mode", "fallback", "policy", "block_size", "prompt_tokens", "reused_tokens", "generation_tokens",
               "cycles", "drafted", "accepted", "tau", "acceptance_rate", "generation_tps", "prompt_tps",
-              "prompt_time", "generation_time", "peak_memory")
+              "prompt_time", "generation_time", "peak_memory", "prompt_cache")
 
 
 def build_prompt(tokenizer, system: str, messages: list) -> list:
@@ -121,9 +135,9 @@ class Cancelled(Exception):
 
 
 class Loaded(Message):
-    def __init__(self, model_id, loaded=None, error: Optional[str] = None):
+    def __init__(self, model_id, loaded=None, error: Optional[str] = None, store: Optional[PromptStore] = None):
         super().__init__()
-        self.model_id, self.loaded, self.error = model_id, loaded, error
+        self.model_id, self.loaded, self.error, self.store = model_id, loaded, error, store
 
 
 def turn_stats(st, turn: Turn) -> dict:
@@ -133,13 +147,15 @@ def turn_stats(st, turn: Turn) -> dict:
     return out
 
 
-def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) -> None:
+def generate_job(post, flush_s: float, turn: Turn, history: list, store: PromptStore) -> None:
     """Runs on the engine thread: stream the answer, posting token batches every
     `flush_s` seconds, then Finished. Esc sets turn.cancel, checked after each token
     and, during the prefill of a long prompt, after each chunk (Prefill messages
-    show its progress)."""
+    show its progress). The prompt's longest cached prefix comes from `store`
+    (memory, then disk); the cache goes back to it after, unless an error may
+    have left it half-written."""
     lm, s = turn.loaded, turn.settings
-    reason, pieces, r, err = "stopped", [], None, None
+    reason, pieces, r, err, pc = "stopped", [], None, None, None
     t0 = last = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
@@ -151,7 +167,9 @@ def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) 
     try:
         prompt = build_prompt(lm.tokenizer, s.system_prompt, history)
         cfg = DecodeConfig.from_settings(s, lm.drafter, prefill_progress=progress)
-        gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=prompt_cache, config=cfg)
+        target = Target(lm.model)
+        pc, _ = store.take(target, prompt, lm.drafter, cfg.keeps_drafter_context(lm.drafter, len(prompt)))
+        gen = stream_generate(lm.model, lm.tokenizer, prompt, lm.drafter, prompt_cache=pc, config=cfg)
         try:
             while not turn.cancel.is_set():
                 r = next(gen, None)
@@ -174,8 +192,9 @@ def generate_job(post, flush_s: float, turn: Turn, history: list, prompt_cache) 
         pass
     except Exception as e:  # bad settings for this model and the like: one line in the chat
         reason, err = "error", one_line(e)
-        if prompt_cache is not None:  # a failure mid-prefill may leave it half-written
-            prompt_cache.target, prompt_cache.drafter, prompt_cache.tokens = None, None, []
+        pc = None  # a failure mid-prefill may leave it half-written: not kept
+    if pc is not None:
+        store.put(pc, target)
     stats = turn_stats(r.stats, turn) if r is not None else {"ttft": turn.ttft}
     if pieces:
         post(Tokens(turn, pieces, stats))

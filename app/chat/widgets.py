@@ -24,6 +24,15 @@ def spans_text(spans) -> Text:
     return t
 
 
+def cached_label(stats: dict, mask_timings: bool = False) -> str:
+    """"cached N/M", and where from when it was the disk (with its load time)."""
+    c = f"cached {stats.get('reused_tokens', 0)}/{stats['prompt_tokens']}"
+    src = stats.get("prompt_cache") or {}
+    if src.get("tier") == "disk":
+        c += " from disk" + ("" if mask_timings else f" in {src.get('load_ms', 0) / 1000:.2f} s")
+    return c
+
+
 def summary_line(stats: dict, mask_timings: bool = False) -> str:
     """tokens, tok/s, tau, acceptance, time to first token (+ how it ended)."""
     if not stats:
@@ -37,7 +46,7 @@ def summary_line(stats: dict, mask_timings: bool = False) -> str:
     if stats.get("ttft") is not None:
         parts.append(f"TTFT {t(stats['ttft'], '.2f')} s")
     if stats.get("prompt_tokens"):
-        parts.append(f"cached {stats.get('reused_tokens', 0)}/{stats['prompt_tokens']}")
+        parts.append(cached_label(stats, mask_timings))
     end = {"length": "length limit", "stopped": "stopped", "error": "error"}.get(stats.get("finish"))
     if end:
         parts.append(end)
@@ -83,7 +92,7 @@ def status_parts(loaded, settings, stats: dict, status: str, colours: bool, mask
             tps = "–" if mask_timings else f"{s.get('generation_tps', 0.0):.1f}"
             parts.append((1, f"{tps} tok/s", f"{tps} tok/s"))
             if s.get("prompt_tokens"):
-                c = f"cached {s.get('reused_tokens', 0)}/{s['prompt_tokens']}"
+                c = cached_label(s, mask_timings)
                 parts.append((3, c, c))
         dt = getattr(loaded, "dtype", None)
         if dt is not None:

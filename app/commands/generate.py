@@ -129,11 +129,14 @@ def run(args):
 
         return generate(args, group, build_prompt, effective_settings)
     from mlx_dflash import DecodeConfig, stream_generate
+    from mlx_dflash.cache.prompt_store import open_store
+    from mlx_dflash.engine.decoder import encode
     from mlx_dflash.models.loader import model_dtype
     from mlx_dflash.models.manager import acceptance_warning, load_model
     from mlx_dflash.models.settings_checks import settings_store
     from mlx_dflash.policy.registry import fit_block_size
     from mlx_dflash.settings.schema import COMPUTE_DTYPES, SettingsError
+    from mlx_dflash.target.adapter import Target
 
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
         raise SettingsError(f"--dtype: unknown dtype '{args.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
@@ -159,16 +162,23 @@ def run(args):
             sys.stderr.flush()
 
     cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop, prefill_progress=progress)
+    # the prompt's longest prefix cached on disk by an earlier run (chat, serve, generate); this one's after
+    cache = open_store(*store.globals().prompt_store_bytes(), lm.model, tok, lm.drafter, lm.id, keep_last=True)
+    prompt_ids = encode(tok, prompt)
+    target = Target(lm.model)
+    pc, _ = cache.take(target, prompt_ids, lm.drafter, cfg.keeps_drafter_context(lm.drafter, len(prompt_ids)))
     out = _Pipe()
     text, ids, r = [], [], None
     eos = set(tok.eos_token_ids)
+    gen, kept = stream_generate(lm.model, tok, prompt_ids, lm.drafter, prompt_cache=pc, config=cfg), False
     try:
-        for r in stream_generate(lm.model, tok, prompt, lm.drafter, config=cfg):
+        for r in gen:
             if not (r.finish_reason == "stop" and r.token in eos):
                 ids.append(r.token)
             text.append(r.text)
             if not args.json:
                 out.write(r.text)
+        kept = True  # the generation ended as it should
         if r is None:
             return 0
         s = r.stats
@@ -183,7 +193,7 @@ def run(args):
                              "acceptance_rate": s.acceptance_rate, "tokens_per_second": s.generation_tps,
                              "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
                              "prompt_tps": s.prompt_tps, "mode": s.mode, "fallback": s.fallback,
-                             "policy": s.policy,
+                             "policy": s.policy, "reused_tokens": s.reused_tokens, "prompt_cache": s.prompt_cache,
                              "block_size": s.block_size, "peak_memory_gb": s.peak_memory}}
             out.write(json.dumps(res) + "\n")
         else:
@@ -193,5 +203,11 @@ def run(args):
                 f"accept {s.acceptance_rate:.0%}, mode {s.mode}{', fallback: ' + s.fallback if s.fallback else ''}, "
                 f"{model_dtype(lm.model)}]\n")
     except _Pipe.Closed:
+        kept = True  # (the cache agrees with the tokens at every yield)
         return 0  # the reader took what it wanted
+    finally:
+        gen.close()  # (its drafter features go to the cache)
+        if kept and r is not None:  # not after an error: the cache may be half-written
+            cache.put(pc, target)
+        cache.close(timeout=60)  # the output is out: writing the prefix delays only the exit
     return 0

@@ -244,7 +244,8 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics():
         return {"models": worker.snapshot(), "loaded": worker.lm.id if worker.lm is not None else None,
-                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize, "batch": worker.batch_summary()}
+                "queued": worker.jobs.qsize(), "queue_size": worker.jobs.maxsize, "batch": worker.batch_summary(),
+                "memory": worker.memory.summary() if worker.memory is not None else None}
 
     for route in app.routes:  # HEAD wherever GET (clients probe URLs with it): the GET's answer without a body
         if isinstance(route, APIRoute) and "GET" in route.methods:

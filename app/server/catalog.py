@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from mlx_dflash.cache.memory import default_limit
+from mlx_dflash.cache.prompt_store import open_store
 from mlx_dflash.models.discovery import discover
 from mlx_dflash.models.model_names import find_listed, same_path
 from mlx_dflash.models.settings_checks import check_settings
@@ -52,12 +54,30 @@ class Catalog:
         fixed settings cannot tell: their value counts as set."""
         return self.settings(model_id).max_tokens
 
+    def globals(self) -> Optional[GlobalSettings]:
+        """The global settings (None: a catalog without them: the default prompt
+        store in memory, none on disk, no memory budget)."""
+        return None
+
     def prompt_cache_bytes(self) -> int:
-        return GlobalSettings().prompt_cache_mb << 20
+        g = self.globals()
+        return (g or GlobalSettings()).prompt_store_bytes()[0]
+
+    def disk_cache_bytes(self) -> int:
+        g = self.globals()
+        return g.prompt_store_bytes()[1] if g is not None else 0
+
+    def memory_limit(self) -> Optional[int]:
+        """The server's memory budget in bytes (memory_budget_gb, or a share of the machine)."""
+        g = self.globals()
+        return default_limit(g.memory_budget_gb) if g is not None else None
 
     def engine(self, lm, max_batch: int, prefill_together: bool):
-        """The engine that decodes `lm`'s requests (engines.py)."""
-        return LocalEngine(lm, max_batch, self.prompt_cache_bytes(), prefill_together)
+        """The engine that decodes `lm`'s requests (engines.py), over its prompt
+        store: memory, over the disk tier."""
+        store = open_store(self.prompt_cache_bytes(), self.disk_cache_bytes(), lm.model, lm.tokenizer,
+                           lm.drafter, lm.id)
+        return LocalEngine(lm, max_batch, store, prefill_together)
 
 
 class ManagerCatalog(Catalog):
@@ -117,11 +137,12 @@ class ManagerCatalog(Catalog):
 
         return load_model(model_id, self.store)
 
-    def prompt_cache_bytes(self) -> int:
+    def globals(self) -> GlobalSettings:
+        """The global settings (the defaults if the file cannot be read now)."""
         try:
-            return self.store.globals().prompt_cache_mb << 20
-        except ValueError:  # unreadable settings: the default budget
-            return super().prompt_cache_bytes()
+            return self.store.globals()
+        except ValueError:
+            return GlobalSettings()
 
 
 def context_limit(model) -> Optional[int]:

@@ -212,6 +212,7 @@ def _serve(app, host, port, args) -> int:
     server = Server(config)
     server.run()
     rc = 130 if server.stopped_by == signal.SIGINT else 0
+    worker.flush(args.grace)  # the last requests' prompts, still being written to disk
     worker.stop()
     if not worker.parked.wait(5):  # still inside MLX (a model load): Python's exit would abort there
         sys.stderr.flush()

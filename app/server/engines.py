@@ -36,11 +36,11 @@ _END = object()
 
 
 class LocalEngine:
-    """See the module docstring. `store_budget`: the prompt store's bytes (0: none)."""
+    """See the module docstring. `store`: the model's prompt store (None: none)."""
 
     processors = True  # runs logits processors (inside the verify)
 
-    def __init__(self, lm, max_batch: int = 1, store_budget: int = 0, prefill_together: bool = False):
+    def __init__(self, lm, max_batch: int = 1, store: Optional[PromptStore] = None, prefill_together: bool = False):
         self.lm, self.max_batch = lm, max_batch
         self.why_not = None  # why this model decodes one request at a time, when it must
         try:
@@ -52,7 +52,7 @@ class LocalEngine:
             sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
             self.engine = Engine(lm.model, lm.tokenizer, lm.drafter, calibration=CALIBRATION)
             self.max_batch = 1
-        self.store = PromptStore(store_budget) if store_budget > 0 else None
+        self.store = store
         self.cv = threading.Condition()
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
         self.cancels: List[int] = []
@@ -105,6 +105,11 @@ class LocalEngine:
         with self.cv:
             self.closed = True
             self.cv.notify()
+
+    def flush(self, timeout: float) -> None:
+        """Wait for the prompt store's writes to disk (shutting down)."""
+        if self.store is not None:
+            self.store.close(timeout)
 
     def summary(self) -> dict:
         """Occupancy for /metrics."""
@@ -240,4 +245,7 @@ class SplitEngine:
 
     def close(self) -> None:
         """(the split server closes with the process)"""
+
+    def flush(self, timeout: float) -> None:
+        """(no prompt store)"""
 

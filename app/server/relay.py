@@ -136,5 +136,6 @@ def report(stats, end: dict) -> dict:
                    "acceptance_rate": s.acceptance_rate,
                    "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],
                    "queue_ms": end["queue_ms"],
-                   **({"distributed": s.distributed} if getattr(s, "distributed", None) else {})},  # split target
+                   **({"distributed": s.distributed} if getattr(s, "distributed", None) else {}),  # split target
+                   **({"prompt_cache": s.prompt_cache} if getattr(s, "prompt_cache", None) else {})},  # its tier
     }

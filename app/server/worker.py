@@ -20,6 +20,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from mlx_dflash import DecodeConfig
+from mlx_dflash.cache.memory import MemoryBudget, Refused, footprint, warn_if_over
 from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
 from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
 from mlx_dflash.target.adapter import Target
@@ -50,6 +51,7 @@ class Worker:
         self.picked: Optional[tuple] = None  # auto: (batch size, why) for the model loaded now
         self.prefill: Optional[tuple] = None  # (new prompts prefilled together?, why) for the model loaded now
         self.engine = None  # the loaded model's engine (engines.py)
+        self.memory: Optional[MemoryBudget] = None  # the memory budget of the model loaded (None: no budget)
         self.inflight: Dict[int, Job] = {}  # id -> job, for the jobs being served
         self.slots = threading.Condition()
         self.jobs: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -169,6 +171,8 @@ class Worker:
     def _run(self, job, engine):
         try:
             self._serve(job, engine)
+        except Refused as e:  # the memory budget: 413 (can never fit) or 429 (not now)
+            self._fail(job, APIError(e.status, e.message, code="memory_budget"))
         except APIError as e:
             self._fail(job, e)
         except ValueError as e:  # the engine's one-line complaint about a request
@@ -177,9 +181,39 @@ class Worker:
             traceback.print_exc(file=sys.stderr)
             self._fail(job, APIError(500, f"internal error: {type(e).__name__}: {error_line(e)}"))
         finally:
+            if self.memory is not None:
+                self.memory.release(id(job))
             with self.slots:
                 self.inflight.pop(id(job), None)
                 self.slots.notify_all()
+
+    def _new_budget(self, lm) -> Optional[MemoryBudget]:
+        """The memory budget for `lm` (just loaded: its footprint is measured here, by the thread that owns it)."""
+        limit = self.catalog.memory_limit()
+        if limit is None:
+            return None
+        try:
+            fp = footprint(lm.model, lm.drafter)
+        except Exception as e:  # noqa: BLE001 - a model the probe fails on is served without a budget
+            sys.stderr.write(f"mlx-dflash: no memory budget for '{lm.id}' (its footprint could not be measured: "
+                             f"{type(e).__name__}: {error_line(e)})\n")
+            return None
+        b = MemoryBudget(limit, fp, store=lambda: self.store)
+        warn_if_over(b)
+        return b
+
+    def _reserve(self, job, lm, prompt: int, max_tokens: int, settings) -> None:
+        """Admission by the request's projected memory (may wait; Refused if it cannot fit)."""
+        if self.memory is None:
+            return
+        window = getattr(settings, "drafter_window", None) if lm.drafter is not None else 0
+        need = self.memory.project(prompt, max_tokens, window=window, sink=getattr(settings, "drafter_sink", 0))
+        self.memory.admit(id(job), need, f" ({prompt} prompt tokens + max_tokens {max_tokens})")
+
+    def flush(self, timeout: float) -> None:
+        """Wait for the prompt store's writes to disk (shutting down)."""
+        if self.engine is not None:
+            self.engine.flush(timeout)
 
     def _drain(self):
         with self.slots:
@@ -290,7 +324,7 @@ class Worker:
         if self.lm is not None:  # one model in memory at a time: drop the old one first
             self._drain()
             self.engine.close()
-            self.engine = self.lm = self.lm_key = self.lm_load = None
+            self.engine = self.lm = self.lm_key = self.lm_load = self.memory = None
             gc.collect()
             mx.clear_cache()
         try:
@@ -300,6 +334,7 @@ class Worker:
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
         self.picked = self.prefill = None  # measured again for this model
+        self.memory = self._new_budget(lm)
         size = self._batch_size(lm)
         self.engine = self.catalog.engine(lm, size, self._prefill_together(lm, size))
         self.lm, self.lm_key, self.refused = lm, model_id, None
@@ -334,6 +369,7 @@ class Worker:
             raise too_long(len(ids), ctx, job)
         max_tokens = max_new_tokens(req.limit(), len(ids), ctx, user_cap(self.catalog, lm.id),
                                     settings.max_tokens)
+        self._reserve(job, lm, len(ids), max_tokens, settings)
         fallback = fallback_reason(req)
         n_lp = req.n_logprobs()
 

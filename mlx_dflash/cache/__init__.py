@@ -1,1 +1,3 @@
-"""Prompt caching: what a call keeps for the next one (PromptCache) and the store of entries a server reuses across requests."""
+"""Prompt caching: what a call keeps for the next one (PromptCache), the store of
+entries reused across requests (memory, then disk: prompt_store, disk), and the
+server's memory budget (memory)."""

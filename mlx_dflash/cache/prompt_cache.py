@@ -27,6 +27,8 @@ class PromptCache:
     # hands them to its first draft, so the whole cached prefix stays reusable
     pending: Optional[mx.array] = None
     index: Optional[NgramIndex] = None  # the n-gram index of the last call's text (lookup drafts)
+    # where the prompt store found it: {"tier": "memory" | "disk", "tokens": n, ...} (stats, /metrics)
+    origin: Optional[dict] = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -49,6 +51,12 @@ def reusable(pc: PromptCache, drafter, layout: Optional[Tuple[Optional[int], int
         return 0
     rows = pc.pending.shape[1] if pc.pending is not None else 0
     return min(len(pc.tokens), pc.drafter[0].offset + rows)
+
+
+def origin(pc: PromptCache, reused: int) -> Optional[dict]:
+    """Where the `reused` tokens of a call came from (the prompt store's tier and
+    load time; None: nothing reused, or a cache kept by its caller)."""
+    return dict(pc.origin, tokens=reused) if reused and pc.origin else None
 
 
 def lookup_index(pc, ids) -> NgramIndex:

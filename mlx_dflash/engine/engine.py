@@ -43,7 +43,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..cache.prompt_cache import PromptCache, lookup_index, reuse
+from ..cache.prompt_cache import PromptCache, lookup_index, origin, reuse
 from ..drafting.proposers import PROPOSERS
 from ..policy.base import DFLASH, LOOKUP, CycleResult, Decision, Policy
 from ..policy.costs import CostModel, Costs
@@ -171,7 +171,7 @@ class Engine:
             seed = cfg.seed if cfg.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
             seq.key = mx.random.key(seed)
         common = reuse(self.target, pc, ids, self.drafter if seq.capture else None, cfg.drafter_layout)
-        seq.rest, st.reused_tokens = list(ids[common:]), common
+        seq.rest, st.reused_tokens, st.prompt_cache = list(ids[common:]), common, origin(pc, common)
         pc.index = None if not p.lookup else lookup_index(pc, ids)
         if seq.capture:
             pc.drafter_id, pc.drafter_layout = id(self.drafter), tuple(cfg.drafter_layout)

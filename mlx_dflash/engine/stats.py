@@ -33,6 +33,7 @@ class GenerationStats:
     policy: str = ""  # what decides the width and why, in a few words ("plain: DFlash 0.8x predicted ...")
     lookup_cycles: int = 0  # cycles whose drafts came from prompt lookup
     distributed: Optional[dict] = None  # a split target: ranks, split, collectives and their time (distributed.py)
+    prompt_cache: Optional[dict] = None  # where the reused prefix came from: the prompt store's tier, load time
 
     @property
     def tau(self) -> float:

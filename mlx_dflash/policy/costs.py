@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -221,10 +222,22 @@ def _read(p: Path, key: dict):
 
 
 def _write(p: Path, key: dict, body: dict) -> Path:
-    p.parent.mkdir(parents=True, exist_ok=True)
+    """Atomic (a concurrent reader never sees half a file). A failed write (full
+    disk, read-only folder) leaves no temp file and says so in one line; the
+    measurement is kept in memory and made again by the next process."""
     tmp = p.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, **body}, indent=1))
-    os.replace(tmp, p)  # atomic: a concurrent reader never sees half a file
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, **body}, indent=1))
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        sys.stderr.write(f"mlx-dflash: measured costs not saved to {p.parent} ({e.strerror or e}); "
+                         "they are measured again next time\n")
+        raise
     return p
 
 

@@ -83,8 +83,16 @@ class GlobalSettings:
     api_key: Optional[str] = None
     cors_origins: list = field(default_factory=list)
     prompt_cache_mb: int = 2048  # server: memory for cached prompt prefixes across requests (0: none)
+    # cached prompt prefixes on disk (serve, chat, generate; survive restarts), LRU (0: memory only)
+    prompt_cache_disk_gb: float = 10.0
+    # server: weights, cached prompts in memory and running requests' KV stay under it (none: 75% of the memory)
+    memory_budget_gb: Optional[float] = None
     max_batch: object = "auto"  # server: requests decoded together (mlx_dflash.engine.batch), 1..64 (1: one at a
     # time), or "auto": measured once per model and machine (batch_costs.auto_max_batch)
+
+    def prompt_store_bytes(self) -> tuple:
+        """(memory, disk) budgets of the prompt store in bytes."""
+        return self.prompt_cache_mb << 20, int(self.prompt_cache_disk_gb * 1e9)
 
 
 # user-facing key (file, CLI) -> dataclass field
@@ -152,6 +160,7 @@ _TYPES = {  # field -> (type, optional)
     "max_context": (int, False), "dtype": (str, False), "tool_grammar": (bool, False),
     "model_dirs": (list, False), "default_model": (str, True), "host": (str, False), "port": (int, False),
     "api_key": (str, True), "cors_origins": (list, False), "prompt_cache_mb": (int, False),
+    "prompt_cache_disk_gb": (float, False), "memory_budget_gb": (float, True),
     "max_batch": (int, False),
 }
 AUTO_FIELDS = ("drafter_quant_bits", "max_batch")  # integer fields that also take "auto"
@@ -274,5 +283,11 @@ def check_global(g: GlobalSettings) -> None:
         raise SettingsError("host cannot be empty")
     if g.prompt_cache_mb < 0:
         raise SettingsError(f"prompt_cache_mb must be >= 0 (0 turns the prompt cache off), got {g.prompt_cache_mb}")
+    if not 0 <= g.prompt_cache_disk_gb < 1 << 20:
+        raise SettingsError(f"prompt_cache_disk_gb must be >= 0 (0 keeps cached prompts in memory only), "
+                            f"got {g.prompt_cache_disk_gb}")
+    if g.memory_budget_gb is not None and not 0 < g.memory_budget_gb < 1 << 20:
+        raise SettingsError(f"memory_budget_gb must be > 0 (or none: 75% of this machine's memory), "
+                            f"got {g.memory_budget_gb}")
     if g.max_batch != "auto" and not 1 <= g.max_batch <= 64:
         raise SettingsError(f"max_batch must be auto or in 1..64 (1: one request at a time), got {g.max_batch}")

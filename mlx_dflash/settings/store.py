@@ -361,7 +361,11 @@ class SettingsStore:
                                     f"this mlx-dflash writes ({VERSION}); upgrade mlx-dflash")
             raw["version"] = VERSION
             fn(raw)  # may raise (validation): nothing is written then
-            atomic_write(self.path, json.dumps(raw, indent=2) + "\n")
+            try:
+                atomic_write(self.path, json.dumps(raw, indent=2) + "\n")
+            except OSError as e:  # a full disk, a read-only folder: one line, the old file intact
+                raise SettingsError(f"cannot save {self.path}: {e.strerror or e}; nothing was changed "
+                                    "(free some space or make the folder writable)") from None
             return raw
 
     # -- models ----------------------------------------------------------------------
