@@ -1,6 +1,6 @@
 """Verify modes: the one registry from a mode's name to the policy that runs
-it (policy.py, adaptive.py). A new verify mode is a `Policy` subclass and one
-line here."""
+it (policy.py, adaptive.py). A new verify mode is a `Policy` subclass, one
+line here and its name in modes.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from .adaptive import AdaptiveWidth
 from .base import Fixed, LookupFirst, PlainOnly, Policy
 from .costs import Costs, Observed
 from .guard import Guard
+from .modes import VERIFY_MODES
 
 DEFAULT_BLOCK_SIZE = 5
 # the guard's calibration, once per model, drafter and machine (then cached on
@@ -73,4 +74,5 @@ POLICIES: Dict[str, Callable[[PolicyContext], Policy]] = {
     "lookup": lambda ctx: LookupFirst(ctx.width, ctx.drafter),
     "off": lambda ctx: PlainOnly(ctx.plain_reason),
 }
-VERIFY_MODES = tuple(POLICIES)
+if tuple(POLICIES) != VERIFY_MODES:  # the names are read without mlx (settings); both lists must agree
+    raise ImportError(f"policy registry {tuple(POLICIES)} != modes.VERIFY_MODES {VERIFY_MODES}")
