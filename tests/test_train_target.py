@@ -12,7 +12,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx import nn
 
-import train_target as TT
+from tools.embedded import target as TT
 
 
 def test_loop_region_finds_the_periodic_tail():

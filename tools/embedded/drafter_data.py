@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Prompt and corpus files for training the embedded drafters (deterministic).
 
-    python scripts/drafter_data.py OUT [--gsm 400] [--code 200] [--corpus-gsm 300] [--corpus-code 120]
+    python -m tools.embedded drafter-data OUT [--gsm 400] [--code 200] [--corpus-gsm 300] [--corpus-code 120]
 
-Writes, from the embedded target's own training sources (scripts/train_target.py)
+Writes, from the embedded target's own training sources (tools/embedded/target.py)
 and never from its held-out parts:
 
   OUT/prompts_gsm.jsonl   {"messages": [user: question]}  GSM8K train questions
@@ -24,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_target as tt  # noqa: E402  (the target's data sources and split)
+from .target_data import DATA, chat_text, gsm8k_split, stdlib_files  # the target's data sources and split
+from .target_tools import conversations as tool_conversations
 
 
 def training_stdlib_files():
     """The stdlib files the target trained on (its 1% validation files removed, same rng)."""
-    files = tt.stdlib_files()
+    files = stdlib_files()
     rng = np.random.default_rng(0)
     val = set(rng.choice(len(files), size=max(1, len(files) // 100), replace=False).tolist())
     return [f for i, f in enumerate(files) if i not in val]
@@ -55,7 +54,7 @@ def function_prefixes(src: str):
 
 
 def write_tool_prompts(path: Path, train_rows, files, n: int, seed: int, max_chars: int = 6000,
-                       tok_dir: Path = tt.DATA / "tokenizer"):
+                       tok_dir: Path = DATA / "tokenizer"):
     """n raw-text prompts: a tool conversation (GSM8K calculator or stdlib read_file /
     list_files, as the target trained on) rendered up to the start of one of its
     assistant turns, with the chat template of the tokenizer in `tok_dir`."""
@@ -64,7 +63,7 @@ def write_tool_prompts(path: Path, train_rows, files, n: int, seed: int, max_cha
     hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
     hf.chat_template = json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"]
     rng = np.random.default_rng(seed + 22)
-    convs = tt.tool_conversations(train_rows, files, rng)
+    convs = tool_conversations(train_rows, files, rng)
     k = 0
     with open(path, "w") as f:
         for msgs, tools in convs:
@@ -88,9 +87,9 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=2000, help="characters per stdlib window")
     ap.add_argument("--tools", type=int, default=0,
                     help="tool-call prompts (prompts_tools.jsonl): tool conversations of the target's "
-                         "training data (train_target_tools.py) cut before an assistant turn; needs "
+                         "training data (target_tools.py) cut before an assistant turn; needs "
                          "the target's tool chat template (see --tool-tokenizer)")
-    ap.add_argument("--tool-tokenizer", default=str(tt.DATA / "tokenizer"),
+    ap.add_argument("--tool-tokenizer", default=str(DATA / "tokenizer"),
                     help="folder with tokenizer.json + tokenizer_config.json (its chat template) for the tool "
                          "prompts: runs/data/tokenizer after prepare-tools, or the exported target's folder")
     ap.add_argument("--tool-max-chars", type=int, default=6000, help="longest tool prompt, in characters")
@@ -100,7 +99,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(a.seed)
 
-    train_rows, dev = tt.gsm8k_split()
+    train_rows, dev = gsm8k_split()
     dev_q = {r["question"] for r in dev}
     order = rng.permutation(len(train_rows))
     prompt_rows = [train_rows[i] for i in order[: a.gsm]]
@@ -119,7 +118,7 @@ def main(argv=None):
 
     with open(out / "corpus.jsonl", "w") as f:
         for r in corpus_rows:
-            f.write(json.dumps({"text": tt.chat_text(r["question"], r["answer"])}) + "\n")
+            f.write(json.dumps({"text": chat_text(r["question"], r["answer"])}) + "\n")
         for i in rng.choice(len(files), size=a.corpus_code, replace=True):
             src = files[i][1]
             o = int(rng.integers(0, max(1, len(src) - a.window)))
@@ -133,6 +132,3 @@ def main(argv=None):
     print(f"{out}: {len(prompt_rows)} GSM8K prompts, {len(pick)} code prompts (of {len(prefixes)} documented "
           f"functions), corpus {len(corpus_rows)} GSM8K chats + {a.corpus_code} stdlib windows")
 
-
-if __name__ == "__main__":
-    main()

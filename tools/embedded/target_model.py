@@ -3,7 +3,7 @@ mlx-lm qwen3 config, read against the trained tokenizer."""
 
 from __future__ import annotations
 
-from train_target_data import DATA
+from .target_data import DATA
 
 PRESETS = {
     "target": dict(

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Does a model call the tools a request offers? Greedy answers (mlx-lm's own generate, the
 model's chat template) to requests never trained on, with tool names and argument keys that
-the training pool (train_target_choice.py) never used, and one tool list shaped like Claude
+the training pool (target_choice.py) never used, and one tool list shaped like Claude
 Code's `Read` (a long description, an absolute-path key, optional offset / limit):
 
   * held-out stdlib files (read), held-out packages (list), GSM8K dev questions (calculator),
@@ -11,7 +10,7 @@ Code's `Read` (a long description, an absolute-path key, optional offset / limit
 Per answer: a call at all, a call to an offered name, the expected tool, argument keys that
 the tool's schema has (required ones present).
 
-    PYTHONPATH=. python scripts/eval_tool_choice.py --model models/target [--n 12] [--out F.json]
+    PYTHONPATH=. python -m tools.embedded tool-choice --model models/target [--n 12] [--out F.json]
 """
 
 from __future__ import annotations
@@ -19,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
-import numpy as np  # noqa: E402
-from mlx_lm import generate, load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+import mlx_dflash  # noqa: F401  (fast BLAS before mlx)
+import numpy as np
+from mlx_lm import generate, load
 
-from check_agent_model import held_out_files  # noqa: E402
-from train_target_data import gsm8k_split  # noqa: E402
+from .check_agent import held_out_files
+from .target_data import gsm8k_split
 
 # names and keys outside the training pool
 HELD_OUT = {
@@ -102,13 +99,13 @@ def score(text: str, case: dict) -> dict:
             "keys_ok": keys_ok, "arguments": args}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "target"))
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model, tok = load(args.model)
     rows = []
     for case in cases(args.n, np.random.default_rng(7)):
@@ -125,6 +122,3 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "summary": summary, "n": n, "rows": rows}, indent=1))
 
-
-if __name__ == "__main__":
-    main()

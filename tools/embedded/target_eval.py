@@ -1,5 +1,5 @@
 """`evaluate` (greedy generations and their loop rates) and `card` (the model's
-README.md and loss curve) of scripts/train_target.py."""
+README.md and loss curve) of tools/embedded/target.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from train_target_data import DATA, N_DEV, ROOT, write_gsm8k_dev
-from train_target_loops import repeated_ngram_loop, stuck_in_loop
-from train_target_model import PRESETS, VAL_SEQ, build_model, count_params
+from .target_data import DATA, N_DEV, ROOT, write_gsm8k_dev
+from .target_loops import repeated_ngram_loop, stuck_in_loop
+from .target_model import PRESETS, VAL_SEQ, build_model, count_params
 
 
 def cmd_evaluate(args):
@@ -263,11 +263,11 @@ From the repository root (Linux, CPU; `mlx[cpu]`, `mlx-lm`, `tokenizers`, `scipy
 
 ```bash
 export PYTHONPATH=.
-python scripts/train_target.py prepare
-{args.repro_cmd or f'python scripts/train_target.py train {pre} --steps {steps}'}
-python scripts/train_target.py export {pre}
-python scripts/train_target.py evaluate {pre}
-python scripts/train_target.py card {pre}{' --repro-cmd "..."' if args.repro_cmd else ''}
+python -m tools.embedded target prepare
+{args.repro_cmd or f'python -m tools.embedded target train {pre} --steps {steps}'}
+python -m tools.embedded target export {pre}
+python -m tools.embedded target evaluate {pre}
+python -m tools.embedded target card {pre}{' --repro-cmd "..."' if args.repro_cmd else ''}
 ```
 
 A killed run continues with the same `train` command plus `--resume` (weights, AdamW

@@ -4,17 +4,17 @@
 # target's own greedy responses, at a lower lr, for a time budget. Sized for a
 # busy 2-core machine: one process at a time throughout.
 #
-#   bash scripts/refresh_drafter.sh             # data, gen, train, bench (export is by hand, below)
-#   STAGE=train bash scripts/refresh_drafter.sh # from a stage: data | gen | train | bench | export
+#   python -m tools.embedded refresh-drafter             # data, gen, train, bench (export is by hand, below)
+#   STAGE=train python -m tools.embedded refresh-drafter # from a stage: data | gen | train | bench | export
 #                                                (UNTIL=stage: up to and including it)
 #
 # The bench runs the OLD drafter (a copy in $RUN/old) and the NEW one on the same
-# prompts (bench_tau.py's dflash1 slot holds the old DFlash 2 drafter), in two parts
+# prompts (tau.py's dflash1 slot holds the old DFlash 2 drafter), in two parts
 # merged into one result: plain + old (it may run while the training does), then new.
 # Export (STAGE=export UNTIL=export) only once the bench shows HumanEval tau up and
-# GSM8K tau not down; the card is then written by scripts/drafter_card.py.
+# GSM8K tau not down; the card is then written by tools/embedded/drafter_card.py.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=. OPENBLAS_NUM_THREADS=1
 PY=${PY:-python}
 TARGET=${TARGET:-models/target}
@@ -35,7 +35,7 @@ at() { local i; i=$(idx "$1"); (( i >= $(idx "$STAGE") && i <= $(idx "$UNTIL") )
 #    before an assistant turn (rendered with the target's own tool chat template),
 #    and a small corpus of the target's training text. The GSM8K dev split is never used.
 if at data; then
-  $PY scripts/drafter_data.py "$RUN/data" --gsm "$GSM" --code "$CODE" --corpus-gsm 150 --corpus-code 60 \
+  $PY -m tools.embedded drafter-data "$RUN/data" --gsm "$GSM" --code "$CODE" --corpus-gsm 150 --corpus-code 60 \
     --tools "$TOOLS" --tool-tokenizer "$TARGET" --tool-max-chars 3000
   cp -r "$INIT" "$RUN/old"   # the weights before the refresh, for the bench and the card
 fi
@@ -50,7 +50,7 @@ if at gen; then
       --prompts "$RUN/data/prompts_$s.jsonl" --responses "$RUN/data/responses_$s.jsonl" \
       --gen-max-tokens "$GEN_TOKENS" --gen-batch 32 >> "$RUN/gen_$s.log" 2>&1 || true
   done
-  $PY scripts/merge_responses.py "$RUN/data" gsm code tools
+  $PY -m tools.embedded merge-responses "$RUN/data" gsm code tools
 fi
 
 # 3. fine-tune from the published drafter: same architecture (checked by --init),
@@ -67,11 +67,11 @@ fi
 #    checks every output against plain decoding's.
 BARGS=(--target "$TARGET" --gsm 10 --humaneval 10 --max-tokens 128 --widths 5 8)
 if at bench; then
-  [[ -f $RUN/bench_old.json ]] || $PY scripts/bench_tau.py "${BARGS[@]}" --dflash1 "$RUN/old" --dflash2 "$RUN/old" \
+  [[ -f $RUN/bench_old.json ]] || $PY -m tools.embedded tau "${BARGS[@]}" --dflash1 "$RUN/old" --dflash2 "$RUN/old" \
     --configs plain dflash1 --out "$RUN/bench_old" > "$RUN/bench_old.log" 2>&1
-  $PY scripts/bench_tau.py "${BARGS[@]}" --dflash1 "$RUN/old" --dflash2 "$RUN/dflash2" \
+  $PY -m tools.embedded tau "${BARGS[@]}" --dflash1 "$RUN/old" --dflash2 "$RUN/dflash2" \
     --configs dflash2 --out "$RUN/bench_new" > "$RUN/bench_new.log" 2>&1
-  $PY scripts/bench_tau.py --merge "$RUN/bench_new.json" "$RUN/bench_old.json" --out "$RUN/bench"
+  $PY -m tools.embedded tau --merge "$RUN/bench_new.json" "$RUN/bench_old.json" --out "$RUN/bench"
 fi
 
 # 5. export (bf16 weights + config, metrics log, loss curve), the bench result and the card
@@ -79,6 +79,6 @@ if at export; then
   cp "$RUN/dflash2/"{config.json,model.safetensors,train_log.jsonl,loss.png} "$MODELS/dflash2/"
   cp "$RUN/bench.json" "$BENCH"
   note=(); [[ -n ${NOTE:-} ]] && note=(--note "$NOTE")   # NOTE: how the run went, for the card
-  $PY scripts/drafter_card.py "$MODELS/dflash2" --run "$RUN/dflash2" --bench "$BENCH" --before-after "$BENCH" \
-    --commands scripts/refresh_drafter.sh ${note[@]+"${note[@]}"}
+  $PY -m tools.embedded drafter-card "$MODELS/dflash2" --run "$RUN/dflash2" --bench "$BENCH" --before-after "$BENCH" \
+    --commands tools/embedded/refresh_drafter.sh ${note[@]+"${note[@]}"}
 fi

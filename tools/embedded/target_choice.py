@@ -1,4 +1,4 @@
-"""Tool choice for the embedded target (issue 22): `prepare-choice` of scripts/train_target.py.
+"""Tool choice for the embedded target (issue 22): `prepare-choice` of tools/embedded/target.py.
 
 Phase 5 taught the format of a call but not which tool to call: its conversations always
 named the same seven tools, and most of them (the GSM8K ones) called `calculator`, so the
@@ -28,8 +28,8 @@ import shutil
 
 import numpy as np
 
-from train_target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
-from train_target_tools import ASK_DIR, call, conversations, system_msgs, tool_list
+from .target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
+from .target_tools import ASK_DIR, call, conversations, system_msgs, tool_list
 
 SHIPPED = ROOT / "models" / "target"
 

@@ -7,11 +7,11 @@
 # there DFlash 2 stopped on the time budget and was continued with --resume
 # --time-budget 60 to DFlash 1's 3000 steps: the same step budget).
 #
-#   bash scripts/train_drafters.sh            # everything
-#   STAGE=train bash scripts/train_drafters.sh # from a stage: data | gen | train | export | bench
+#   python -m tools.embedded train-drafters            # everything
+#   STAGE=train python -m tools.embedded train-drafters # from a stage: data | gen | train | export | bench
 #                                               (UNTIL=stage: up to and including it)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=. OPENBLAS_NUM_THREADS=1   # mlx-cpu elementwise ops are single-threaded anyway
 PY=${PY:-python}
 TARGET=${TARGET:-models/target}
@@ -29,7 +29,7 @@ at() { local i; i=$(idx "$1"); (( i >= $(idx "$STAGE") && i <= $(idx "$UNTIL") )
 # 1. prompts (GSM8K train questions, stdlib function headers) and a corpus of the
 #    target's own training text; the GSM8K dev split is never used.
 if at data; then
-  $PY scripts/drafter_data.py "$RUN/data" --gsm "$GSM" --code "$CODE" --corpus-gsm 150 --corpus-code 60
+  $PY -m tools.embedded drafter-data "$RUN/data" --gsm "$GSM" --code "$CODE" --corpus-gsm 150 --corpus-code 60
 fi
 
 # 2. on-policy responses: the target answers greedily (<= 256 tokens), batched;
@@ -41,7 +41,7 @@ if at gen; then
       --gen-max-tokens "$GEN_TOKENS" --gen-batch 32 > "$RUN/gen_$s.log" 2>&1 &
   done
   wait || true
-  $PY scripts/merge_responses.py "$RUN/data" gsm code
+  $PY -m tools.embedded merge-responses "$RUN/data" gsm code
 fi
 
 # 3. both drafters at once (one core each), same everything but --version; the
@@ -72,12 +72,12 @@ if at bench; then
   # two processes: plain + DFlash 2 together (their tok/s are compared), DFlash 1 beside them
   BARGS=(--target "$TARGET" --dflash1 "$MODELS/dflash1" --dflash2 "$MODELS/dflash2"
          --gsm 30 --humaneval 20 --max-tokens 128 --widths 5 8)
-  $PY scripts/bench_tau.py "${BARGS[@]}" --configs plain dflash2 --out "$RUN/bench_a" > "$RUN/bench_a.log" 2>&1 &
-  $PY scripts/bench_tau.py "${BARGS[@]}" --configs dflash1 --out "$RUN/bench_b" > "$RUN/bench_b.log" 2>&1 &
+  $PY -m tools.embedded tau "${BARGS[@]}" --configs plain dflash2 --out "$RUN/bench_a" > "$RUN/bench_a.log" 2>&1 &
+  $PY -m tools.embedded tau "${BARGS[@]}" --configs dflash1 --out "$RUN/bench_b" > "$RUN/bench_b.log" 2>&1 &
   wait
-  $PY scripts/bench_tau.py --merge "$RUN/bench_a.json" "$RUN/bench_b.json" --out "$BENCH"
+  $PY -m tools.embedded tau --merge "$RUN/bench_a.json" "$RUN/bench_b.json" --out "$BENCH"
   note=(); [[ -n ${NOTE:-} ]] && note=(--note "$NOTE")   # NOTE: how the run went, for the cards
   for v in 1 2; do
-    $PY scripts/drafter_card.py "$MODELS/dflash$v" --run "$RUN/dflash$v" --bench "$BENCH.json" ${note[@]+"${note[@]}"}
+    $PY -m tools.embedded drafter-card "$MODELS/dflash$v" --run "$RUN/dflash$v" --bench "$BENCH.json" ${note[@]+"${note[@]}"}
   done
 fi

@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Write the model card (README.md) of an exported drafter from its training run and
 the tau benchmark.
 
-    python scripts/drafter_card.py models/dflash2 --run runs/drafters/dflash2 \
-        [--bench bench/tau_ablation.json] [--commands scripts/train_drafters.sh]
+    python -m tools.embedded drafter-card models/dflash2 --run runs/drafters/dflash2 \
+        [--bench bench/tau_ablation.json] [--commands tools/embedded/train_drafters.sh]
 
 A run started from a saved drafter (`train-drafter --init`) is carded as a refresh;
-`--before-after BENCH.json` (a bench_tau.py run whose dflash1 slot held the drafter
+`--before-after BENCH.json` (a tau.py run whose dflash1 slot held the drafter
 before the refresh and whose dflash2 slot the refreshed one) adds the before/after table.
 """
 
@@ -14,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import mlx_dflash  # noqa: E402,F401  (fast BLAS before mlx)
+ROOT = Path(__file__).resolve().parents[2]
+import mlx_dflash  # noqa: F401  (fast BLAS before mlx)
 
 
 def main(argv=None):
@@ -27,10 +24,10 @@ def main(argv=None):
     ap.add_argument("model")
     ap.add_argument("--run", required=True)
     ap.add_argument("--bench", default=str(ROOT / "bench" / "tau_ablation.json"))
-    ap.add_argument("--commands", default=str(ROOT / "scripts" / "train_drafters.sh"))
+    ap.add_argument("--commands", default=str(ROOT / "tools" / "embedded" / "train_drafters.sh"))
     ap.add_argument("--note", default=None, help="a paragraph on how the run actually went")
     ap.add_argument("--before-after", default=None, metavar="JSON",
-                    help="bench_tau.py results with the drafter before a refresh in the dflash1 slot")
+                    help="tau.py results with the drafter before a refresh in the dflash1 slot")
     a = ap.parse_args(argv)
     from mlx.utils import tree_flatten
 
@@ -83,7 +80,7 @@ def main(argv=None):
           "| source | examples | rows | tokens | anchor-eligible tokens |", "|---|---|---|---|---|", data_rows, "",
           f"Rows of {tc['seq_len']} tokens. On-policy = the target's own greedy responses (at most "
           f"{tc['gen_max_tokens']} tokens) to GSM8K *train* questions (chat template) and to Python function "
-          "headers + docstrings from the standard-library files the target trained on (`scripts/drafter_data.py`"
+          "headers + docstrings from the standard-library files the target trained on (`tools/embedded/drafter_data.py`"
           "); "
           "anchors are drawn from response tokens. Corpus = the target's own training text (other GSM8K train "
           "problems as ChatML chat, windows of the same stdlib files). The GSM8K dev split (the last 473 problems) "
@@ -119,7 +116,7 @@ def main(argv=None):
     if b.exists():
         res = json.loads(b.read_text())
         L += ["## Measured tau (greedy, real decoding)", "",
-              f"`scripts/bench_tau.py`, max {res['max_tokens']} new tokens, {res['date']}; "
+              f"`tools/embedded/tau.py`, max {res['max_tokens']} new tokens, {res['date']}; "
               f"full results in `bench/{(b.with_suffix('.md') if b.with_suffix('.md').exists() else b).name}`.", "",
               "| prompts | " + " | ".join(f"tau w={w} | tok/s w={w}" for w in res["widths"]) + " | plain tok/s |",
               "|---|" + "---|---|" * len(res["widths"]) + "---|"]
@@ -154,6 +151,3 @@ def main(argv=None):
     (model / "README.md").write_text("\n".join(L))
     print(f"wrote {model / 'README.md'}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Can an agent talk to the embedded target? Against a real `mlx-dflash serve` (no flags:
 the embedded pair), on a fixed prompt set never trained on:
 
@@ -10,7 +9,7 @@ the embedded pair), on a fixed prompt set never trained on:
   * long prompts: an 8k- and a 32k-token prompt (held-out stdlib text as a read_file result),
     prefill + 4 tokens: wall time, prompt tokens, the server's peak resident memory.
 
-    PYTHONPATH=. python scripts/check_agent_model.py --out bench/agent_model [--n-gsm 20]
+    PYTHONPATH=. python -m tools.embedded check-agent --out bench/agent_model [--n-gsm 20]
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from train_target_data import gsm8k_split, stdlib_files  # noqa: E402
-from train_target_tools import tool_schema  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+from .target_data import gsm8k_split, stdlib_files
+from .target_tools import tool_schema
 
 AGENT_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -53,7 +51,7 @@ def held_out_files():
     import numpy as np
 
     files = stdlib_files()
-    rng = np.random.default_rng(0)  # the same split as train_target.py prepare
+    rng = np.random.default_rng(0)  # the same split as `target prepare`
     val = set(rng.choice(len(files), size=max(1, len(files) // 100), replace=False).tolist())
     return [f for i, f in enumerate(files) if i in val]
 
@@ -86,13 +84,13 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/agent_model")
     ap.add_argument("--n-gsm", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--long", type=int, nargs="*", default=[8192, 32768])
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     home = tempfile.mkdtemp(prefix="agentcheck-")
@@ -178,6 +176,3 @@ def main():
     Path(str(out) + ".json").write_text(json.dumps(res, indent=1))
     print(json.dumps(summ, indent=1))
 
-
-if __name__ == "__main__":
-    main()

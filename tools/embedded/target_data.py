@@ -1,4 +1,4 @@
-"""The embedded models' training data (scripts/train_target.py `prepare`): the Python
+"""The embedded models' training data (tools/embedded/target.py `prepare`): the Python
 standard library and GSM8K train as ChatML chat, a byte-level BPE tokenizer trained on
 them, and one token stream per source under runs/data/. The last 473 GSM8K train
 problems are the dev split, never trained on."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
 N_DEV = 473
 DATA = ROOT / "runs" / "data"

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Greedy tau of DFlash 1 vs DFlash 2 drafters, and end-to-end tok/s against plain
 decoding, on GSM8K dev and HumanEval prompts -> bench/tau_ablation.{json,md}.
 
-    python scripts/bench_tau.py [--target models/target] [--dflash1 models/dflash1]
+    python -m tools.embedded tau [--target models/target] [--dflash1 models/dflash1]
         [--dflash2 models/dflash2] [--gsm 30] [--humaneval 20] [--max-tokens 128]
         [--widths 5 8] [--out bench/tau_ablation]
 
@@ -26,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import mlx_dflash  # noqa: E402  (fast BLAS before mlx)
+ROOT = Path(__file__).resolve().parents[2]
+import mlx_dflash  # (fast BLAS before mlx)
 
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
 N_DEV = 473
@@ -109,7 +107,7 @@ def main(argv=None):
         parts = [json.loads(Path(f).read_text()) for f in a.merge]
         res = parts[0]
         res["command"] = "\n".join([p["command"] + "   # in parallel" for p in parts]
-                                   + ["python scripts/bench_tau.py " + " ".join(shlex.quote(x) for x in argv)])
+                                   + ["python -m tools.embedded tau " + " ".join(shlex.quote(x) for x in argv)])
         for p in parts[1:]:
             for sname, r in p["sets"].items():
                 res["sets"][sname]["per_prompt"].update(r["per_prompt"])
@@ -130,7 +128,7 @@ def main(argv=None):
     sets = {"gsm8k_dev": gsm8k_dev(a.gsm), "humaneval": humaneval(a.humaneval)}
     configs = ([("plain", None, 1)] if "plain" in a.configs else []) + \
         [(n, d, w) for n, d in drafters.items() if n in a.configs for w in widths]
-    res = {"command": "python scripts/bench_tau.py " + " ".join(shlex.quote(x) for x in argv),
+    res = {"command": "python -m tools.embedded tau " + " ".join(shlex.quote(x) for x in argv),
            "target": a.target, "drafters": {"dflash1": a.dflash1, "dflash2": a.dflash2},
            "max_tokens": a.max_tokens, "widths": widths, "machine": f"{platform.machine()} {platform.system()}, "
            f"mlx CPU backend ({mlx_dflash.platform.fastblas.STATE['blas']})", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -190,6 +188,3 @@ def report(res) -> str:
           "Reproduce:", "", "```", res["command"], "```", ""]
     return "\n".join(L)
 
-
-if __name__ == "__main__":
-    main()

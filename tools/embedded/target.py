@@ -1,17 +1,15 @@
-#!/usr/bin/env python
 """Train the embedded default models of mlx-dflash on CPU (tokenizer, data, model, export).
 
-Sub-commands (run from the repository root, with PYTHONPATH=. so that
-`mlx_dflash` -- which loads the fast OpenBLAS into mlx -- is importable):
+Sub-commands (run from the repository root: `python -m tools.embedded target ...`):
 
-  python scripts/train_target.py prepare                     # tokenizer + token streams -> runs/data/
-  python scripts/train_target.py bench  --preset target      # tokens/s of a few steps
-  python scripts/train_target.py train  --preset target --steps N [--resume]
-  python scripts/train_target.py train  --preset target --resume --new-phase --ul-data RESPONSES.jsonl
+  python -m tools.embedded target prepare                     # tokenizer + token streams -> runs/data/
+  python -m tools.embedded target bench  --preset target      # tokens/s of a few steps
+  python -m tools.embedded target train  --preset target --steps N [--resume]
+  python -m tools.embedded target train  --preset target --resume --new-phase --ul-data RESPONSES.jsonl
                                           # + unlikelihood on the model's own greedy loops
-  python scripts/train_target.py export --preset target      # -> models/target/
-  python scripts/train_target.py evaluate --preset target    # generations, repetition rate
-  python scripts/train_target.py card   --preset target      # README.md model card + loss curve
+  python -m tools.embedded target export --preset target      # -> models/target/
+  python -m tools.embedded target evaluate --preset target    # generations, repetition rate
+  python -m tools.embedded target card   --preset target      # README.md model card + loss curve
 
 `--preset draft` does the same for the small classic autoregressive draft
 model (runs/draft-ar -> models/draft-ar).
@@ -26,9 +24,9 @@ Data (real text only):
     runs/data/gsm8k_dev.jsonl by `write_gsm8k_dev()` (deterministic).
 
 Here: the training loop and the CLI. Next to it, one concern each:
-train_target_data.py (data, tokenizer, `prepare`), train_target_model.py (presets,
-model config), train_target_loops.py (loop measures, unlikelihood data and loss),
-train_target_eval.py (`evaluate`, `card`).
+target_data.py (data, tokenizer, `prepare`), target_model.py (presets,
+model config), target_loops.py (loop measures, unlikelihood data and loss),
+target_eval.py (`evaluate`, `card`).
 """
 
 from __future__ import annotations
@@ -38,33 +36,30 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # mlx-cpu elementwise ops are single-threaded; a 2-thread OpenBLAS only spins against them
 # (and against other jobs on a small shared machine).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, str(ROOT))
 import mlx_dflash  # noqa: E402,F401  (must precede mlx: loads OpenBLAS)
 from mlx_dflash.platform import fastblas  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from train_target_data import DATA, cmd_prepare  # noqa: E402
-from train_target_eval import cmd_card, cmd_evaluate  # noqa: E402
-from train_target_loops import unlikelihood_loss, unlikelihood_rows  # noqa: E402
-from train_target_model import PRESETS, VAL_SEQ, build_model, count_params, model_config  # noqa: E402
-from train_target_tools import MAX_CONTEXT, ROPE_SCALING, cmd_prepare_tools  # noqa: E402
-from train_target_choice import cmd_prepare_choice  # noqa: E402
-from train_target_tools import conversations as tool_conversations  # noqa: E402,F401
+from .target_choice import cmd_prepare_choice  # noqa: E402
+from .target_data import DATA, cmd_prepare  # noqa: E402
+from .target_eval import cmd_card, cmd_evaluate  # noqa: E402
+from .target_loops import unlikelihood_loss, unlikelihood_rows  # noqa: E402
+from .target_model import PRESETS, VAL_SEQ, build_model, count_params, model_config  # noqa: E402
+from .target_tools import MAX_CONTEXT, ROPE_SCALING, cmd_prepare_tools  # noqa: E402
 
-# what tests/ and scripts/drafter_data.py use, importable from here
-from train_target_data import chat_text, gsm8k_split, stdlib_files, write_gsm8k_dev  # noqa: E402,F401
-from train_target_loops import loop_region, repeat_positions, stuck_in_loop  # noqa: E402,F401
+# what tests/test_train_target.py uses, importable from here
+from .target_data import write_gsm8k_dev  # noqa: E402,F401
+from .target_loops import loop_region, repeat_positions, stuck_in_loop  # noqa: E402,F401
 
 SEQ = 512
 P_GSM = 0.45  # share of training sequences drawn from the GSM8K chat stream
@@ -183,7 +178,7 @@ def cmd_train(args, bench: bool = False):
     run = ROOT / P["run"]
     run.mkdir(parents=True, exist_ok=True)
     cfg = model_config(args.preset)
-    if args.long_context:  # YaRN to MAX_CONTEXT (train_target_tools.py)
+    if args.long_context:  # YaRN to MAX_CONTEXT (target_tools.py)
         cfg.update(max_position_embeddings=MAX_CONTEXT, rope_scaling=dict(ROPE_SCALING))
     mx.random.seed(args.seed)
     model = build_model(cfg)
@@ -398,7 +393,7 @@ def cmd_interpolate(args):
     print(f"{dest}: {a} x {args.new} + {1 - a:g} x {args.old}")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["prepare", "prepare-tools", "prepare-choice", "bench", "train", "export", "interpolate",
                                     "evaluate", "card"])
@@ -450,12 +445,9 @@ def main():
     ap.add_argument("--repro-cmd", default=None, help="train command line(s) to print in the card")
     ap.add_argument("--phase", action="append", default=None,
                     help="card: one training phase as END_STEP,SEQ,P_GSM,PEAK_LR,BATCH (repeat; END_STEP 0: the last step)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     globals().update(SEQ=args.seq, P_GSM=args.p_gsm, P_TOOLS=args.p_tools)
     {"prepare": cmd_prepare, "prepare-tools": cmd_prepare_tools,
      "prepare-choice": cmd_prepare_choice, "bench": lambda a: cmd_train(a, bench=True), "train": cmd_train,
      "export": cmd_export, "interpolate": cmd_interpolate, "evaluate": cmd_evaluate, "card": cmd_card}[args.cmd](args)
 
-
-if __name__ == "__main__":
-    main()

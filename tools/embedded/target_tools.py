@@ -1,5 +1,5 @@
 """The embedded target's tool-call format and long context (issue 22 item 6):
-`prepare-tools` of scripts/train_target.py.
+`prepare-tools` of tools/embedded/target.py.
 
 * Tokenizer: four ids of byte-level BPE tokens that the training text never uses
   (pieces of the special-token strings the BPE trainer saw, e.g. `.<|`, `|>`) are freed
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train_target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
+from .target_data import DATA, ROOT, chat_text, gsm8k_split, stdlib_files, token_stream
 
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 MAX_CONTEXT = 32768
