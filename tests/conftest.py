@@ -4,7 +4,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 if "MLX_DFLASH_HOME" not in os.environ:  # measured costs and settings go to a scratch home, not the user's
     import tempfile

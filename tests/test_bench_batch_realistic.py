@@ -1,15 +1,14 @@
-"""The realistic-regime concurrency bench (scripts/bench_batch_realistic.py,
+"""The realistic-regime concurrency bench (`mlx-dflash bench --realistic --batch`,
 issue 24): the batch engine with replayed acceptance keeps every row exact,
 each row's drafts follow its own continuation (accepted in ragged counts, the
 real batched drafter forward run), and the bench end to end on a tiny target."""
 
 import json
 import random
-import sys
 
 import pytest
 
-import bench_batch_realistic as bbr
+from app.bench import batch_realistic as bbr
 from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
@@ -65,13 +64,14 @@ def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     assert sum(acc) <= sum(min(n, width - 1) for n in lengths)
 
 
-def test_bench_batch_realistic_tiny(tmp_path, monkeypatch, tiny):
-    out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["bench_batch_realistic.py", "--target", "tiny-batch", "--draft-layers", "1",
-                                      "--streams", "1", "3", "--max-tokens", "20", "--reps", "1", "--prompt-len", "16",
-                                      "--fixed-widths", "8", "--out", str(out)])
-    bbr.main()
-    res = json.loads(out.read_text())
+def test_bench_batch_realistic_tiny(tmp_path, tiny):
+    from app.cli import main
+
+    out = tmp_path / "r"
+    assert main(["bench", "--realistic", "--batch", "--targets", "tiny-batch", "--draft-layers", "1", "--streams", "1,3",
+                 "--max-tokens", "20", "--reps", "1", "--prompt-len", "16", "--batch-widths", "8",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
     rows = {(r["system"], r["streams"]): r for r in res["rows"]}
     assert set(rows) == {(s, n) for s in ("dflash-serial", "dflash-batched", "dflash-batched-w8", "plain-batched")
                          for n in (1, 3)}
