@@ -1,5 +1,5 @@
 """Every supported mlx-lm family, exactly: tiny random-weight models built from
-mlx-lm's own ModelArgs (scripts/tiny_families.py). Per family:
+mlx-lm's own ModelArgs (tests/tiny_families.py). Per family:
 1. the adapter's logits are `model(inputs, cache=cache)`'s, prefill and decode;
 2. DFlash greedy == mlx_lm.stream_generate over prompts and widths (every
    sliding window wraps: windows of 6, prompts + outputs of 30+ tokens);
