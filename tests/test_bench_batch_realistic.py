@@ -13,6 +13,7 @@ from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
 from mlx_dflash.policy.batch import FixedBatchWidth
+from tiers import fast_first
 
 TINY = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -27,7 +28,7 @@ def tiny():
     del br.TARGETS["tiny-batch"]
 
 
-@pytest.mark.parametrize("width", [5, 16])
+@pytest.mark.parametrize("width", fast_first([5, 16]))
 def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     model, drafter, tok = tiny
     vocab, block = drafter.config.vocab_size, drafter.block_size
@@ -64,6 +65,7 @@ def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     assert sum(acc) <= sum(min(n, width - 1) for n in lengths)
 
 
+@pytest.mark.slow
 def test_bench_batch_realistic_tiny(tmp_path, tiny):
     from app.cli import main
 

@@ -22,6 +22,7 @@ def _prompts(tmp_path, n=3):
     return f
 
 
+@pytest.mark.slow
 def test_batch_rows_are_exact_and_complete(pairs, tmp_path, capsys):
     d = pairs("qwen3", version=2)
     out = tmp_path / "out"

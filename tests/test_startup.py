@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import fast_first
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("mlx", "mlx_lm", "fastapi", "textual")
@@ -33,9 +34,9 @@ def run_cli(home, *args):
     return out, loaded, int(code or 0), r.stderr
 
 
-@pytest.mark.parametrize("args", [["--help"], ["-h"], [], ["settings", "get"], ["settings", "get", "--json"],
-                                  ["settings", "get", "port"], ["settings", "path"], ["settings", "--help"],
-                                  ["--version"]])
+@pytest.mark.parametrize("args", fast_first([["--help"], ["settings", "get"], ["-h"], [], ["settings", "get", "--json"],
+                                             ["settings", "get", "port"], ["settings", "path"], ["settings", "--help"],
+                                             ["--version"]], keep=2))
 def test_light_commands_import_no_heavy_library(tmp_path, args):
     out, loaded, code, err = run_cli(tmp_path / "home", *args)
     assert loaded == "[]", (args, loaded)
