@@ -1,9 +1,9 @@
-"""`mlx-dflash bench --realistic --batch`: several streams in the realistic regime (issue 24, item 6): N streams
-arrive at once on a target of a published shape (random weights) with a
-drafter of the published DFlash 2 shape whose forward runs for real and whose
-accuracy is replayed (app/bench/realistic.py: each row proposes its own
-target's greedy continuation for an accept length drawn with the published
-tau, then wrong tokens). Aggregate tokens/s, per-stream time to first token
+"""`mlx-dflash bench --realistic --batch`: several streams in the realistic regime
+(issue 24, item 6). N streams arrive at once on a target of a published shape
+(random weights) with a drafter of the published DFlash 2 shape whose forward
+runs for real and whose accuracy is replayed (app/bench/realistic.py: each row
+proposes its own target's greedy continuation for an accept length drawn with
+the published tau, then wrong tokens). Aggregate tokens/s, per-stream time to first token
 and inter-token latency for
 
 - dflash-batched: mlx_dflash.engine.batch.BatchEngine with the batch guard (width per
