@@ -27,10 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
 from app.bench.options import ints
 from app.bench.prompts import load_prompts
 from app.bench.report import machine_info
 from app.errors import UserError
+from mlx_dflash import DecodeConfig, load, stream_generate
+from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.models.discovery import default_pair
+from mlx_dflash.policy.batch import FixedBatchWidth
 
 MAX_TOKENS = 64  # per stream, when --max-tokens is not given
 
@@ -68,8 +75,6 @@ def median_run(rs: list) -> dict:
 
 def run_plain_batched(model, tok, ps, max_tokens):
     """mlx-lm's BatchGenerator over the prompts at once: (times, ids, t0, wall)."""
-    from mlx_lm.generate import BatchGenerator
-
     gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in tok.eos_token_ids],
                          completion_batch_size=len(ps), prefill_batch_size=len(ps))
     t0 = time.perf_counter()
@@ -92,9 +97,6 @@ def run_plain_batched(model, tok, ps, max_tokens):
 def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, stats=None):
     """The batch engine over the prompts at once: (times, ids, t0, wall, the policy's
     reason). `stats`: a list that gets each stream's last GenerationStats, then the engine's summary."""
-    from mlx_dflash import DecodeConfig
-    from mlx_dflash.engine.batch import BatchEngine
-
     eng = BatchEngine(model, tok, drafter, max_batch=len(ps), policy=policy)
     eos = set(tok.eos_token_ids)
     t0 = time.perf_counter()
@@ -119,8 +121,6 @@ def run_engine(model, tok, drafter, ps, max_tokens, policy=None, lookup=True, st
 
 def run_serial(model, tok, drafter, ps, max_tokens):
     """Our single-stream engine, one request after another: (times, ids, t0, wall)."""
-    from mlx_dflash import stream_generate
-
     eos = set(tok.eos_token_ids)
     t0 = time.perf_counter()
     times, ids = [], []
@@ -137,8 +137,6 @@ def run_serial(model, tok, drafter, ps, max_tokens):
 
 def compare(model, tok, drafter, ps, a, widths, log) -> list:
     """dflash-serial, dflash-batched (+ fixed widths) and plain-batched at each stream count."""
-    from mlx_dflash.policy.batch import FixedBatchWidth
-
     log("warm-up: shapes, the batch guard's c(w, B) curves (measured once, cached), the serial guard's costs...")
     for n in a.streams:
         run_engine(model, tok, drafter, ps[:n], 4)
@@ -232,11 +230,6 @@ def write(res: dict, md: str, out: Path, as_json: bool, log) -> None:
 
 
 def run(args, log) -> int:
-    import mlx.core as mx
-
-    from mlx_dflash import load
-    from mlx_dflash.models.discovery import default_pair
-
     args.streams = ints(args.streams, "--streams")
     widths = ints(args.batch_widths, "--batch-widths") if args.batch_widths else [5]
     if args.reps < 1 or args.max_tokens < 1:

@@ -19,7 +19,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.bench.batch import command_line
+import httpx
+
+from app.bench.batch import command_line, write
 from app.bench.report import machine_info
 from app.errors import UserError
 
@@ -45,8 +47,6 @@ def add_arguments(p) -> None:
 def serve(model: str, *args: str, log=lambda s: None):
     """(base url) of `mlx-dflash serve --model MODEL ARGS` on a free loopback port,
     once the model is loaded; stopped on exit. Its log is kept in a scratch folder."""
-    import httpx
-
     home = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-serve-"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,8 +80,6 @@ def serve(model: str, *args: str, log=lambda s: None):
 
 
 def load_test(url: str, model: str, a, log) -> dict:
-    import httpx
-
     def ask(p, timeout=600):
         return httpx.post(url + "/v1/completions", timeout=timeout,
                           json={"model": model, "prompt": p, "max_tokens": a.max_tokens, "temperature": 0})
@@ -146,8 +144,6 @@ def markdown(res: dict) -> str:
 
 
 def run(args, log) -> int:
-    from app.bench.batch import write
-
     if args.clients < 1 or args.seconds <= 0 or args.max_tokens < 1:
         raise UserError("--clients and --max-tokens must be >= 1 and --seconds > 0")
     if args.max_batch != "auto" and not args.max_batch.isdigit():
