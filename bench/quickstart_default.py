@@ -7,20 +7,17 @@ question (chat template, greedy), runs the default settings and plain decoding
 so load that comes and goes on a shared machine hits both alike. Prints one line
 per question and the totals (tokens / seconds of generation, summed).
 
-    MLX_DFLASH_HOME=$(mktemp -d) python bench/quickstart_default.py --prompts 10 --max-tokens 128
+    MLX_DFLASH_HOME=$(mktemp -d) PYTHONPATH=. python bench/quickstart_default.py --prompts 10 --max-tokens 128
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from app.bench.prompts import load_prompts  # noqa: E402
-from mlx_dflash import generate  # noqa: E402
-from mlx_dflash.models.manager import load_model  # noqa: E402
-from mlx_dflash.models.settings_checks import settings_store  # noqa: E402
+import mlx_dflash  # noqa: F401  (fast BLAS before mlx)
+from app.bench.prompts import load_prompts
+from mlx_dflash import generate
+from mlx_dflash.models.manager import load_model
+from mlx_dflash.models.settings_checks import settings_store
 
 
 def main():

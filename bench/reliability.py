@@ -7,7 +7,7 @@
 SRC is the source tree whose server runs (`python -m app.cli serve` with cwd SRC,
 so an older checkout measures the old code); OUT a scratch folder (settings home,
 models, logs). `settings` and `connections` serve a tiny random test pair
-(scripts/make_test_pair.py, made in OUT), `prompts` the embedded default model."""
+(tests/make_test_pair.py, made in OUT), `prompts` the embedded default model."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 random DFlash drafter for it: OUT/target and OUT/drafter. Tests and benchmarks
 use it; nothing is downloaded.
 
-    python scripts/make_test_pair.py OUT [--hidden H] [--layers N] [--vocab V]
+    python tests/make_test_pair.py OUT [--hidden H] [--layers N] [--vocab V]
         [--seed S] [--family qwen3|qwen2|llama] [--version 1|2] [--draft-layers N]
         [--block-size B]
 """

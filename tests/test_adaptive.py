@@ -38,6 +38,7 @@ def _cycles(model, tok, prompt, drafter, **kw):
     return ids, cycles, r.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_adaptive_greedy_equals_mlx_lm(pairs, version):
     d = pairs("qwen3", version=version)
@@ -63,6 +64,7 @@ def test_adaptive_greedy_equals_mlx_lm(pairs, version):
     assert max(widths) > 2
 
 
+@pytest.mark.slow
 def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
@@ -171,6 +173,7 @@ def test_fallback_is_reversible_with_backoff():
     assert cycle(True) > 1
 
 
+@pytest.mark.slow
 def test_cost_cache_round_trip(pairs, tmp_path, monkeypatch):
     d = pairs("qwen3", version=2)
     model, _, drafter = load(str(d / "target"), str(d / "drafter"))
@@ -463,6 +466,7 @@ def test_guard_decides_for_a_set_by_its_mean_and_the_batch_cost():
     assert gate.pays(4, {5: 1.0}) and not gate.pays(4, {5: 4.0})
 
 
+@pytest.mark.slow
 def test_default_mode_guard_in_the_loop(pairs):
     """An always-wrong drafter: the default mode (no block size) ends up on plain
     steps and says why; an explicit width, or guard=False, drafts every cycle.
@@ -490,6 +494,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.tau > 4
 
 
+@pytest.mark.slow
 def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     """The default mode measures the widths it chooses among (up to the drafter's
     block size) once, then reads the cache."""

@@ -27,7 +27,7 @@ from app.server import create_app
 from app.server.security import STATS_KEY
 from mlx_dflash.settings.schema import ModelSettings
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.server, pytest.mark.npm]
 
 KEY = "sk-local-agents"
 CLIS = {"claude": ("@anthropic-ai/claude-code", "2.1.197"), "codex": ("@openai/codex", "0.171.0")}
@@ -204,6 +204,7 @@ def _api_calls(seen, path):
     return calls
 
 
+@pytest.mark.slow
 def test_claude_code_tool_round_trip(clis, server, tmp_path):
     app, url = server
     home, work = _work(tmp_path)
@@ -227,6 +228,7 @@ def test_claude_code_tool_round_trip(clis, server, tmp_path):
 SMALL_SYSTEM = "You are a coding agent. To read a file, call the Read tool with its file_path."
 
 
+@pytest.mark.slow
 def test_claude_code_runs_the_embedded_models_own_tool_call(clis, embedded_server, tmp_path):
     """The README's small-model configuration of Claude Code against the embedded
     model with default settings: the model's own call, held to the offered tool and
@@ -288,6 +290,7 @@ def test_codex_exec_tool_round_trip(clis, server, tmp_path):
     assert all(r["status"] < 400 for r in seen)
 
 
+@pytest.mark.slow
 def test_claude_code_interactive_session_in_tmux(clis, server, tmp_path):
     """Claude Code's interactive UI in a tmux pane: a turn with a tool call, then a second turn."""
     tmux = shutil.which("tmux")

@@ -30,6 +30,7 @@ def send(client, content, **kw):
     return client.messages.create(model="script", max_tokens=kw.pop("max_tokens", 200), messages=msgs, **kw)
 
 
+@pytest.mark.slow
 def test_text_message(client):
     m = send(client, "hello", system="Be brief.")
     assert m.type == "message" and m.role == "assistant" and m.stop_reason == "end_turn"
@@ -194,6 +195,7 @@ def test_output_format_is_a_constrained_decode(client):
         send(client, "x", extra_body={"output_format": {"type": "xml"}})
 
 
+@pytest.mark.slow
 def test_fuzz_never_500(srv):
     import random
 

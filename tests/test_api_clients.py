@@ -15,7 +15,7 @@ import pydantic
 import pytest
 from scripted import LocalServer, ScriptCatalog, script_server, tool_call_text, tool_tokenizer
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.server]
 
 KEY = "sk-test"
 FN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -87,6 +87,7 @@ def think_ant(think_srv):
 
 # -- tolerant requests --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_unknown_and_unused_fields_are_accepted(oai, ant, caplog):
     odd = "frobnicate_" + uuid.uuid4().hex[:6]  # a field no API has: named in the debug log
     caplog.set_level(logging.DEBUG, logger="mlx_dflash.server")

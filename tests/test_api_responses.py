@@ -24,6 +24,7 @@ def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
+@pytest.mark.slow
 def test_text_response(client):
     r = client.responses.create(model="script", input="hello", instructions="Be brief.")
     assert r.status == "completed" and r.output_text == "Echo: hello"
@@ -73,6 +74,7 @@ def _events(client, **kw):
     return evs, final
 
 
+@pytest.mark.slow
 def test_stream_events_text_then_call(client):
     evs, final = _events(client, input="RAW:Let me look. " + CALL, tools=TOOLS)
     types = [e.type for e in evs]
@@ -188,6 +190,7 @@ def test_codex_tools_custom_call_round_trip(client):
     assert r4.output_text == "Echo: x" and r4.model_dump()["dflash"]["tools_not_offered"] == ["frobnicator"]
 
 
+@pytest.mark.slow
 def test_fuzz_never_500(srv):
     import random
 

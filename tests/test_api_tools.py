@@ -31,6 +31,7 @@ def ask(client, content, **kw):
     return client.chat.completions.create(model="script", messages=msgs, **kw)
 
 
+@pytest.mark.slow
 def test_tool_round_trip(client):
     user = {"role": "user", "content": "RAW:" + tool_call_text()}
     r = client.chat.completions.create(model="script", messages=[user], tools=TOOLS)
@@ -188,6 +189,7 @@ def test_second_conversation_reuses_system_prompt(srv, client):
 N_FUZZ = 60  # mutated bodies per run (600 passed once when this was written)
 
 
+@pytest.mark.slow
 def test_fuzz_never_500(srv):
     import random
 

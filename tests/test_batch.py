@@ -148,6 +148,7 @@ def run_engine(engine, requests, join_after=3, cancel=None):
     return out, last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("width", [1, 5, 8])
 def test_greedy_rows_equal_each_request_alone(family, width, tok):
@@ -166,6 +167,7 @@ def test_greedy_rows_equal_each_request_alone(family, width, tok):
         assert any(0 < last[i].stats.accepted < last[i].stats.drafted for i in last)
 
 
+@pytest.mark.slow
 def test_real_dflash2_drafter_rows_equal_alone(pairs):
     """A real DFlash 2 drafter through the batched drafter forward (padded
     contexts of different lengths, per-row positions, a bounded context window):
@@ -185,6 +187,7 @@ def test_real_dflash2_drafter_rows_equal_alone(pairs):
     assert alone.token_ids == refs[0]
 
 
+@pytest.mark.slow
 def test_cancelled_row_leaves_the_others_identical(tok):
     model = model_of("gemma3_text")
     refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
@@ -199,6 +202,7 @@ def test_cancelled_row_leaves_the_others_identical(tok):
     assert len(eng) == 0 and eng.cache is None
 
 
+@pytest.mark.slow
 def test_stop_strings_and_limits_act_per_row(pairs):
     d = pairs("qwen3", version=1)
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
@@ -218,6 +222,7 @@ def test_stop_strings_and_limits_act_per_row(pairs):
     assert any(s is not None for s in stops)
 
 
+@pytest.mark.slow
 def test_seeded_sampled_row_does_not_depend_on_the_batch(tok):
     """A sampled row draws from its own PRNG key: the same seed gives the same
     tokens alone or beside other rows (greedy and sampled) of any length."""
@@ -291,6 +296,7 @@ def sampled_rows(model, tok, prompt, block, n, seed, **options):
     return list(got.values()), drafter.tried, accepted
 
 
+@pytest.mark.slow
 def test_sampled_rows_keep_the_target_distribution(pairs):
     """The joint law of 3 tokens, sampled by rows of a batch (a drafted fixed
     block, DFlash 2's sampled selector path not involved) vs plain sampling alone."""
@@ -304,6 +310,7 @@ def test_sampled_rows_keep_the_target_distribution(pairs):
     assert pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
     """With drafts that are always wrong the guard's prediction falls below
     break-even and the batch decodes plainly (one token per row and cycle),
@@ -326,6 +333,7 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
 RECURRENT = ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "lfm2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", RECURRENT)
 @pytest.mark.parametrize("width", [1, 5, 8])
 def test_recurrent_rows_equal_each_request_alone(family, width, tok):
@@ -371,6 +379,7 @@ def test_recurrent_states_after_a_ragged_rollback_equal_each_row_alone(family, w
                                        atol=1e-4), (family, width, b, k, layer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", RECURRENT)
 def test_recurrent_cancelled_row_leaves_the_others_identical(family, tok):
     model = model_of(family)
@@ -425,6 +434,7 @@ def test_requests_that_run_alone_wait_for_an_empty_set(tok):
         eng.submit([], DecodeConfig())
 
 
+@pytest.mark.slow
 def test_guard_drafts_where_drafts_pay(tok):
     """Drafts that are always right: the guard, starting from a prior that
     predicts no gain, probes, learns each row's acceptance and drafts; output unchanged."""
@@ -476,6 +486,7 @@ def test_max_batch_auto_picks_the_largest_size_that_still_pays():
     assert B == 4 and "memory" in why
 
 
+@pytest.mark.slow
 def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(tok, monkeypatch):
     model = model_of("qwen3")
     cal = Calibration()
@@ -487,6 +498,7 @@ def test_max_batch_auto_measures_once_per_model_and_refuses_what_cannot_batch(to
     assert B == 1 and "batch" in why and "\n" not in why
 
 
+@pytest.mark.slow
 def test_new_prompts_prefilled_together_equal_each_alone(tok):
     """With prefill_together, requests that arrive at once are prefilled in one
     left-padded batched forward: each row's first token, its whole stream and the target features

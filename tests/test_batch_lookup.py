@@ -61,6 +61,7 @@ def lookup_totals(last):
     return sum(r.stats.lookup_cycles for r in last.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("width", [1, 5, 8])
 def test_lookup_rows_equal_each_request_alone(family, width, tok):
@@ -81,6 +82,7 @@ def test_lookup_rows_equal_each_request_alone(family, width, tok):
             assert (r.stats.lookup_cycles > 0) == ("lookup:" in r.stats.policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "nemotron_h"])
 def test_lookup_rows_cancelled_and_off_leave_the_others_identical(family, tok):
     """A row cancelled mid-way, a row with lookup off and one with verify mode
@@ -120,6 +122,7 @@ def test_lookup_index_is_kept_with_the_prompt_cache(tok):
     assert out[uids[0]] == ref2 and pc.index.tokens[: len(p2) + len(ref2)] == p2 + ref2
 
 
+@pytest.mark.slow
 def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok):
     """Drafts always wrong: the guard stops drafting from the drafter, yet the
     rows whose context repeats still verify lookup drafts, in cycles with no
@@ -172,6 +175,7 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
     assert taken.count(True) == 1 and taken[-1]
 
 
+@pytest.mark.slow
 def test_sampled_lookup_rows_keep_the_target_distribution(tok):
     """The joint law of 3 tokens sampled by unseeded rows whose drafts come from
     prompt lookup (one-hot proposals, the lossless rule) vs plain sampling alone."""

@@ -48,6 +48,7 @@ def run_rows(eng, first, later, steps_before=2):
     return out, last, uids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("width", [1, 5, 8])
 def test_rows_from_cached_prefixes_equal_each_request_alone(family, width, tok):

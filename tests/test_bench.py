@@ -24,6 +24,7 @@ def _prompts(tmp_path):
     return f
 
 
+@pytest.mark.slow
 def test_quick_json(pairs, tmp_path, capsys):
     d2, d1 = pairs("qwen3", version=2), pairs("qwen3", version=1)
     ar = pairs("qwen3", version=1, hidden=32, layers=1, seed=1)  # a smaller model, same tokenizer
@@ -172,6 +173,7 @@ def _named_pair(pairs, tmp_path):
     return root
 
 
+@pytest.mark.slow
 def test_model_without_drafter_uses_its_resolved_drafter(pairs, tmp_path, capsys, monkeypatch):
     root = _named_pair(pairs, tmp_path)
     monkeypatch.setenv("MLX_DFLASH_MODELS_DIR", str(root))
@@ -186,6 +188,7 @@ def test_model_without_drafter_uses_its_resolved_drafter(pairs, tmp_path, capsys
     assert row["mismatches"] == 0 and row["tau"] >= 1.0
 
 
+@pytest.mark.slow
 def test_model_without_any_drafter_says_so(pairs, tmp_path, capsys, monkeypatch):
     d = pairs("qwen3", version=2)
     monkeypatch.setenv("MLX_DFLASH_MODELS_DIR", str(tmp_path / "empty"))
@@ -236,6 +239,7 @@ def test_alpha_replays_the_published_mean():
     assert alpha_for(1.0) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_realistic_tiny(tmp_path, capsys, monkeypatch):
     """The realistic mode end to end on a tiny target: every row lossless against
     mlx-lm, the replayed accept lengths reach the loop, the cost model's columns hold."""
@@ -269,6 +273,7 @@ def test_realistic_tiny(tmp_path, capsys, monkeypatch):
         assert f"plain 1-token step {t['step_threads']['ms'][t['step_threads']['fastest']]:.1f} ms" in md
 
 
+@pytest.mark.slow
 def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
     """A name `models list` prints, as `generate --model` takes it: its saved or
     best compatible drafter (the embedded pair's DFlash 2)."""
@@ -288,6 +293,7 @@ def test_embedded_name_without_drafter_uses_the_pair(tmp_path, capsys):
 
 # -- issue 23: the realistic regime at long context ---------------------------------------------
 
+@pytest.mark.slow
 def test_realistic_long_context_tiny(tmp_path, capsys, monkeypatch):
     """`bench --realistic --contexts` end to end on a tiny dense and a tiny hybrid
     target: per length, every row lossless against mlx-lm decoding from the same

@@ -1,19 +1,19 @@
-"""The realistic-regime concurrency bench (scripts/bench_batch_realistic.py,
+"""The realistic-regime concurrency bench (`mlx-dflash bench --realistic --batch`,
 issue 24): the batch engine with replayed acceptance keeps every row exact,
 each row's drafts follow its own continuation (accepted in ragged counts, the
 real batched drafter forward run), and the bench end to end on a tiny target."""
 
 import json
 import random
-import sys
 
 import pytest
 
-import bench_batch_realistic as bbr
+from app.bench import batch_realistic as bbr
 from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
 from mlx_dflash.policy.guard import FixedWidth
+from tiers import fast_first
 
 TINY = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -28,7 +28,7 @@ def tiny():
     del br.TARGETS["tiny-batch"]
 
 
-@pytest.mark.parametrize("width", [5, 16])
+@pytest.mark.parametrize("width", fast_first([5, 16]))
 def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     model, drafter, tok = tiny
     vocab, block = drafter.config.vocab_size, drafter.block_size
@@ -67,13 +67,15 @@ def test_replayed_rows_equal_plain_and_accept_their_own_drafts(tiny, width):
     assert sum(acc) <= sum(min(n, width - 1) for n in lengths)
 
 
-def test_bench_batch_realistic_tiny(tmp_path, monkeypatch, tiny):
-    out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["bench_batch_realistic.py", "--target", "tiny-batch", "--draft-layers", "1",
-                                      "--streams", "1", "3", "--max-tokens", "20", "--reps", "1", "--prompt-len", "16",
-                                      "--fixed-widths", "8", "--out", str(out)])
-    bbr.main()
-    res = json.loads(out.read_text())
+@pytest.mark.slow
+def test_bench_batch_realistic_tiny(tmp_path, tiny):
+    from app.cli import main
+
+    out = tmp_path / "r"
+    assert main(["bench", "--realistic", "--batch", "--targets", "tiny-batch", "--draft-layers", "1", "--streams", "1,3",
+                 "--max-tokens", "20", "--reps", "1", "--prompt-len", "16", "--batch-widths", "8",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
     rows = {(r["system"], r["streams"]): r for r in res["rows"]}
     assert set(rows) == {(s, n) for s in ("dflash-serial", "dflash-batched", "dflash-batched-w8", "plain-batched")
                          for n in (1, 3)}

@@ -6,6 +6,8 @@ import asyncio
 import json
 import threading
 
+import pytest
+
 from chat_pilot import SIZE, drive, make_app, press_for, press_until, ready, say, start, status_text, until
 
 from app.chat import DRAFT_STYLE, TARGET_STYLE, AnswerBubble, ChatApp, SettingsScreen, UserBubble, build_prompt
@@ -26,6 +28,7 @@ async def clear(pilot):
     await pilot.press("y")
 
 
+@pytest.mark.slow
 def test_send_streams_the_answer_and_saves_it(chat_backend, tmp_path):
     chat_backend.store.set_model("target", max_tokens=20)
 
@@ -58,6 +61,7 @@ def test_send_streams_the_answer_and_saves_it(chat_backend, tmp_path):
     assert saved["messages"][1]["content"] == ref.text
 
 
+@pytest.mark.slow
 def test_escape_stops_generation_at_once(chat_backend, tmp_path):
     chat_backend.store.set_model("target", max_tokens=4000)
 
@@ -91,6 +95,7 @@ def test_escape_stops_generation_at_once(chat_backend, tmp_path):
     assert saved["model"] == "target"
 
 
+@pytest.mark.slow
 def test_history_reopens_after_restart_and_skips_corrupt_files(chat_backend, tmp_path):
     chat_backend.store.set_model("target", max_tokens=6)
     chats = tmp_path / "chats"
@@ -139,6 +144,7 @@ def test_history_reopens_after_restart_and_skips_corrupt_files(chat_backend, tmp
     drive(chat_backend, tmp_path, second)
 
 
+@pytest.mark.slow
 def test_regenerate_copy_and_token_colours(chat_backend, tmp_path):
     # a width other than the default: the engine's guard (which may choose plain
     # decoding where drafting cannot pay) stays off, so drafts are always verified
@@ -204,6 +210,7 @@ def test_unknown_model_is_one_line_error(chat_backend, capsys):
     assert len(err.splitlines()) == 1 and "unknown model 'no-such-model'" in err
 
 
+@pytest.mark.slow
 def test_load_error_shows_in_status(chat_backend, tmp_path):
     async def go():
         app = ChatApp("no-such-model", backend=chat_backend, history=HistoryStore(tmp_path / "chats"))
@@ -253,6 +260,7 @@ def test_chat_takes_any_listed_spelling(chat_backend):
     assert chat_backend.resolve("someorg/target").id == "target"
 
 
+@pytest.mark.slow
 def test_low_acceptance_warns_once_in_the_chat(chat_backend, tmp_path):
     """The random pair fits by shape and accepts almost nothing: one warning."""
     chat_backend.store.set_model("target", max_tokens=60, block_size=4)  # fixed width: the guard would go plain and draft nothing
@@ -283,6 +291,7 @@ def snapshot(chat_backend, tmp_path, snap_compare, steps):
     return snap_compare(make_app(chat_backend, tmp_path, mask_timings=True), terminal_size=SIZE, run_before=before)
 
 
+@pytest.mark.slow
 def test_snapshot_chat_screen(chat_backend, tmp_path, snap_compare):
     # a saved chat with a Markdown answer (reopened at start), then a live answer
     md = "Here it is:\n\n```python\ndef hello(name):\n    return f\"hi {name}\"\n```\n\nRun it with **Python 3**."
@@ -297,6 +306,7 @@ def test_snapshot_chat_screen(chat_backend, tmp_path, snap_compare):
     assert snapshot(chat_backend, tmp_path, snap_compare, steps)
 
 
+@pytest.mark.slow
 def test_snapshot_settings_panel(chat_backend, tmp_path, snap_compare):
     async def steps(pilot):
         screen = lambda: pilot.app.screen  # noqa: E731
@@ -309,6 +319,7 @@ def test_snapshot_settings_panel(chat_backend, tmp_path, snap_compare):
     assert snapshot(chat_backend, tmp_path, snap_compare, steps)
 
 
+@pytest.mark.slow
 def test_snapshot_model_switcher(chat_backend, tmp_path, snap_compare):
     async def steps(pilot):
         screen = lambda: pilot.app.screen  # noqa: E731
@@ -318,6 +329,7 @@ def test_snapshot_model_switcher(chat_backend, tmp_path, snap_compare):
     assert snapshot(chat_backend, tmp_path, snap_compare, steps)
 
 
+@pytest.mark.slow
 def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_path):
     """A long prompt shows its prefill progress; Esc mid-prefill stops after the
     chunk in flight, the prompt cache keeps the chunks done (consistent), and the

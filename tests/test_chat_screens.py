@@ -22,6 +22,7 @@ async def save_settings(pilot):
     await press_to_close(pilot, "ctrl+s", SettingsScreen)
 
 
+@pytest.mark.slow
 def test_settings_panel_validates_saves_and_applies(chat_backend, tmp_path):
     async def body(app, pilot):
         await open_settings(pilot)
@@ -72,6 +73,7 @@ def test_settings_panel_validates_saves_and_applies(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_enabling_dflash_loads_the_drafter(chat_backend, tmp_path):
     chat_backend.store.set_model("target", dflash_enabled=False, max_tokens=5)
 
@@ -104,6 +106,7 @@ def test_model_switcher_lists_targets_only(chat_backend, tmp_path):
 # -- 80x24: fits, help, asks before erasing, the chat list -----------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_status_is_one_line_that_fits_and_toasts_leave_it_alone(chat_backend, tmp_path, size):
     chat_backend.store.set_model("target", max_tokens=8)
@@ -138,6 +141,7 @@ def test_status_is_one_line_that_fits_and_toasts_leave_it_alone(chat_backend, tm
     drive(chat_backend, tmp_path, body, size=size, notifications=True)
 
 
+@pytest.mark.slow
 def test_question_mark_opens_help_with_the_policy_when_the_box_is_empty(chat_backend, tmp_path):
     chat_backend.store.set_model("target", max_tokens=6)
 
@@ -162,6 +166,7 @@ def test_question_mark_opens_help_with_the_policy_when_the_box_is_empty(chat_bac
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_settings_panel_is_usable_at_80x24(chat_backend, tmp_path):
     async def body(app, pilot):
         from app.chat.settings_panel import SETTINGS_FIELDS
@@ -198,6 +203,7 @@ def test_settings_panel_is_usable_at_80x24(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_help_screen_explains_keys_and_numbers(chat_backend, tmp_path):
     async def body(app, pilot):
         from app.chat.screens import KEYS, TERMS
@@ -226,6 +232,7 @@ def test_help_screen_explains_keys_and_numbers(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_clear_asks_first(chat_backend, tmp_path):
     chat_backend.store.set_model("target", max_tokens=4)
 
@@ -248,6 +255,7 @@ def test_clear_asks_first(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_chat_list_deletes_and_renames(chat_backend, tmp_path):
     chats = tmp_path / "chats"
     a = Chat(title="first", messages=[ChatMessage("user", "a")])
@@ -281,6 +289,7 @@ def test_chat_list_deletes_and_renames(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body, reopen_last=False)
 
 
+@pytest.mark.slow
 def test_an_answer_is_drawn_the_same_streamed_and_reopened():
     """A streamed answer (appended in pieces as the engine posts them) ends drawn
     exactly as the same text drawn at once when a saved chat is reopened: `#### 5`

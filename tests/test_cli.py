@@ -31,6 +31,7 @@ def main(*argv):
     return _main(list(argv))
 
 
+@pytest.mark.slow
 def test_generate_json_matches_python_api(pairs):
     from mlx_dflash import generate
     from mlx_dflash import load
@@ -55,6 +56,7 @@ def test_generate_json_matches_python_api(pairs):
     assert raw["stats"]["prompt_tokens"] < out["stats"]["prompt_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "model folder /nonexistent/model does not exist"),
     (["generate", "--prompt", "x", "--verify-mode", "fast"], "unknown verify mode"),
@@ -79,6 +81,7 @@ def test_bad_flag_is_argparse_usage_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_inspect_json(pairs):
     d = pairs("qwen3", version=2)
     out = json.loads(cli("inspect", str(d / "drafter"), "--json").stdout)
@@ -87,6 +90,7 @@ def test_inspect_json(pairs):
     assert p["total"] == p["layers"] + p["fc"] + p["conv"] + p["selector"] and p["conv"] > 0 and p["selector"] > 0
 
 
+@pytest.mark.slow
 def test_doctor_json():
     r = cli("doctor", "--json")
     assert r.returncode == 0, r.stderr
@@ -124,6 +128,7 @@ def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
     assert out["stats"]["generation_tokens"] == 6 and out["stats"]["mode"] == "off" and out["drafter"] is None
 
 
+@pytest.mark.slow
 def test_generate_dtype_flag_and_setting(listed, capsys):
     from mlx_dflash.models.settings_checks import settings_store
 
@@ -137,6 +142,7 @@ def test_generate_dtype_flag_and_setting(listed, capsys):
     assert "--dtype: unknown dtype 'f8'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_embedded_name(capsys):
     assert main("generate", "--model", "embedded/target", "--drafter", "embedded/dflash2", "--prompt", "hi",
                 "--max-tokens", "3", "--json") == 0
@@ -176,6 +182,7 @@ def test_generate_refuses_bad_values_in_one_line(listed, capsys, args, msg):
     assert cap.err.count("\n") == 1 and msg in cap.err and cap.out == "", cap.err
 
 
+@pytest.mark.slow
 def test_generate_reads_the_prompt_from_stdin(listed, capsys):
     assert main("generate", "--model", "target", "--prompt", "hello there", "--max-tokens", "5", "--json") == 0
     ref = json.loads(capsys.readouterr().out)
@@ -185,6 +192,7 @@ def test_generate_reads_the_prompt_from_stdin(listed, capsys):
     assert json.loads(got.stdout)["token_ids"] == ref["token_ids"] and ref["stats"]["prompt_tokens"] > 3
 
 
+@pytest.mark.slow
 def test_generate_into_a_closed_pipe_ends_quietly(listed):
     cmd = (f"'{sys.executable}' -m app.cli generate --model target --verify-mode off --max-tokens 400 "
            "--prompt hi | head -c 1 >/dev/null; echo rc=${PIPESTATUS[0]}")
@@ -193,6 +201,7 @@ def test_generate_into_a_closed_pipe_ends_quietly(listed):
     assert "rc=0" in r.stdout and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_drafter_that_accepts_nothing_warns_once(listed, capsys):
     """The random pair fits by shape but its drafts are almost never accepted.
     (A fixed width: the default guard may find drafting cannot pay on this
@@ -254,6 +263,7 @@ def test_every_shipped_folder_is_a_listed_package():
                 assert sub.resolve() in listed, f"{sub.relative_to(ROOT)} ships files but is not in packages"
 
 
+@pytest.mark.slow
 def test_inspect_refuses_truncated_weights_and_takes_listed_names(pairs, tmp_path):
     """`inspect` names a truncated .safetensors in one line (it said all was fine), and
     accepts the names `models list` prints (embedded/dflash2), not only folders."""

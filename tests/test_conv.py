@@ -95,6 +95,7 @@ def test_ops_matches_naive_loop(B, L, H, G, bs, side):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,L,H,G,bs", SHAPES)
 @pytest.mark.parametrize("side", [0, 1])
 def test_kernel_body_as_c_matches_ops(c_kernels, B, L, H, G, bs, side):

@@ -40,6 +40,7 @@ class Alternate(Policy):
         return "alternate"
 
 
+@pytest.mark.slow
 def test_a_new_verify_mode_is_one_class_and_one_registry_line(pairs, monkeypatch):
     d = pairs("qwen3", version=1)
     model, tok, _ = load(str(d / "target"))
@@ -79,6 +80,7 @@ def test_last_cycle_drafts_the_published_width(pairs):
     assert widths == [8, 4] and r.stats.cycles == 2 and r.stats.accepted == 7 + 3
 
 
+@pytest.mark.slow
 def test_two_sessions_on_one_model_in_two_threads(pairs):
     """Decoders on the same loaded target and drafter in two threads give what
     each gives alone (the captures and rollback records are per forward)."""
@@ -145,6 +147,7 @@ def test_logits_processors_and_logprobs_run_in_the_session(pairs):
         assert mx.allclose(r.logprobs, lp, atol=1e-5).item()
 
 
+@pytest.mark.slow
 def test_a_long_prompt_is_priced_at_its_length(pairs, monkeypatch):
     """No fallback by length: a prompt past LONG_FROM tokens in the default mode
     measures (once) a second cost curve at the first length that covers it, and

@@ -25,6 +25,8 @@ RANKS = HERE / "dist_ranks.py"
 LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
 LOST_BOUND_S = 60  # a lost rank is reported well within this (the ring backend gives up after its retries)
 RUN_LIMIT_S = 800  # below pytest's own timeout, so a hang ends here with the ranks' output
+# every test launches ranks (18-120 s each here): none fits the fast tier
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def launch(cmd, env=None):

@@ -20,6 +20,7 @@ def tiny_probes(monkeypatch):
     monkeypatch.setitem(doctor.PROBES, "large", ("tiny-large", {**shape, "num_hidden_layers": 3}, 3))
 
 
+@pytest.mark.slow
 def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
     rc = main(["doctor", "--json", "--context", "32", "--kernel-ab", "--contexts", "700"])
     cap = capsys.readouterr()
@@ -103,6 +104,7 @@ def test_warns_on_impossible_figures_and_a_busy_machine():
     assert len(w) == 1 and "noisy" in w[0]
 
 
+@pytest.mark.slow
 def test_recalibrate_measures_again(tmp_path, monkeypatch, capsys):
     if not fastblas.STATE["shim"]:
         pytest.skip("no BLAS shim on this platform")

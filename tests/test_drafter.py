@@ -26,6 +26,7 @@ def _v2_from_v1(d1: Drafter) -> Drafter:
     return d2
 
 
+@pytest.mark.slow
 def test_identity_initialised_dflash2_equals_dflash1(pairs):
     d = pairs("qwen3", version=1, layers=4)
     model, tok, d1 = load(str(d / "target"), str(d / "drafter"))
@@ -46,6 +47,7 @@ def test_identity_initialised_dflash2_equals_dflash1(pairs):
             assert r1.stats.accepted == r2.stats.accepted
 
 
+@pytest.mark.slow
 def test_dflash2_greedy_equals_mlx_lm(pairs):
     d = pairs("qwen3", version=2)
     model, tok, d2 = load(str(d / "target"), str(d / "drafter"))
@@ -59,6 +61,7 @@ def test_dflash2_greedy_equals_mlx_lm(pairs):
             assert generate(model, tok, prompt, d2, max_tokens=20, block_size=w).token_ids == ref
 
 
+@pytest.mark.slow
 def test_dflash2_sampling_uses_selector_q(pairs):
     d = pairs("qwen3", version=2)
     model, tok, d2 = load(str(d / "target"), str(d / "drafter"))
@@ -67,6 +70,7 @@ def test_dflash2_sampling_uses_selector_q(pairs):
     assert len(r.token_ids) == 16 and r.stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_v1_v2(pairs, tmp_path):
     for version in (1, 2):
         d = pairs("qwen3", version=version)
@@ -89,6 +93,7 @@ def test_checkpoint_round_trip_v1_v2(pairs, tmp_path):
     assert not any("embed" in k or "lm_head" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_codebook_selector_checkpoint_loads(pairs, tmp_path):
     """The published selector layout is recognised from the weight keys alone (no
     config flag), and saving a factorised drafter writes that layout by default."""
@@ -214,6 +219,7 @@ def test_loader_errors_are_one_line(pairs, tmp_path):
         load(str(d / "drafter"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_target_adapter_logits_and_features(pairs, family):
     d = pairs(family, version=1)

@@ -60,6 +60,7 @@ def _measured(monkeypatch, ckpt_ms, f32_ms):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("faster", ["float32", "bfloat16"])
 def test_auto_takes_the_faster_measured_once_and_stays_lossless(bf16_world, no_env, monkeypatch, faster):
     """The embedded target is a bfloat16 checkpoint. Which dtype is faster is made

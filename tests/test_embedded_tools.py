@@ -10,7 +10,7 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-import train_target_tools as TT
+from tools.embedded import target_tools as TT
 from mlx_dflash.models.discovery import models_dir
 
 TARGET = models_dir() / "target"

@@ -1,5 +1,5 @@
 """Every supported mlx-lm family, exactly: tiny random-weight models built from
-mlx-lm's own ModelArgs (scripts/tiny_families.py). Per family:
+mlx-lm's own ModelArgs (tests/tiny_families.py). Per family:
 1. the adapter's logits are `model(inputs, cache=cache)`'s, prefill and decode;
 2. DFlash greedy == mlx_lm.stream_generate over prompts and widths (every
    sliding window wraps: windows of 6, prompts + outputs of 30+ tokens);
@@ -15,6 +15,7 @@ from tiny_families import FAMILIES, build
 
 from mlx_dflash import generate
 from mlx_dflash.target.adapter import Target
+from tiers import fast_first
 
 QUANT = {"qwen3:q4": dict(bits=4, group_size=64), "qwen3_next:q4": dict(bits=4, group_size=32)}
 ALL = list(FAMILIES) + list(QUANT)
@@ -39,7 +40,7 @@ MORE_QUANT = {"gpt_oss:q8": dict(bits=8, group_size=32), "lfm2:mixed": dict(bits
 QUANT_ALL = dict(QUANT, **MORE_QUANT)
 
 
-@pytest.mark.parametrize("family", ALL + list(MORE_QUANT))
+@pytest.mark.parametrize("family", fast_first(ALL + list(MORE_QUANT)))
 def test_logits_are_the_models_own(family):
     model = model_of(family)
     t = Target(model)
@@ -56,6 +57,7 @@ def test_logits_are_the_models_own(family):
         assert feats.shape == (1, len(s), 2 * t.hidden_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL + list(MORE_QUANT))
 def test_greedy_equals_mlx_lm(family, tok):
     model = model_of(family)
@@ -94,6 +96,7 @@ def _expected(log, width, max_tokens):
     return acc, tokens, cycles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL)
 def test_partial_acceptance_reaches_exact_tau(family, tok):
     model = model_of(family)
@@ -111,6 +114,7 @@ def test_partial_acceptance_reaches_exact_tau(family, tok):
             assert any(0 < k < w - 1 for _, k in o.log)  # partial acceptance happened
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
 def test_real_random_drafter_is_lossless(family, tok, tmp_path):
     """A real (random) DFlash drafter on a recurrent and a sliding-window target."""
@@ -142,6 +146,7 @@ def _write_checkpoint(out, family, model, dtype):
     (out / "config.json").write_text(json.dumps(dict(config(family), eos_token_id=2, torch_dtype="bfloat16")))
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_stays_bf16_and_equals_mlx_lm_generate(tmp_path, monkeypatch):
     import mlx_lm
 

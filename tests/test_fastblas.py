@@ -188,6 +188,7 @@ _IMPORT = ("import mlx_dflash, mlx.core as mx\n"
            "print(fastblas.STATE['threads'], float(x[0, 0]))\n")
 
 
+@pytest.mark.slow
 def test_concurrent_first_starts_do_not_race(tmp_path):
     """Six processes prepare the fast BLAS at once with an empty shim folder: one
     builds and measures under the file lock, the others wait and load the same

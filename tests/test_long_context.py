@@ -19,6 +19,7 @@ from mlx_dflash.drafting.drafter_config import DrafterConfig
 from mlx_dflash.cache.prompt_cache import PromptCache, common_prefix
 from mlx_dflash.cache.prompt_store import cache_bytes
 from mlx_dflash.target.adapter import Target
+from tiers import fast_first
 
 H = 64
 _models = {}
@@ -157,6 +158,7 @@ def _pair(tmp_path, family="qwen3", version=1, **over):
 LONG = {"qwen3": 1, "qwen3_next": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_bits", [None, 4])
 @pytest.mark.parametrize("family", list(LONG))
 def test_greedy_lossless_at_8k_with_the_window_wrapped(tmp_path, family, kv_bits):
@@ -195,6 +197,7 @@ def test_greedy_lossless_at_8k_with_the_window_wrapped(tmp_path, family, kv_bits
 
 
 # -- quantized KV cache --------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
 def test_quantized_kv_is_mlx_lms_kv_bits(tmp_path, family):
     """kv_bits 4 and 8 quantize as mlx-lm's generate_step does, at prompt lengths
@@ -218,6 +221,7 @@ def test_quantized_kv_is_mlx_lms_kv_bits(tmp_path, family):
     assert checked == 16 and differs  # the quantization changes the output: a real check
 
 
+@pytest.mark.slow
 def test_quantized_kv_prompt_cache_continued_across_calls(tmp_path):
     """A chat-like sequence of calls on one prompt cache, quantized mid-way: each
     call equals mlx-lm's generate_step continuing its own cache trimmed the same way."""
@@ -275,6 +279,7 @@ class Cancel(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_prefill_reports_progress_and_keeps_the_first_logits(tmp_path):
     model, d = model_of("qwen3"), _pair(tmp_path)
     ids = ids_of(100, seed=40)
@@ -284,7 +289,7 @@ def test_prefill_reports_progress_and_keeps_the_first_logits(tmp_path):
     assert got == mlx_lm_tokens(model, ids, 12, prefill_step_size=32)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("family", fast_first(["qwen3", "qwen3_next"]))
 def test_cancelled_prefill_leaves_the_prompt_cache_consistent(tmp_path, family):
     """A progress callback that raises stops the call after that chunk: the
     prompt cache holds the chunks done (target rows, drafter features pending),
@@ -318,6 +323,7 @@ def test_cancelled_prefill_leaves_the_prompt_cache_consistent(tmp_path, family):
     assert t.can_trim(pc.target)
 
 
+@pytest.mark.slow
 def test_generate_shows_prefill_progress_for_long_prompts(pairs, tmp_path):
     import os
     import re
@@ -341,7 +347,8 @@ def test_generate_shows_prefill_progress_for_long_prompts(pairs, tmp_path):
     assert "prefill" not in gen("hello there").stderr  # a short prompt: no progress line
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_next"])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", fast_first(["qwen3", "gemma3_text", "qwen3_next"]))
 def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatch):
     """The guard's long-context curves are timed over `context` cached rows, most
     of them random K/V rows (a step's cost depends on shapes, not values): the

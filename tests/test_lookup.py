@@ -72,6 +72,7 @@ def _check(model, tok, drafter_for, widths=WIDTHS, **kw):
     return looked, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_lookup_without_drafter_equals_mlx_lm(pairs, family):
     model, tok, _ = load(str(pairs(family, version=1) / "target"))
@@ -79,6 +80,7 @@ def test_lookup_without_drafter_equals_mlx_lm(pairs, family):
     assert looked > 0 and accepted > 0  # lookup really drafted, and some drafts were right
 
 
+@pytest.mark.slow
 def test_lookup_with_drafter_equals_mlx_lm(pairs):
     """Lookup where it has a full-width match, the drafter elsewhere: a real
     DFlash 2 drafter, and a partly right oracle (every rollback path runs)."""
@@ -92,6 +94,7 @@ def test_lookup_with_drafter_equals_mlx_lm(pairs):
     assert looked > 0 and accepted > 0
 
 
+@pytest.mark.slow
 def test_lookup_sampling_is_seeded_and_exact_at_tiny_temperature(pairs):
     """Sampling goes through the same lossless rule (test_sampling checks its law);
     here: a temperature that is greedy in effect gives the greedy tokens, and a
@@ -165,6 +168,7 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     assert cheap.decide([row]).sources == (LOOKUP,)  # cheap verifies: pays at the prior
 
 
+@pytest.mark.slow
 def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
     """The default mode (guard) with a drafter that never pays (plain steps) and
     one that mostly does: lookup cycles happen in both, the drafter's context

@@ -5,6 +5,7 @@ import pytest
 from drafters import OracleDrafter, reference_tokens
 from mlx_dflash import generate
 from mlx_dflash import load, stream_generate
+from tiers import fast_first
 
 PROMPTS = [
     "def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
@@ -36,6 +37,7 @@ def walk_away(model, tok, prompt, drafter, prompt_cache, max_tokens, after):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
     model, tok, drafter = load_pair(pairs, family)
@@ -53,6 +55,7 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
     assert checked == len(PROMPTS) * len(WIDTHS)
 
 
+@pytest.mark.slow
 def test_greedy_equals_mlx_lm_with_dflash2_and_the_default_mode(pairs):
     """DFlash 2: the selector walks its lattice on the device and the drafts go
     to the verify as a lazy array; fixed widths, and the default (guarded) mode."""
@@ -70,6 +73,7 @@ def test_greedy_equals_mlx_lm_with_dflash2_and_the_default_mode(pairs):
     assert drafted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_equals_mlx_lm_with_partly_right_drafts(pairs, family):
     """A noisy oracle makes cycles accept 0..w-1 drafts: every trim/rollback path runs."""
@@ -155,6 +159,7 @@ def test_stop_string_across_block_boundary(pairs):
     assert straddled > 0, "no stop string straddled a block in this run"
 
 
+@pytest.mark.slow
 def test_verify_mode_off_is_plain_decoding(pairs):
     model, tok, drafter = load_pair(pairs)
     for prompt in PROMPTS[:5]:
@@ -181,6 +186,7 @@ def test_untrimmable_cache_falls_back(pairs, capsys):
     assert len(err) == 1 and "plain decoding" in err[0]
 
 
+@pytest.mark.slow
 def test_prompt_cache_reuse_is_lossless(pairs):
     from mlx_dflash.cache.prompt_cache import PromptCache
 
@@ -224,7 +230,8 @@ def test_plain_path_keeps_the_prompt_cache_consistent(pairs):
         conv = conv + text + PROMPTS[turn + 1]
 
 
-@pytest.mark.parametrize("how", ["fixed", "plain-runs", "walk-away"])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", fast_first(["fixed", "plain-runs", "walk-away"]))
 def test_prompt_cache_keeps_the_drafter_context_whole(pairs, how, tmp_path, monkeypatch):
     """Rows fed since the drafter's last draft (accepted rows, the guard's plain
     runs) stay with the cache as pending features: the next turn reuses every

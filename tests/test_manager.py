@@ -18,6 +18,7 @@ from mlx_dflash.models.discovery import list_targets, weights_problem
 from mlx_dflash.settings.schema import ModelSettings, SettingsError
 
 
+@pytest.mark.slow
 def test_discovery(world):
     es = by_id(world["store"])
     assert {i: (e.kind, e.source) for i, e in es.items()} == {
@@ -91,6 +92,7 @@ def test_resolve(world, tmp_path):
         resolve("embedded/target", store)
 
 
+@pytest.mark.slow
 def test_one_name_everywhere(world, tmp_path):
     """A listed id in any case, the hub cache's folder name, ORG/NAME for a folder
     listed as NAME and the reverse, a path: the same model for resolve,
@@ -238,6 +240,7 @@ def _cli(*argv):
     return main(list(argv))
 
 
+@pytest.mark.slow
 def test_models_cli(world, capsys):
     store = world["store"]
     assert _cli("models", "list", "--json") == 0

@@ -21,6 +21,7 @@ def _greedy(lm, prompt, **kw):
     return generate(lm.model, lm.tokenizer, prompt, lm.drafter, **args)
 
 
+@pytest.mark.slow
 def test_load_model_picks_drafter_and_stays_lossless(world):
     store = world["store"]
     lm = load_model(None, store)
@@ -70,6 +71,7 @@ def _cos(a, b):
     return (a @ b / (mx.linalg.norm(a) * mx.linalg.norm(b))).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
 def test_quantized_drafter(world, bits, group):
     store = world["store"]
@@ -100,6 +102,7 @@ def test_activation_dtype_guard_rule():
     assert (dt, why is None) == (mx.float16, not cpu)
 
 
+@pytest.mark.slow
 def test_activation_dtype_guard_keeps_drafts_alive(world):
     """Target features beyond float16's range (bf16 targets produce them) turn a
     float16 drafter's output into inf/NaN: no draft is ever accepted. The guard
@@ -139,6 +142,7 @@ def test_compute_dtype_setting(world, monkeypatch):
         store.set_model("flat-target", dtype="f8")
 
 
+@pytest.mark.slow
 def test_activation_dtype_is_applied(world):
     store = world["store"]
     store.set_model("embedded/target", **{"drafter.activation_dtype": "bfloat16"})

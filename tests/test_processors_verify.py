@@ -85,6 +85,7 @@ def run(model, tok, ids, drafter, kind, **kw):
                     **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_dflash_with_processors_equals_plain_and_mlx_lm(pairs, kind):
     """DFlash 1 and DFlash 2 drafters and an oracle right for most drafts (so
@@ -112,6 +113,7 @@ def test_dflash_with_processors_equals_plain_and_mlx_lm(pairs, kind):
     assert 0 < acc[0] < acc[1]  # drafts accepted (rows past the anchor used) and rejected (rollbacks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_lookup_drafts_with_processors_equal_plain(pairs, kind):
     """Verify mode lookup without a drafter: prompt-lookup cycles and plain
@@ -129,6 +131,7 @@ def test_lookup_drafts_with_processors_equal_plain(pairs, kind):
     assert drafted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_hybrid_families_with_processors_equal_mlx_lm(family, tok):
     """Recurrent layers (gated delta, Mamba2): their rollback and the processors' together."""
@@ -175,6 +178,7 @@ def test_constrained_rolls_back_and_never_errs(pairs):
     assert mask(c, good) == fresh[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["fixed", "dflash2"])
 def test_sampled_dflash_with_processors_keeps_the_distribution(pairs, drafter):
     """The joint law of 3 tokens sampled by DFlash with a logit_bias that moves
@@ -202,6 +206,7 @@ def test_sampled_dflash_with_processors_keeps_the_distribution(pairs, drafter):
     assert pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_batch_rows_with_processors_equal_each_alone(pairs):
     """Rows with processors beside rows without, joining a running batch and
     leaving at different cycles, at widths 1, 4 and 8 (oracle drafts right for a
@@ -237,6 +242,7 @@ def test_batch_rows_with_processors_equal_each_alone(pairs):
         assert last[i].stats.mode == "dflash" and last[i].stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_batch_sampled_rows_with_processors_keep_the_distribution(pairs):
     """The joint law of 3 tokens sampled by batch rows with a logit_bias that
     moves the mass off the likeliest tokens, drafts on the biased greedy path,
@@ -254,6 +260,7 @@ def test_batch_sampled_rows_with_processors_keep_the_distribution(pairs):
     assert pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_batch_lookup_rows_with_processors_equal_each_alone(tok):
     """Rows whose context repeats verify prompt-lookup drafts (the others the
     oracle's), with and without processors: each row is mlx-lm's output with its

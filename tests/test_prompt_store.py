@@ -47,6 +47,7 @@ def cold(pair, ids):
     return generate(model, tok, ids, drafter, max_tokens=N, block_size=W)
 
 
+@pytest.mark.slow
 def test_second_conversation_reuses_the_system_prompt(pair):
     tok = pair[1]
     store = PromptStore(1 << 30)
@@ -61,6 +62,7 @@ def test_second_conversation_reuses_the_system_prompt(pair):
     assert second.stats.mode == "dflash"
 
 
+@pytest.mark.slow
 def test_branches_and_continuations_match_cold_runs(pair):
     tok = pair[1]
     store = PromptStore(1 << 30)
@@ -96,6 +98,7 @@ def test_entries_are_independent_copies(pair):
     assert run(store, pair, a).token_ids == cold(pair, a).token_ids
 
 
+@pytest.mark.slow
 def test_small_budget_evicts_and_loses_nothing_but_speed(pair):
     tok = pair[1]
     probe = PromptStore(1 << 30)
@@ -135,6 +138,7 @@ def test_longest_prefix_wins_and_prefix_entries_merge(pair):
     assert len(store) == 2 and max(len(t) for t in tokens_of(store)) > len(cont)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 def test_hybrid_target_reuses_only_full_prefixes(pair, family):
     """Recurrent layers cannot drop tokens after the fact: an entry serves a new
@@ -192,6 +196,8 @@ def ask_server(catalog, questions):
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in questions], srv.worker
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_server_small_budget_same_text_as_big(pairs):
     """Through HTTP: a budget that holds one conversation gives the same text as
     one that holds all of them; it only reuses less."""
@@ -257,6 +263,8 @@ class HybridCatalog(PairCatalog):
                                settings=self.settings_)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_server_hybrid_branch_checkpoint(pairs, tmp_path):
     """Recurrent targets cannot cut a cached conversation back to a shared system
     prompt: the second conversation caches the branch point, the third starts there."""

@@ -29,6 +29,7 @@ from mlx_dflash.drafting.drafter import Drafter, load_drafter, save_drafter  # n
 from mlx_dflash.drafting.drafter_config import DrafterConfig  # noqa: E402
 from mlx_dflash.target.adapter import Target  # noqa: E402
 from reference_configs import H, SLIDE, TL, V, VARIANTS, _randomize, base_config, write_published  # noqa: E402
+from tiers import fast_first
 
 
 @pytest.fixture
@@ -102,8 +103,8 @@ def _pair(tmp_path, ref_load, cfg, ref_cfg=None, seed=0):
     return load_drafter(str(d)), ref_load(str(rd))
 
 
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("version", fast_first([1, 2]))
+@pytest.mark.parametrize("variant", fast_first(list(VARIANTS)))
 def test_drafts_match_reference(tmp_path, ref_load, target, variant, version):
     cfg = base_config(version, **VARIANTS[variant])
     ours, r = _pair(tmp_path, ref_load, cfg, seed=list(VARIANTS).index(variant))
@@ -134,8 +135,8 @@ def test_variants_change_the_drafts(tmp_path, ref_load, target):
         assert not mx.allclose(la, lb, atol=1e-3).item(), variant
 
 
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("variant", ["sliding_default_causal", "all_sliding", "published_dflash2_style"])
+@pytest.mark.parametrize("version", fast_first([1, 2]))
+@pytest.mark.parametrize("variant", fast_first(["sliding_default_causal", "all_sliding", "published_dflash2_style"]))
 def test_sliding_windows_with_one_row_updates(tmp_path, ref_load, target, variant, version):
     """One-row context updates (a cycle with no draft accepted) once the window is
     full: the reference with a plain cache (cache index = position, so its window
@@ -263,6 +264,7 @@ def _generations_agree(tmp_path, ref_load, pairs, cfg, prompts, w, n, seed=8):
     return accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("window", [64, 8])
 def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version, window):
@@ -278,8 +280,8 @@ def test_greedy_generation_matches_reference(tmp_path, ref_load, pairs, version,
     assert accepted > 10  # drafts were accepted: the comparison has content
 
 
-@pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("version", fast_first([1, 2]))
+@pytest.mark.parametrize("variant", fast_first(list(VARIANTS)))
 def test_every_published_variant_generates_as_the_reference(tmp_path, ref_load, pairs, version, variant):
     """Every published-layout variant: the reference's cycles, to the last one."""
     over = dict(VARIANTS[variant])

@@ -86,6 +86,7 @@ def _tiny_target(pairs, tmp_path, name):
     return d, t
 
 
+@pytest.mark.slow
 def test_load_finds_the_drafter_by_itself(pairs, tmp_path, monkeypatch):
     d, t = _tiny_target(pairs, tmp_path, "Qwen3-8B-4bit")
     models = tmp_path / "models"

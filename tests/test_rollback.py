@@ -12,6 +12,7 @@ from tiny_families import build
 
 from mlx_dflash.target.rollback import RollbackError, leaves
 from mlx_dflash.target.adapter import Target
+from tiers import fast_first
 
 # one family per cache mix: KV, sliding + KV, recurrent + KV, short-conv + KV,
 # Mamba2 + KV (and layers without a cache), CacheList(recurrent, KV), 4-bit hybrid
@@ -61,7 +62,7 @@ def _run_cycles(model, t, make_a, make_b, seed, cycles=9, width=5, tol=2e-4):
     assert trimmed > 0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", fast_first(FAMILIES))
 def test_trim_equals_never_having_run_the_rejected_tokens(family):
     model = build(family)
     t = Target(model)
@@ -199,7 +200,7 @@ def test_features_are_the_captured_layer_outputs(family):
 RECURRENT = ["qwen3_next", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid"]
 
 
-@pytest.mark.parametrize("family", RECURRENT)
+@pytest.mark.parametrize("family", fast_first(RECURRENT))
 def test_recurrent_rollback_is_a_selection_with_the_same_bits(family, monkeypatch):
     """Gated-delta, Mamba2 and short-conv layers: after a verify the state at any
     kept length is selected from what the verify kept (no mixer is run again)

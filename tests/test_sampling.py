@@ -55,11 +55,13 @@ Q_SAMPLED = np.array([[0.1, 0.5, 0.2, 0.1, 0.1], [0.3, 0.1, 0.1, 0.4, 0.1]])
 Q_ONEHOT = np.array([[0, 1.0, 0, 0, 0], [0, 0, 0, 1.0, 0]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q", [Q_SAMPLED, Q_ONEHOT], ids=["sampled-q", "one-hot-q"])
 def test_speculative_sampling_matches_target_distribution(q):
     assert _chi2_pvalue(_run(accept_speculative, q)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q", [Q_SAMPLED, Q_ONEHOT], ids=["sampled-q", "one-hot-q"])
 def test_broken_acceptance_rule_fails_the_same_test(q):
     assert _chi2_pvalue(_run(_broken_accept, q)) < 1e-6
@@ -78,6 +80,7 @@ def test_filters_apply_to_target_side():
         SamplingParams(temperature=1.0, top_p=0.0)
 
 
+@pytest.mark.slow
 def test_end_to_end_sampling_distribution(pairs):
     """The whole loop, speculative vs plain sampling: the joint law of 3 tokens."""
     from collections import Counter
@@ -116,6 +119,7 @@ def test_end_to_end_sampling_distribution(pairs):
     assert chi2_contingency(table).pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_end_to_end_sampling_distribution_dflash2(pairs):
     """DFlash 2 at T > 0: the selector samples its walk on the device and hands
     its dense proposal rows q to the rejection rule; the joint law of 3 tokens

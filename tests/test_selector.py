@@ -105,6 +105,7 @@ def test_fresh_selector_picks_top1():
         assert tokens == np.argmax(np.array(logits), -1).tolist()
 
 
+@pytest.mark.slow
 def test_sampling_walk_distribution_and_q():
     P, K, T, n = 3, 3, 1.5, 3000
     sel, embed, logits, h = setup(P, K, seed=4, scale=0.5)

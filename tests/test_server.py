@@ -12,7 +12,7 @@ import pytest
 # ROOT and Server: test_server_security imports them from here
 from serve_process import MAX_TOKENS_SETTING, ROOT, SYSTEM, Server, api_error  # noqa: F401
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,14 @@ def _check_report(d, finish_cut=False):
 
 # -- the openai client ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_models_lists_targets_only(server):
     ids = [m.id for m in server.client().models.list()]
     assert {"llama", "qwen"} <= set(ids)  # (plus the embedded target, once it exists)
     assert not [i for i in ids if "drafter" in i or i.endswith("draft-ar")]
 
 
+@pytest.mark.slow
 def test_chat_greedy_equals_engine_and_reports(server, ref):
     _, chat_prompt, run = ref
     r = _chat(server.client(), "Tell me about the sea.", n=20)
@@ -107,6 +109,7 @@ def test_completion_and_stream_agree(server, ref):
     _check_report(chunks[-1].model_dump())
 
 
+@pytest.mark.slow
 def test_chat_stream_with_usage(server):
     c = server.client()
     full = _chat(c, "Count with me", n=10)
@@ -150,6 +153,7 @@ def test_prefix_reuse_is_lossless(server, ref):
     _check_report(d)
 
 
+@pytest.mark.slow
 def test_sampling_with_seed_is_reproducible(server):
     c = server.client()
     kw = dict(model="qwen", prompt="import os", max_tokens=12, temperature=0.9, top_p=0.95,
@@ -177,6 +181,7 @@ def test_logprobs_fall_back_to_plain_decoding_and_say_so(server):
     assert all(len(t) == 2 for t in cr.choices[0].logprobs.top_logprobs)
 
 
+@pytest.mark.slow
 def test_penalties_are_applied_not_ignored(server):
     c = server.client()
     base = c.completions.create(model="qwen", prompt="def f(a, b):", max_tokens=24, temperature=0)
@@ -205,6 +210,7 @@ def test_penalties_are_applied_not_ignored(server):
     assert b.model_dump()["dflash"]["mode"] == "dflash" and b.choices[0].text == r.choices[0].text
 
 
+@pytest.mark.slow
 def test_eight_parallel_streams(server):
     c = server.client()
     prompts = ["alpha", "beta gamma", "delta", "epsilon zeta eta"]
@@ -233,6 +239,7 @@ def test_eight_parallel_streams(server):
         assert text == expect[p] and usage.completion_tokens == 10
 
 
+@pytest.mark.slow
 def test_switching_models(server):
     c = server.client()
     r = c.completions.create(model="llama", prompt="hello", max_tokens=5, temperature=0)
@@ -248,6 +255,7 @@ def test_switching_models(server):
 
 # -- raw HTTP -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bad_requests(server):
     u = server.url + "/v1"
     json_type = {"Content-Type": "application/json"}  # httpx sets it for json= only
@@ -289,6 +297,7 @@ def test_sse_wire_format(server):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_disconnect_cancels_generation(server):
     before = server.metrics()["models"]["qwen"]
     body = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "stream": True}
@@ -321,6 +330,7 @@ def test_disconnect_cancels_generation(server):
     assert last["completion_tokens"] - after["completion_tokens"] < 4000 - 100
 
 
+@pytest.mark.slow
 def test_fuzz_never_500(server, ref):
     rng = random.Random(1234)
     msgs = [{"role": "user", "content": "hi"}]
@@ -374,6 +384,7 @@ def test_fuzz_never_500(server, ref):
     assert r.choices[0].message.content == expect.text
 
 
+@pytest.mark.slow
 def test_eos_ends_the_stream(server, ref):
     tok = ref[0]
     eos = str(sorted(tok.eos_token_ids)[0])

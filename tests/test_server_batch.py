@@ -30,7 +30,7 @@ from test_server import (  # noqa: F401  (collected here, against the batching s
     test_switching_models,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def server(serve_models):
     s.stop()
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_clients_each_get_their_own_answer(server, ref):
     """16 clients at once (4 decode together, the rest wait in the queue of 8 or
     are told 429): no 5xx; every answer served is the request's text alone;
@@ -73,6 +74,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, ref):
     assert b["max_batch"] == 4 and 2 <= b["peak_rows"] <= 4
 
 
+@pytest.mark.slow
 def test_max_batch_auto_measures_and_says_what_it_picked(serve_models, ref):
     """`serve --max-batch auto` (the default): the size is measured for the model
     at startup, said in one log line and in /metrics; a request that arrives
@@ -115,6 +117,7 @@ def test_max_batch_auto_measures_and_says_what_it_picked(serve_models, ref):
         s.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value,message", [("many", "auto or an integer"), ("0", "auto or in 1..64")])
 def test_bad_max_batch_is_one_line(serve_models, value, message):
     env = {**os.environ, "MLX_DFLASH_HOME": str(serve_models[1])}
@@ -123,6 +126,7 @@ def test_bad_max_batch_is_one_line(serve_models, value, message):
     assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, monkeypatch):
     """In process, the auto size forced to 4 (the measurement itself is tested
     above): a request that arrives alone is served alone, reusing the prompt
@@ -199,6 +203,7 @@ def _alone_reference(pairs):
         return _conversation(srv.url), srv.worker.store.stats.hits
 
 
+@pytest.mark.slow
 def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
     """In process, max_batch 4 (every request decodes in the batch): a
     conversation's turns take the prompt store's cached prefix, the second one
@@ -239,6 +244,7 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
         assert srv.worker.batch_summary()["peak_rows"] >= 2  # the second turn decoded beside the long request
 
 
+@pytest.mark.slow
 def test_auto_turns_share_the_prompt_store(pairs, monkeypatch):
     """max_batch auto (size forced to 4): a conversation's turns, each a set of
     one on the model's one engine, take and store their caches as a
@@ -257,6 +263,7 @@ def test_auto_turns_share_the_prompt_store(pairs, monkeypatch):
         assert srv.worker.batch_summary()["max_batch"] == 4
 
 
+@pytest.mark.slow
 def test_logprobs_requests_use_the_prompt_store(pairs):
     """Requests that decode plainly (logprobs) on a batching server: from the
     prompt store's longest cached prefix, their caches stored back for the next

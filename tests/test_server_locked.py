@@ -9,7 +9,7 @@ import openai
 import pytest
 from serve_process import Server, api_error
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +20,7 @@ def locked(serve_models):
     s.stop()
 
 
+@pytest.mark.slow
 def test_api_key(locked):
     with pytest.raises(openai.AuthenticationError):
         locked.client("wrong").models.list()
@@ -31,6 +32,7 @@ def test_api_key(locked):
     assert [m.id for m in locked.client("sekret").models.list()]
 
 
+@pytest.mark.slow
 def test_cors(locked):
     r = httpx.options(locked.url + "/v1/chat/completions",
                       headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
@@ -41,6 +43,7 @@ def test_cors(locked):
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
 
 
+@pytest.mark.slow
 def test_model_loads_on_first_use(locked):
     assert locked.metrics()["loaded"] is None  # no --model: nothing loaded yet
     r = locked.client("sekret").completions.create(model="llama", prompt="hi", max_tokens=2)
@@ -63,6 +66,7 @@ def test_strict_models_refuse_unknown_names(locked):
     assert r.status_code == 200 and r.json()["model"] == "qwen"
 
 
+@pytest.mark.slow
 def test_queue_full_is_429(locked):
     h = {"Authorization": "Bearer sekret"}
     long = {"model": "qwen", "prompt": "while True:", "max_tokens": 3000, "temperature": 0, "stream": True}

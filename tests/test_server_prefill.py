@@ -14,8 +14,9 @@ import mlx.core as mx
 import openai
 import pytest
 from scripted import LocalServer, ScriptCatalog, ScriptModel, tool_tokenizer
+from tiers import fast_first
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.server]
 
 KEY = "sk-test"
 LONG = "hello there " * 875  # about 7,000 tokens: four prefill chunks of 2,048
@@ -88,7 +89,7 @@ REQUESTS = {  # path -> (a streamed request with the long prompt, is this data l
 }
 
 
-@pytest.mark.parametrize("path", list(REQUESTS))
+@pytest.mark.parametrize("path", fast_first(list(REQUESTS)))
 def test_streams_send_prefill_progress_before_the_first_token(long_srv, path):
     body, is_token = REQUESTS[path]
     long_srv.worker.store.clear()  # nothing cached: the whole prompt is prefilled
@@ -105,6 +106,7 @@ def test_streams_send_prefill_progress_before_the_first_token(long_srv, path):
     assert [d for d, _ in steps] == sorted(d for d, _ in steps) and {t for _, t in steps} == {total}
 
 
+@pytest.mark.slow
 def test_sdks_parse_streams_with_progress_comments(long_srv):
     oai = openai.OpenAI(base_url=long_srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     ant = anthropic.Anthropic(base_url=long_srv.url, api_key=KEY, max_retries=0, timeout=120)
@@ -125,6 +127,7 @@ def test_sdks_parse_streams_with_progress_comments(long_srv):
         assert s.get_final_response().output_text == whole
 
 
+@pytest.mark.slow
 def test_disconnect_during_prefill_frees_the_worker_after_the_chunk_in_flight(long_srv):
     """The client leaves after the first chunk's progress; the second chunk (in
     flight: held until the server has seen the disconnect) is the last forward of

@@ -21,7 +21,7 @@ from mlx_dflash.models.settings_checks import check_settings
 from mlx_dflash.settings.store import SettingsStore
 from mlx_dflash.settings.schema import ModelSettings, SettingsError
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def _settings(home, **models):
     return json.dumps(d, indent=2)
 
 
+@pytest.mark.slow
 def test_any_name_means_what_it_means_to_every_command(srv, world):
     root, home = world
     store = SettingsStore(home / "settings.json")
@@ -95,6 +96,7 @@ def test_any_name_means_what_it_means_to_every_command(srv, world):
     assert r.status_code == 200 and r.json()["model"] == "qwen", r.text
 
 
+@pytest.mark.slow
 def test_settings_edits_in_place_reach_the_server_and_lose_nothing(srv, world):
     path = world[1] / "settings.json"
     stop, answers = threading.Event(), []
@@ -120,6 +122,7 @@ def test_settings_edits_in_place_reach_the_server_and_lose_nothing(srv, world):
     assert list(world[1].glob("settings.json.corrupt-*")) == []  # nothing called corrupt while it was saved
 
 
+@pytest.mark.slow
 def test_changed_drafter_applies_and_a_bad_one_is_refused(srv, world):
     path = world[1] / "settings.json"
     chat = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -141,6 +144,7 @@ def test_changed_drafter_applies_and_a_bad_one_is_refused(srv, world):
     assert srv.log.read_text().count("loading it again") == 2
 
 
+@pytest.mark.slow
 def test_huge_prompts_are_refused_before_they_are_tokenized(srv):
     short = {"model": "qwen", "prompt": "hi", "max_tokens": 2}
     t0 = time.monotonic()
@@ -173,6 +177,7 @@ def _closed(sock, within: float) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_idle_and_slow_connections_are_closed(srv):
     """--header-timeout 1 --keep-alive 1 (the defaults are 10 and 5 s)."""
     idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(50)]
@@ -235,6 +240,7 @@ def _stream_then_stop(home, grace: str, signals: int):
     return rc, [ln for ln in s.log.read_text().splitlines() if "POST /v1/completions" in ln]
 
 
+@pytest.mark.slow
 def test_a_stream_cut_by_the_shutdown_is_logged(world):
     rc, lines = _stream_then_stop(world[1], "120", 2)  # the second Ctrl-C exits at once
     assert rc == 130
@@ -245,6 +251,7 @@ def test_a_stream_cut_by_the_shutdown_is_logged(world):
                                          lines[0]), lines  # (with the tokens it had sent)
 
 
+@pytest.mark.slow
 def test_the_length_bound_and_the_piecewise_count_hold_for_real_text():
     """What the early refusal rests on, for the embedded model's tokenizer: a text
     has at least len / max_token_chars tokens, and counted in pieces it has what

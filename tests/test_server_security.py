@@ -19,7 +19,7 @@ import pytest
 
 from test_server import ROOT, Server
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
 MAX_BODY = 64 << 20  # the server's default limit (app/server/security.py)
 JSON = {"Content-Type": "application/json"}
@@ -100,6 +100,7 @@ def _completion(s, n=4, **headers):
 
 # -- Host header (DNS rebinding) ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_unknown_host_is_refused_before_any_work(srv):
     before = _generated(srv)
     for path in ("/health", "/v1/models"):
@@ -116,6 +117,7 @@ def test_unknown_host_is_refused_before_any_work(srv):
 
 # -- Origin, content type, CORS ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cross_origin_browser_post_never_generates(srv):
     before = _generated(srv)
     body = json.dumps({"prompt": "hi", "max_tokens": 4})
@@ -136,6 +138,7 @@ def test_cross_origin_browser_post_never_generates(srv):
     assert _generated(srv) == before
 
 
+@pytest.mark.slow
 def test_allowed_origin_gets_cors_headers(srv):
     r = httpx.options(srv.url + "/v1/chat/completions",
                       headers={"Origin": APP, "Access-Control-Request-Method": "POST",
@@ -153,6 +156,7 @@ def test_allowed_origin_gets_cors_headers(srv):
 
 # -- body size --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_declared_oversized_body_is_refused_before_reading(srv):
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {200 << 20}\r\n")
@@ -161,6 +165,7 @@ def test_declared_oversized_body_is_refused_before_reading(srv):
     assert status == 413 and body["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.slow
 def test_streamed_body_is_cut_at_the_limit(srv):
     """No Content-Length (chunked): the 413 comes once MAX_BODY + 1 bytes arrived,
     while the body is still unfinished (the final chunk is never sent)."""
@@ -176,6 +181,7 @@ def test_streamed_body_is_cut_at_the_limit(srv):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_client_leaving_mid_body_is_no_error(srv):
     head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             "Content-Length: 5000\r\n")
@@ -190,10 +196,12 @@ def test_client_leaving_mid_body_is_no_error(srv):
 
 # -- what the server tells ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_health_tells_nothing_but_ok(srv):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_served_folder_is_listed(srv, setup):
     ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
     assert str(setup[2]) in ids and "qwen" in ids
@@ -201,6 +209,7 @@ def test_served_folder_is_listed(srv, setup):
     assert r.status_code == 200 and r.json()["model"] == str(setup[2])
 
 
+@pytest.mark.slow
 def test_corrupt_model_gives_openai_error_without_paths(srv, setup):
     r = httpx.post(srv.url + "/v1/completions", json={"model": "truncated", "prompt": "hi", "max_tokens": 2},
                    timeout=120)
@@ -210,6 +219,7 @@ def test_corrupt_model_gives_openai_error_without_paths(srv, setup):
     assert _completion(srv, n=2).status_code == 200  # and serves on
 
 
+@pytest.mark.slow
 def test_one_log_line_per_request(srv):
     n = 5
     r = _completion(srv, n=n)
@@ -234,6 +244,7 @@ def _serve_cli(home, *args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_api_key_on_the_command_line_is_refused(setup):
     r = _serve_cli(setup[1], "--api-key", "sekret")
     assert r.returncode == 2 and "MLX_DFLASH_API_KEY" in r.stderr and "Traceback" not in r.stderr
@@ -262,6 +273,7 @@ def keyed(setup, tmp_path_factory):
     s.stop()
 
 
+@pytest.mark.slow
 def test_api_key_from_file_bearer_or_x_api_key(keyed):
     if os.path.exists(f"/proc/{keyed.proc.pid}/cmdline"):  # what `ps` shows (Linux)
         assert b"s3cret-key" not in open(f"/proc/{keyed.proc.pid}/cmdline", "rb").read()
@@ -305,6 +317,7 @@ def _long_stream(s, got: dict):
     got["lines"] = lines
 
 
+@pytest.mark.slow
 def test_ctrl_c_answers_queue_503_and_cancels_after_grace(keyed):
     got, queued = {}, {}
     t = threading.Thread(target=_long_stream, args=(keyed, got))
@@ -335,6 +348,7 @@ def test_ctrl_c_answers_queue_503_and_cancels_after_grace(keyed):
         httpx.get(keyed.url + "/health", timeout=2)
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_exits_at_once(setup):
     s = Server(setup[1], "--grace", "120", "--quiet", key="env-key")
     assert _completion(s, n=2).status_code == 200  # the key from MLX_DFLASH_API_KEY
@@ -409,6 +423,7 @@ def test_model_folder_with_wrong_config_types_is_no_500(setup, tmp_path, monkeyp
             assert r.json()["error"]["message"] and str(tmp_path) not in r.text
 
 
+@pytest.mark.slow
 def test_anthropic_path_gets_anthropic_error_format(srv):
     r = httpx.post(srv.url + "/v1/messages", content="{}", headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["type"] == "error" and r.json()["error"]["message"]
@@ -416,6 +431,7 @@ def test_anthropic_path_gets_anthropic_error_format(srv):
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_idle_server_exits_cleanly(srv):
     """Last test using `srv`: it has answered requests; one Ctrl-C ends it, no abort."""
     assert _completion(srv, n=2).status_code == 200

@@ -58,6 +58,7 @@ def _runs(model, tok, prompt, refs, before, seed):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "qwen3"])
 def test_two_sessions_in_two_threads_equal_their_single_threaded_runs(family, tok):
     model = build(family)

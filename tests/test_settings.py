@@ -13,6 +13,7 @@ import pytest
 from mlx_dflash.settings.store import SettingsStore, atomic_write, remove_stale_temps
 from mlx_dflash.settings.schema import GlobalSettings, ModelSettings, SettingsError
 from mlx_dflash.settings.schema import parse_value, verify_modes
+from tiers import fast_first
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def store(tmp_path, monkeypatch):
     return SettingsStore()
 
 
+@pytest.mark.slow
 def test_home_env_and_defaults(store, tmp_path):
     assert store.path == tmp_path / "home" / "settings.json"
     assert not store.path.exists()
@@ -129,7 +131,7 @@ BAD_FILES = {
 }
 
 
-@pytest.mark.parametrize("name", BAD_FILES)
+@pytest.mark.parametrize("name", fast_first(BAD_FILES))
 def test_unreadable_file_is_copied_aside_and_defaults_apply(store, capsys, name):
     data, why = BAD_FILES[name]
     store.path.parent.mkdir(parents=True)
@@ -224,6 +226,7 @@ def test_a_folder_in_place_of_the_file_is_moved_aside(store, capsys):
     assert SettingsStore(store.path).globals().port == 8001
 
 
+@pytest.mark.slow
 def test_second_bad_file_gets_its_own_backup(store):
     store.path.parent.mkdir(parents=True)
     store.path.write_text("{")
@@ -365,6 +368,7 @@ def _writer(path, who, n):
         store.set_model(who, max_tokens=i + 1)
 
 
+@pytest.mark.slow
 def test_two_processes_lose_nothing(tmp_path):
     path = tmp_path / "settings.json"
     n = 25
@@ -415,6 +419,7 @@ def test_settings_cli(store, capsys):
     assert json.loads(store.path.read_text())["models"] == {}
 
 
+@pytest.mark.slow
 def test_settings_cli_recovers_from_any_file(store, capsys):
     store.path.parent.mkdir(parents=True)
     store.path.write_bytes(b"[" * 50_000)
@@ -448,6 +453,7 @@ def test_settings_cli_masks_the_api_key(store, capsys):
     assert store.globals().api_key == key  # stored as given
 
 
+@pytest.mark.slow
 def test_models_list_into_a_closed_pipe_ends_quietly(store):
     import subprocess
     import sys

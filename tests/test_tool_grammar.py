@@ -131,6 +131,7 @@ def test_invalid_calls_are_refused_where_they_go_wrong(tok):
         assert pos - 2 <= len(before) < pos + len(bad), (body, before)  # refused where `bad` begins
 
 
+@pytest.mark.slow
 def test_masks_follow_the_history_not_the_calls(tok):
     """The engine's contract: verify rows and rollbacks call a processor with
     histories that are not extensions of the last; the mask must be that of a
@@ -194,6 +195,7 @@ def agent_prompt(tok, tools, question="What is hello.txt for?"):
                       add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_the_embedded_model_calls_an_offered_tool(pair):
     """mlx-lm's own decoding with the processor: the embedded model's call (to
     `calculator`, a tool of its training, when left alone) names an offered tool
@@ -214,6 +216,7 @@ def test_the_embedded_model_calls_an_offered_tool(pair):
                 assert set(c["arguments"]) <= set(props) and "file_path" in c["arguments"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [2, 4, 8])
 def test_dflash_with_the_grammar_is_mlx_lm_with_it(pair, width):
     """Greedy DFlash with the tool grammar in its verify = mlx-lm's generate_step
@@ -243,6 +246,8 @@ def test_grammar_json_is_valid_lark(tok):
 AGENT_SYSTEM = "You are a coding agent. To read a file, call the Read tool with its file_path."
 
 
+@pytest.mark.server
+@pytest.mark.slow
 @pytest.mark.parametrize("on", [True, False])
 def test_server_calls_through_the_grammar(pair, on):
     """Through the server and the real SDKs: with the setting on (the default) the
@@ -298,6 +303,7 @@ def odd_schema(rng, depth=0):
             "$defs": {"x": {"type": "string"}}}
 
 
+@pytest.mark.slow
 def test_any_tool_schema_gives_a_grammar_or_none(tok):
     """Tools as clients send them, odd schemas included: the request gets a grammar
     (a call can still be completed) or none (its calls go as written), never an error."""

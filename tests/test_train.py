@@ -54,6 +54,7 @@ def make_drafter(model, tok, version, seed=0, live=False):
     return t, d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_block_forward_is_the_inference_forward(target, version):
     _, model, tok = target
@@ -163,6 +164,7 @@ def test_holdout_rows_are_spread_over_the_source():
     assert len(capped.val_tokens) == 7 and len(capped.tokens) == 193
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_training_lowers_loss_and_resume_continues(target, corpus, tmp_path, version):
     tpath, model, _ = target
@@ -259,6 +261,7 @@ def _saved_drafter(model, tok, version, out):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_init_starts_from_a_saved_drafter(target, corpus, tmp_path, version):
     tpath, model, tok = target
@@ -289,6 +292,7 @@ def test_init_starts_from_a_saved_drafter(target, corpus, tmp_path, version):
     assert d.version == version and d.config.num_hidden_layers == 2
 
 
+@pytest.mark.slow
 def test_init_that_does_not_fit_is_refused_in_one_line(target, corpus, tmp_path, capsys):
     tpath, model, tok = target
     src = _saved_drafter(model, tok, 2, tmp_path / "src")

@@ -10,9 +10,10 @@ import json
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
+import pytest
 from mlx import nn
 
-import train_target as TT
+from tools.embedded import target as TT
 
 
 def test_loop_region_finds_the_periodic_tail():
@@ -66,6 +67,7 @@ def test_unlikelihood_rows_mark_only_the_repeats_of_unfinished_loops(tmp_path):
     assert np.flatnonzero(m[0]).tolist() == [len(prompt) + 60 - 1, len(prompt) + 61 - 1]
 
 
+@pytest.mark.slow
 def test_unlikelihood_steps_lower_the_probability_of_the_loop(pairs):
     from mlx_lm import load
 
@@ -95,6 +97,7 @@ def test_unlikelihood_steps_lower_the_probability_of_the_loop(pairs):
     assert p_loop() < before / 2
 
 
+@pytest.mark.slow
 def test_shipped_target_does_not_loop_on_dev_prompts(tmp_path):
     """The embedded target's greedy answers to the first 24 GSM8K dev questions each
     end, or at least are not one cycle repeated (its model card measures 100)."""

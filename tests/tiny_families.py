@@ -1,7 +1,7 @@
 """Tiny random-weight targets of every supported mlx-lm family, built from
 mlx-lm's own ModelArgs (no downloads), with windows small enough that every
 sliding window wraps in a short generation. Used by tests/test_families.py,
-tests/test_rollback.py and scripts/bench_families.py."""
+tests/test_rollback.py and bench/families/families.py."""
 
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ tok/s, time to first token, peak memory, where the time goes, the ratio to
 mlx-lm, and the cost-model limit tau / (c + d) with efficiency = measured
 speedup over mlx-lm / limit, where c and d are the verify and draft costs
 measured in this run in units of one 1-token target step (bench_report.py).
-Writes results.json, results.md and chart.png to --out. `--realistic` runs the
-realistic-regime bench instead (bench_realistic.py)."""
+Writes results.json, results.md and chart.png to --out. Other modes, each in a
+module of its own: `--realistic` (realistic.py; with `--contexts`, long.py),
+`--batch` (several streams at once, batch.py; with `--realistic`,
+batch_realistic.py) and `--server-load` (server_load.py)."""
 
 from __future__ import annotations
 
@@ -23,16 +25,20 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import List
 
+from app.bench import batch as bench_batch
+from app.bench import batch_realistic as bench_batch_realistic
 from app.bench import long as bench_long
 from app.bench import realistic as bench_realistic
+from app.bench import server_load
 from app.bench.costs import measure
-from app.bench.prompts import load_prompts
+from app.bench.options import ints
+from app.bench.prompts import SETS, load_prompts
 from app.bench.report import KINDS, goals, machine_info, markdown, summarize, write
 from app.bench.runs import Method, fastest_plain
 from app.errors import UserError
 
+MAX_TOKENS = 128  # per prompt, unless the mode's module says otherwise
 DEFAULT_KINDS = ("mlx-lm", "mlx-lm-spec", "dflash1", "dflash2", "adaptive", "default", "lookup")
 SHARED = ("The machine may have been shared with other jobs while this ran: compare the ratios "
           "(measured side by side, prompt by prompt), not the absolute tok/s.")
@@ -46,10 +52,11 @@ def add_parser(sub):
     p.add_argument("--dflash1", default=None, help="DFlash 1 drafter (default: the embedded one)")
     p.add_argument("--draft-model", default=None, help="classic draft model for mlx-lm speculative decoding "
                    "(default: the embedded draft-ar)")
-    p.add_argument("--prompts", default="humaneval", help="humaneval | gsm8k-dev | FILE.jsonl "
-                   '(one {"prompt": ...} or {"messages": [...]} per line)')
+    p.add_argument("--prompts", default=None, help=f"{' | '.join(SETS)} | FILE.jsonl "
+                   '(one {"prompt": ...} or {"messages": [...]} per line; default humaneval, --batch gsm8k-dev)')
     p.add_argument("--num-prompts", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=None, help="per prompt (default 128; --batch 64, "
+                   "--realistic --batch and --server-load 32)")
     p.add_argument("--methods", default=",".join(DEFAULT_KINDS), help=f"comma list of {', '.join(KINDS)}")
     p.add_argument("--widths", default=None, help="DFlash 2 fixed verify widths, e.g. 2,3,4,5,8 "
                    "(default: 2 to the drafter's block size)")
@@ -63,16 +70,8 @@ def add_parser(sub):
     p.add_argument("--quick", action="store_true", help="3 prompts, 48 tokens, fewer widths (< 3 min)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     bench_long.add_arguments(bench_realistic.add_arguments(p))
-
-
-def _ints(s: str, what: str) -> List[int]:
-    try:
-        out = sorted({int(x) for x in s.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"{what} must be a comma list of integers, got '{s}'") from None
-    if not out or out[0] < 1:
-        raise UserError(f"{what} must be positive integers, got '{s}'")
-    return out
+    bench_batch.add_arguments(p)
+    server_load.add_arguments(p)
 
 
 NEEDS_DRAFTER = ("dflash2", "adaptive", "default", "lookup-dflash")
@@ -175,7 +174,7 @@ def setup(args, log=lambda s: None):
     quick = args.quick
     methods = [Method("mlx-lm", "mlx-lm")]  # the baseline always runs
     if usea:
-        for k in _ints(args.num_draft, "--num-draft")[: 1 if quick else None]:
+        for k in ints(args.num_draft, "--num-draft")[: 1 if quick else None]:
             methods.append(Method(f"mlx-lm-spec-k{k}", "mlx-lm-spec", k))
     if use1:
         w1 = min(args.dflash1_width, ctx["dflash1"].block_size)
@@ -188,7 +187,7 @@ def setup(args, log=lambda s: None):
         if "default" in kinds:
             methods.append(Method(f"default (dflash{v}, guard)", "default", min(DEFAULT_BLOCK_SIZE, B)))
         if args.widths:
-            widths = _ints(args.widths, "--widths")
+            widths = ints(args.widths, "--widths")
             if widths[-1] > B:
                 raise UserError(f"width {widths[-1]} exceeds the drafter's block size {B}")
         else:
@@ -253,13 +252,32 @@ def bench(args, log=lambda s: None) -> dict:
     }
 
 
+def _mode(args):
+    """The module that runs the mode the flags ask for (None: this one's `bench`)."""
+    if args.batch and args.server_load:
+        raise UserError("--batch and --server-load are separate runs; pick one")
+    if args.contexts and (args.batch or args.server_load):
+        raise UserError("--contexts is the long-context realistic bench: leave out --batch / --server-load")
+    if args.server_load:
+        return server_load
+    if args.batch:
+        return bench_batch_realistic if args.realistic else bench_batch
+    if args.realistic:
+        return bench_long if args.contexts else bench_realistic
+    return None
+
+
 def run(args):
     def log(s):
         sys.stderr.write(f"bench: {s}\n")
         sys.stderr.flush()
 
-    if args.realistic:
-        return (bench_long if args.contexts else bench_realistic).run(args, log)
+    mode = _mode(args)
+    if args.max_tokens is None:
+        args.max_tokens = getattr(mode, "MAX_TOKENS", MAX_TOKENS)
+    if mode is not None:
+        return mode.run(args, log)
+    args.prompts = args.prompts or "humaneval"
     res = bench(args, log)
     name = Path(args.prompts).stem if args.prompts.endswith(".jsonl") else args.prompts
     out = Path(args.out or f"bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -227,10 +227,20 @@ def _reset(store, a, yes) -> int:
     return 0
 
 
-def run(args) -> int:
+def _store(action: str):
+    """The settings file; what writes it checks against the model files too
+    (models.settings_checks, which loads mlx). Reading needs neither."""
+    if action in ("get", "path"):
+        from mlx_dflash.settings.store import SettingsStore
+
+        return SettingsStore()
     from mlx_dflash.models.settings_checks import settings_store
 
-    store = settings_store()
+    return settings_store()
+
+
+def run(args) -> int:
+    store = _store(args.action)
     if args.action == "path":
         print(store.path)
         return 0

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 from .blas_shim import build, cache_dir, cpu_id, shim_key
@@ -46,11 +47,12 @@ CALIBRATION_VERSION = 6  # bump when what is measured changes: old files are mea
 
 
 def _openblas_lib() -> Path | None:
-    try:
-        import scipy_openblas32
-    except ImportError:
+    """scipy-openblas32's library, in the wheel's lib/ (its get_lib_dir()), found
+    without importing the package: that reads package metadata, ~40 ms of every start."""
+    spec = find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    lib = Path(scipy_openblas32.get_lib_dir()) / "libscipy_openblas.so"
+    lib = Path(spec.submodule_search_locations[0]) / "lib" / "libscipy_openblas.so"
     return lib if lib.exists() else None
 
 
@@ -376,8 +378,6 @@ def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
     thread count (the routing is then measured for N). With `measure` False
     (importing the package) nothing is measured: a missing calibration runs
     one thread with every product on OpenBLAS until `prepare()` measures it."""
-    from filelock import FileLock, Timeout
-
     lib = _openblas_lib()
     path = _calibration_path(lib)
     env_t = os.environ.get("MLX_DFLASH_BLAS_THREADS", "")
@@ -400,6 +400,8 @@ def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
         data = {key: {"threads": fixed or 1, "kernel_threads": fixed or 1, "route": [[0] * len(CLASS_MAX)] * (MB + 1),
                       "date_utc": None, "note": "not measured yet: run `mlx-dflash doctor`"}}
     elif measure and stale(data):
+        from filelock import FileLock, Timeout  # here: ~50 ms that a start which only reads never pays
+
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with FileLock(str(path) + ".lock", timeout=300):
@@ -443,14 +445,21 @@ def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
     return cal
 
 
-def _describe() -> str:
-    import scipy_openblas32
+def _openblas_version() -> str:
+    """The loaded OpenBLAS's version, from its own config string ("OpenBLAS 0.3.x ...");
+    importing scipy_openblas32 for its __version__ would read package metadata at every start."""
+    get = _BLAS.scipy_openblas_get_config
+    get.restype = ctypes.c_char_p
+    words = get().decode("utf8", "replace").split()
+    return words[1] if len(words) > 1 else "?"
 
+
+def _describe() -> str:
     mode = STATE["small_gemm"]
     kern = ("few-row kernel off" if not mode else "few-row kernel on every shape" if mode == "all"
             else f"few-row kernel on {sum(map(sum, STATE['route'] or []))} of {MB * len(CLASS_MAX)} "
                  "(rows, size) classes")
-    return (f"OpenBLAS {scipy_openblas32.__version__} (scipy-openblas32, via shim), "
+    return (f"OpenBLAS {_openblas_version()} (scipy-openblas32, via shim), "
             f"{STATE['threads']} thread{'s' if STATE['threads'] != 1 else ''}, {kern}"
             + (f" (threads: {kernel_threads_text()})"
                if mode and {t for r in STATE["kernel_threads"] for t in r} != {STATE["threads"]} else ""))

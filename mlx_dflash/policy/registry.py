@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional
 
 from .adaptive import AdaptiveWidth
 from .base import Plan, Policy
+from .modes import VERIFY_MODES
 
 DEFAULT_BLOCK_SIZE = 5
 LOOKUP_LIMIT = 64  # the widest lookup verify without a drafter
@@ -62,7 +63,8 @@ MODES: Dict[str, Mode] = {
     "lookup": Mode(True, True),
     "off": Mode(False, False),
 }
-VERIFY_MODES = tuple(MODES)
+if tuple(MODES) != VERIFY_MODES:  # the names are read without mlx (settings): both lists must agree
+    raise ImportError(f"policy registry {tuple(MODES)} != modes.VERIFY_MODES {VERIFY_MODES}")
 
 
 def priced_at(context: int) -> Optional[int]:

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from ..policy.registry import VERIFY_MODES
+from ..engine.sampling_params import SamplingParams
+from ..policy.modes import VERIFY_MODES  # the names only: settings import no mlx
 
 QUANT_BITS = ("auto", None, 4, 8)  # auto: 4-bit on Metal, full precision on mlx-cpu (drafter_precision)
 GROUP_SIZES = (32, 64, 128)
@@ -30,7 +31,7 @@ def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
 
 
 def verify_modes() -> tuple:
-    """Valid verify modes: the engine's registry (modes.py)."""
+    """Valid verify modes (policy/modes.py; registry.py runs each)."""
     return tuple(VERIFY_MODES)
 
 
@@ -261,8 +262,6 @@ def check_model(s: ModelSettings) -> None:
             raise SettingsError(f"{name} must be a finite number, got {getattr(s, name)}")
     if s.dtype not in COMPUTE_DTYPES:
         raise SettingsError(f"unknown dtype '{s.dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
-    from ..engine.sampling import SamplingParams  # here: reading settings should not need mlx
-
     try:  # the engine's own checks, so settings never hold values generation refuses
         SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p)
     except ValueError as e:
