@@ -13,7 +13,7 @@ from mlx_dflash.policy import costs
 from mlx_dflash import load, stream_generate
 from mlx_dflash.policy.costs import Costs
 from mlx_dflash.policy.adaptive import AdaptiveWidth
-from mlx_dflash.policy.base import DFLASH, CycleResult, Decision, Plan
+from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
 
 PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
            "class Stack:\n    def push(self, x):", "The answer is", "while True:"]

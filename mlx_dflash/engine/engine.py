@@ -45,7 +45,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..cache.prompt_cache import PromptCache, lookup_index, origin, reuse
 from ..drafting.proposers import PROPOSERS
-from ..policy.base import DFLASH, LOOKUP, CycleResult, Decision, Policy
+from ..policy.base import DFLASH, CycleResult, Decision, Policy
 from ..policy.costs import CostModel, Costs
 from ..policy.guard import Guard
 from ..policy.registry import GUARD_CALIBRATION, MODES, PolicyContext, guard_widths, plan, priced_at, runs_alone

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .base import DFLASH, CycleResult, Decision, Policy, Row
+from .base import DFLASH, Decision, Policy, Row
 from .costs import Costs
 
 

@@ -142,13 +142,13 @@ DECODE_CHECKS = {
 }
 
 
-def check_decode_fields(values, label=lambda field: field) -> None:
+def check_decode_fields(values, label=lambda name: name) -> None:
     """ValueError (one line, the field named by `label`) for the first shared
     field of `values` (an object with those attributes) that fails its check."""
-    for field, (ok, what) in DECODE_CHECKS.items():
-        v = getattr(values, field)
+    for name, (ok, what) in DECODE_CHECKS.items():
+        v = getattr(values, name)
         if not ok(v):
-            raise ValueError(f"{label(field)} {what}, got {v}")
+            raise ValueError(f"{label(name)} {what}, got {v}")
 
 
 GLOBAL_KEYS = {f.name: f.name for f in fields(GlobalSettings)}
