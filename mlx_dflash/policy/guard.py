@@ -126,6 +126,7 @@ class Guard(Policy):
     # cost at most 0.8 w plain steps (ceiling w / k >= 1.25) to be worth a probe
     CEILING_MIN = 1.25
     ALPHA = 0.15
+    DRIFT = 0.04  # per cycle that accepts every draft: how fast the next position's estimate recovers
     PSEUDO = 2  # pseudo-tries of the probe's prior
 
     def __init__(self, costs: Union[CostModel, Callable[[], CostModel]], prior: Optional[Observed] = None):
@@ -255,8 +256,9 @@ class Guard(Policy):
                     s.p[i] += self.ALPHA * ((i < a) - s.p[i])
             if self.state == "draft" and s.p is not None and a == n and 0 < n < len(s.p) and s.p[n] < s.p[n - 1]:
                 # every draft accepted: the first position past them, never tried at this width, drifts
-                # toward the last one tried (acceptance falls with the position), so a wider width gets tried
-                s.p[n] += self.ALPHA * (s.p[n - 1] - s.p[n])
+                # (slowly: DRIFT) toward the last one tried (acceptance falls with the position), so a
+                # wider width is tried again now and then and a stale low estimate does not stick
+                s.p[n] += self.DRIFT * (s.p[n - 1] - s.p[n])
         if cycle:
             w = max(res.width for res in results if res.source == DFLASH)
             self.widths[w] = self.widths.get(w, 0) + 1
