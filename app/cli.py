@@ -32,7 +32,7 @@ COMMANDS = {
     "train-drafter": Command("app.commands.train", "train a DFlash / DFlash 2 drafter for a target model"),
     "inspect": Command("app.commands.inspect", "show every field a drafter's config sets and what it does"),
     "doctor": Command("app.commands.doctor", "check the backend, BLAS and verify cost on this machine"),
-    "cache": Command("app.commands.cache", "list, measure and clear the prompt cache on disk"),
+    "cache": Command("app.commands.cache", "the prompt cache on disk: list, du, clear"),
 }
 
 # what a command may raise for a user's mistake: one line, exit 2 (HubError,

@@ -3,7 +3,7 @@ and default settings, a call that tool_choice forces (required, or a named tool)
 validates against that tool's parameters schema, checked with the jsonschema library,
 for the schemas real clients send (tests/data/client_tools/: captured from Claude Code,
 Codex, opencode, `llm`, LiteLLM and the OpenAI / Anthropic SDKs' helpers by
-scripts/capture_client_tools.py) and for open and strict schemas of every shape
+tests/data/client_tools/capture.py) and for open and strict schemas of every shape
 (SHAPES), in chat completions, Messages and Responses; with tool_choice auto the
 model's choice to call or not stays its own."""
 

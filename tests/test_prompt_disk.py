@@ -24,6 +24,7 @@ from mlx_dflash.cache.identity import digest, identity
 from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.target.adapter import Target
 from test_prompt_store import SYSTEM, prompt
+from app.server.catalog import Catalog
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
@@ -434,7 +435,7 @@ def test_the_chat_status_says_disk():
     assert "from disk" not in summary_line(dict(s, prompt_cache={"tier": "memory"}))
 
 
-class DiskCatalog:
+class DiskCatalog(Catalog):
     """The test pair behind a server, its prompt store over a disk tier."""
 
     def __init__(self, folder, mem=1 << 30, disk_gb=1.0):

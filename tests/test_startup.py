@@ -119,7 +119,7 @@ except AttributeError as e:
 
 def test_verify_mode_names_agree_with_the_registry():
     from mlx_dflash.policy.modes import VERIFY_MODES
-    from mlx_dflash.policy.registry import POLICIES
+    from mlx_dflash.policy.registry import MODES
     from mlx_dflash.settings.schema import verify_modes
 
-    assert tuple(POLICIES) == VERIFY_MODES == verify_modes()
+    assert tuple(MODES) == VERIFY_MODES == verify_modes()

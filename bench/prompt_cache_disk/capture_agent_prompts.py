@@ -1,10 +1,10 @@
 """The first request of Claude Code, Codex and opencode, captured as each CLI
 sends it (system prompt, tools, the user's first message), for benchmarks that
-replay them (scripts/bench_prompt_cache_disk.py). Each CLI talks to a stub on
+replay them (bench/prompt_cache_disk/bench.py). Each CLI talks to a stub on
 loopback that records every POST and answers 400, so nothing is generated and
 nothing leaves the machine.
 
-    python scripts/capture_agent_prompts.py --out bench/agents_prompts
+    PYTHONPATH=. python bench/prompt_cache_disk/capture_agent_prompts.py --out bench/agents_prompts
 
 The CLIs come from the npm prefix tests/test_agents_cli.py installs them into
 ($TMPDIR/mlx-dflash-agent-clis), with opencode-ai added there."""

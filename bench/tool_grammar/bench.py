@@ -4,15 +4,13 @@ compiling it for the embedded tokenizer, once per tool list (cached after), and 
 copy each request takes of the compiled matcher. The tool lists are the ones the
 clients sent (tests/data/client_tools/).
 
-    python scripts/bench_tool_grammar.py"""
+    PYTHONPATH=. python bench/tool_grammar/bench.py"""
 
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import llguidance  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The prompt cache on disk, measured through real `serve` processes (issue 38).
 
 `ttft` mode: the captured first requests of Claude Code, Codex and opencode
-(bench/agents_prompts, scripts/capture_agent_prompts.py) replayed against
+(bench/agents_prompts, bench/prompt_cache_disk/capture_agent_prompts.py) replayed against
 `serve` on the embedded model, greedy: each one cold, again from memory, a new
 session sharing only its instructions (another first message) from memory;
 then the server is stopped and started again on the same cache folder: another
@@ -13,8 +13,8 @@ memory budget (memory_budget_gb), each a bounded number of requests, loopback
 only; the server's RSS sampled from /proc every 0.1 s: its peak against the
 budget, every HTTP status, and whether the process is still alive.
 
-    python scripts/bench_prompt_cache_disk.py ttft --out bench/prompt_cache_disk.json
-    python scripts/bench_prompt_cache_disk.py load --budget-gb 1.5 --clients 16 --requests 2 --words 1500"""
+    PYTHONPATH=. python bench/prompt_cache_disk/bench.py ttft --out bench/prompt_cache_disk.json
+    PYTHONPATH=. python bench/prompt_cache_disk/bench.py load --budget-gb 1.5 --clients 16 --requests 2 --words 1500"""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "bench" / "agents_prompts"
 MODEL = "embedded/target"
 FIRST = {"claude_code": "Read hello.txt and tell me what it says.", "codex": "Run cat hello.txt",

@@ -16,9 +16,9 @@ their argmaxes agree on every row, and how far each is from the logits of w
 one-token steps on the same tokens (plain decoding): the tolerance a verify has
 today.
 
-    python scripts/bench_verify_attention.py --models embedded:float32,qwen3-0.6b:float32 \\
+    PYTHONPATH=. python bench/verify_attention/bench.py --models embedded:float32,qwen3-0.6b:float32 \\
         --contexts 1024,4096,8192,16384,32768 --widths 2,3,5,8,16 --rounds 5 --out bench/verify_attention
-    python scripts/bench_verify_attention.py --sweep "4,2,96;16,8,128;4,2,96:bfloat16" \\
+    PYTHONPATH=. python bench/verify_attention/bench.py --sweep "4,2,96;16,8,128;4,2,96:bfloat16" \\
         --contexts 256,512,1024,2048,4096 --widths 2,5,16 --rounds 9
 """
 
@@ -32,8 +32,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dflash  # noqa: E402,F401 (first: it binds mlx-cpu to the fast BLAS, fastblas.py)
 import mlx.core as mx  # noqa: E402

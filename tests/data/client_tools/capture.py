@@ -5,7 +5,7 @@ every request body; the tools of the first request that carries any are
 written to tests/data/client_tools/<client>.json as sent, with the client's
 version and API.
 
-    python scripts/capture_client_tools.py [--only claude,codex,...]
+    PYTHONPATH=.:tests python tests/data/client_tools/capture.py [--only claude,codex,...]
 
 The CLIs come from the prefixes tests/test_agents_cli.py and
 tests/test_client_recipes.py install them into (npm: $TMPDIR/mlx-dflash-agent-clis;
@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import List, Literal, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+ROOT = Path(__file__).resolve().parents[3]
 
 import uvicorn  # noqa: E402
 from scripted import EmbeddedCatalog  # noqa: E402
