@@ -23,7 +23,6 @@ from mlx_dflash import DecodeConfig
 from mlx_dflash.cache.memory import MemoryBudget, Refused, footprint, warn_if_over
 from mlx_dflash.engine.batch_costs import auto_max_batch, prefill_together_pays
 from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
-from mlx_dflash.models.manager import materialize
 from mlx_dflash.target.adapter import Target
 
 from .catalog import Counters, Job, context_limit
@@ -334,7 +333,6 @@ class Worker:
             why = error_line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {error_line(e)}"
             raise APIError(503, f"model '{model_id}' cannot be loaded: {why}",
                            "model", "model_unavailable") from None
-        materialize(lm.model, lm.drafter)  # (the engine's thread decodes it)
         self.picked = self.prefill = None  # measured again for this model
         self.memory = self._new_budget(lm)
         size = self._batch_size(lm)

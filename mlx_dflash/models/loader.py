@@ -70,7 +70,16 @@ def load_with_choice(model: Optional[str] = None, drafter: Optional[str] = None,
         validate(d, Target(m))
     if d is not None and choice.cast is not None:  # else the drafter runs in its checkpoint's dtype
         cast(d, choice.cast)  # the compute dtype chosen applies to both models
+    materialize(m, d)
     return m, tok, d, choice
+
+
+def materialize(model, drafter=None) -> None:
+    """Evaluate every array a model and its drafter hold, private ones too (a
+    RoPE's frequencies, a selector's codebooks): MLX streams are per thread, so a
+    model loaded on one thread and decoded on another must hold no lazy array."""
+    mx.eval([v for m in (model, drafter) if m is not None for mod in m.modules() for v in mod.values()
+             if isinstance(v, mx.array)])
 
 
 def model_dtype(m) -> str:

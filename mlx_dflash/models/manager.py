@@ -65,14 +65,6 @@ class LoadedModel:
         return f"{c.line()}; `mlx-dflash settings set {self.id} dtype checkpoint` keeps {c.checkpoint}"
 
 
-def materialize(model, drafter=None) -> None:
-    """Evaluate every array a model and its drafter hold, private ones too (a
-    RoPE's frequencies, a selector's codebooks): MLX streams are per thread, so a
-    model loaded on one thread and decoded on another must hold no lazy array."""
-    mx.eval([v for m in (model, drafter) if m is not None for mod in m.modules() for v in mod.values()
-             if isinstance(v, mx.array)])
-
-
 def load(model: Optional[str] = None, drafter: Optional[str] = None, *, store: Optional[SettingsStore] = None,
          **kw):
     """`mlx_dflash.load`: loader.load with names. `model` and `drafter` may be
@@ -173,6 +165,7 @@ def load_model(model_id: Optional[str] = None, store: Optional[SettingsStore] = 
             notices.append(f"block_size {s.block_size} is above the drafter's trained block size "
                            f"{drafter.block_size}; using {fitted}")
             s = replace(s, block_size=fitted)
+    loader.materialize(model, drafter)  # again: the drafter was typed and quantized after the loader
     for n in notices:
         notice(n)
     return LoadedModel(entry.id, model, tok, drafter, s, entry, did, notices, choice,
