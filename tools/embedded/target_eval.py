@@ -23,7 +23,7 @@ def cmd_evaluate(args):
     model, tok = load(str(out))
     # check the tokenizer contract
     msgs = [{"role": "user", "content": "What is 2+3?"}]
-    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True)  # the template renders
     txt = "def f(x):\n    if x:\n\treturn  x + 1\n\n# done\n"
     assert tok.decode(tok.encode(txt, add_special_tokens=False)) == txt
     greedy = make_sampler(temp=0.0)
