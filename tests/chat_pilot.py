@@ -40,7 +40,7 @@ def drive(backend, tmp_path, body, size=SIZE, notifications=False, **kw):
 async def until(pilot, cond, what, limit=120.0):
     t0 = time.monotonic()
     while not cond():
-        assert time.monotonic() - t0 < limit, f"gave up waiting for {what}"
+        assert time.monotonic() - t0 < limit, f"gave up waiting for {what} (status: {pilot.app.status})"
         await pilot.pause(0.02)
 
 

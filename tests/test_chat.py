@@ -146,9 +146,9 @@ def test_history_reopens_after_restart_and_skips_corrupt_files(chat_backend, tmp
 
 @pytest.mark.slow
 def test_regenerate_copy_and_token_colours(chat_backend, tmp_path):
-    # a width other than the default: the engine's guard (which may choose plain
+    # a fixed width (the guard off): the engine's guard (which may choose plain
     # decoding where drafting cannot pay) stays off, so drafts are always verified
-    chat_backend.store.set_model("target", max_tokens=16, block_size=4)
+    chat_backend.store.set_model("target", max_tokens=16, block_size=4, guard=False)
 
     async def body(app, pilot):
         from drafters import OracleDrafter
@@ -263,7 +263,7 @@ def test_chat_takes_any_listed_spelling(chat_backend):
 @pytest.mark.slow
 def test_low_acceptance_warns_once_in_the_chat(chat_backend, tmp_path):
     """The random pair fits by shape and accepts almost nothing: one warning."""
-    chat_backend.store.set_model("target", max_tokens=60, block_size=4)  # fixed width: the guard would go plain and draft nothing
+    chat_backend.store.set_model("target", max_tokens=60, block_size=4, guard=False)  # fixed width: the guard would go plain and draft nothing
 
     async def body(app, pilot):
         await say(pilot, "hello")
@@ -279,8 +279,8 @@ def test_low_acceptance_warns_once_in_the_chat(chat_backend, tmp_path):
 
 def snapshot(chat_backend, tmp_path, snap_compare, steps):
     """The screen after `await steps(pilot)` on the loaded app matches the test's snapshot."""
-    # a width other than the default: no timing-driven guard deciding what the screen shows
-    chat_backend.store.set_model("target", max_tokens=6, block_size=4)
+    # a fixed width (the guard off): no timing-driven guard deciding what the screen shows
+    chat_backend.store.set_model("target", max_tokens=6, block_size=4, guard=False)
 
     async def before(pilot):
         await ready(pilot)

@@ -53,10 +53,12 @@ def test_settings_panel_validates_saves_and_applies(chat_backend, tmp_path):
         scr.query_one("#f-top_p").value = "1.0"
         scr.query_one("#f-max_tokens").value = "7"
         scr.query_one("#f-dflash_enabled").value = False
+        scr.query_one("#f-guard").value = False  # block size 3 is then every cycle's width
         scr.query_one("#f-system_prompt").text = "Be brief."
         await save_settings(pilot)
         s = chat_backend.store.model("target")
-        assert (s.max_tokens, s.block_size, s.dflash_enabled, s.system_prompt) == (7, 3, False, "Be brief.")
+        assert (s.max_tokens, s.block_size, s.dflash_enabled, s.guard, s.system_prompt) == (7, 3, False, False,
+                                                                                            "Be brief.")
         answer = await say(pilot, "hi")
         assert answer.stats["generation_tokens"] == 7 and answer.stats["finish"] == "length"
         assert answer.stats["mode"] == "off"
