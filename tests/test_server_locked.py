@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
 @pytest.fixture(scope="module")
 def locked(serve_models):
-    s = Server(serve_models[1], "--queue-size", "1", "--cors", "http://app.example", "--strict-models", model=None,
-               key="sekret")
+    s = Server(serve_models[1], "--queue-size", "1", "--max-batch", "1", "--cors", "http://app.example",
+               "--strict-models", model=None, key="sekret")  # one row: a second request waits in the queue
     yield s
     s.stop()
 

@@ -264,10 +264,10 @@ def test_api_key_on_the_command_line_is_refused(setup):
 
 @pytest.fixture(scope="module")
 def keyed(setup, tmp_path_factory):
-    """A key from a file (never on the command line); a queue of two; a short grace."""
+    """A key from a file (never on the command line); one row, a queue of two; a short grace."""
     f = tmp_path_factory.mktemp("key") / "key.txt"
     f.write_text("s3cret-key\n")
-    s = Server(setup[1], "--api-key-file", str(f), "--queue-size", "2", "--grace", "0.5", "--quiet",
+    s = Server(setup[1], "--api-key-file", str(f), "--queue-size", "2", "--max-batch", "1", "--grace", "0.5", "--quiet",
                key="s3cret-key", key_env=False)
     yield s
     s.stop()

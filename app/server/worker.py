@@ -129,6 +129,7 @@ class Worker:
     def _loop(self):
         while True:
             job = None  # the last job (and its prompt, maybe megabytes) is not kept while waiting
+            self._wait_for_row()
             job = self.jobs.get()
             if job is None:
                 # Park, never return: when this thread exits, MLX's thread-local
@@ -151,6 +152,13 @@ class Worker:
                     self.counters(job.model_id).cancelled += 1
                 continue
             self._admit(job)
+
+    def _wait_for_row(self) -> None:
+        """Wait while every row of the loaded engine is served: the jobs behind stay
+        in the queue (counted in /metrics' `queued`, and 429 once it is full)."""
+        with self.slots:
+            while self.engine is not None and len(self.inflight) >= self.engine.max_batch:
+                self.slots.wait()
 
     def _admit(self, job):
         """Serve `job` on a thread of its own, its tokens from the model's engine,
@@ -427,6 +435,8 @@ class Worker:
                     break
         finally:
             gen.close()
+        if r is not None and r.finish_reason is None and not cut and job.cancel.is_set():
+            cancelled = True  # the engine saw the client leave first (its gone() check) and ended the stream
         if r is None:  # cancelled during the prefill
             with self.lock:
                 self.counters(job.model_id).cancelled += 1
