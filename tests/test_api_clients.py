@@ -240,6 +240,7 @@ def test_reasoning_in_messages(think_ant):
     assert [b.type for b in off.content] == ["text"] and off.content[0].text == "plain"
 
 
+@pytest.mark.slow
 def test_reasoning_in_responses(think_oai):
     r = think_oai.responses.create(model="script", input=THOUGHT)
     assert [o.type for o in r.output] == ["reasoning", "message"]

@@ -378,6 +378,7 @@ def test_escape_during_a_long_prefill_keeps_the_chunks_done(chat_backend, tmp_pa
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_a_reopened_chat_shows_its_end(chat_backend, tmp_path):
     """A saved conversation longer than the screen reopens scrolled to its last message
     (issue 37: it opened at the top)."""
@@ -399,6 +400,7 @@ def test_a_reopened_chat_shows_its_end(chat_backend, tmp_path):
     drive(chat_backend, tmp_path, body)
 
 
+@pytest.mark.slow
 def test_a_new_start_of_the_chat_finds_its_prompt_on_disk(chat_backend, tmp_path):
     """The prompt store's disk tier: the next start of the app (nothing in memory)
     continues the reopened chat from the prefix the last one wrote, and says so."""

@@ -114,6 +114,7 @@ def listed(pairs):
     return d
 
 
+@pytest.mark.slow
 def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
     from mlx_dflash.models.settings_checks import settings_store
 

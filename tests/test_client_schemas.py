@@ -28,6 +28,7 @@ from app.server.tools import GenRequest, ToolStream, forced_prefix  # noqa: E402
 from mlx_dflash import load  # noqa: E402
 from mlx_dflash.models.discovery import models_dir  # noqa: E402
 from mlx_dflash.settings.schema import ModelSettings  # noqa: E402
+from tiers import fast_first  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 DATA = Path(__file__).parent / "data" / "client_tools"
@@ -141,7 +142,7 @@ def test_every_client_schema_is_compiled_whole():
             (client, name)
 
 
-@pytest.mark.parametrize("name,schema,strict", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("name,schema,strict", fast_first(SHAPES, unpack=True), ids=[s[0] for s in SHAPES])
 def test_forced_calls_of_every_shape_validate(pair, name, schema, strict):
     model, tok, _ = pair
     for choice in ("required", {"name": name}):
@@ -218,6 +219,7 @@ def test_forced_calls_validate_in_every_api(server, api):
             validate(calls[0][1], schema)
 
 
+@pytest.mark.slow
 def test_the_choice_to_call_stays_the_models(pair):
     """tool_choice auto: the grammar only acts inside a call the model opened, so the
     model's text, and whether it calls, are those of decoding without it."""

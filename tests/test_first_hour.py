@@ -51,6 +51,7 @@ def _scripted_run(monkeypatch, steps):
     monkeypatch.setattr(mlx_dflash, "stream_generate", fake)
 
 
+@pytest.mark.slow
 def test_a_drafter_is_judged_on_the_whole_answer(home, monkeypatch, capsys):
     """The shipped pair's first drafts of an answer are often all rejected (0 of 35), its
     whole answer then runs at tau 3: no warning. A drafter that accepts nothing: one."""
@@ -91,6 +92,7 @@ def test_settings_get_of_an_unknown_name_is_an_error(home, capsys):
 
 # -- settings file ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_corrupt_copy_per_corrupt_file(tmp_path, capsys):
     from mlx_dflash.settings.store import SettingsStore
 
@@ -155,6 +157,7 @@ class Home(EmbeddedCatalog):
         return self.manager.find(name, served)
 
 
+@pytest.mark.slow
 def test_client_model_names_never_reach_the_filesystem(home, monkeypatch):
     touched = []
     real = {f: getattr(os, f) for f in ("stat", "lstat", "open", "access")}
@@ -222,6 +225,7 @@ def test_the_http_layer_answers_in_json(home):
         t.join(10)
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_is_logged_with_its_tokens(home):
     with LocalServer(EmbeddedCatalog(ModelSettings()), model="embedded/target", log=True) as srv:
         out = srv.app.state.request_log.out = io.StringIO()

@@ -71,6 +71,7 @@ def no_eos():
 MSGS = [{"role": "user", "content": "What is 3 times 2?"}]
 
 
+@pytest.mark.slow
 def test_no_max_tokens_means_the_room_left(no_eos):
     with LocalServer(SmallContext(), model="embedded/target") as srv:
         c = httpx.Client(base_url=srv.url, timeout=300)

@@ -25,6 +25,7 @@ from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.target.adapter import Target
 from test_prompt_store import SYSTEM, prompt
 from app.server.catalog import Catalog
+from tiers import fast_first
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +86,7 @@ def test_a_restart_serves_the_prompt_from_disk(pair, tmp_path):
     assert s["hits"] == 1 and s["loaded_tokens"] == len(a) - 1 and s["bytes_read"] > 0 and s["load_time"] > 0
 
 
+@pytest.mark.slow
 def test_a_new_session_finds_its_instructions_in_shared_blocks(pair, tmp_path):
     """Two conversations with one system prompt: its blocks are stored once, and
     after a restart a third conversation (a new first message) starts from them."""
@@ -130,8 +132,8 @@ def _tiny(family, tmp_path, with_drafter):
     return model, d
 
 
-@pytest.mark.parametrize("case", ["quantized_kv", "unbounded_drafter", "gemma3_text", "qwen3_5", "lfm2",
-                                  "qwen3_5_drafter"])
+@pytest.mark.parametrize("case", fast_first(["quantized_kv", "unbounded_drafter", "gemma3_text", "qwen3_5", "lfm2",
+                                             "qwen3_5_drafter"]))
 def test_every_cache_kind_comes_back_exactly(pair, tmp_path, case):
     """Quantized KV, the drafter's unbounded context, a wrapped sliding window,
     recurrent states (gated delta, short conv), a hybrid with a drafter: an entry
@@ -164,6 +166,7 @@ def test_every_cache_kind_comes_back_exactly(pair, tmp_path, case):
         assert r2.stats.mode == "dflash" and r2.stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_a_recurrent_entry_serves_only_prompts_it_starts(pair, tmp_path):
     _, tok, _ = pair
     model, _ = _tiny("qwen3_5", tmp_path, False)
@@ -178,6 +181,7 @@ def test_a_recurrent_entry_serves_only_prompts_it_starts(pair, tmp_path):
 
 # -- the budget -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_disk_budget_keeps_the_least_recently_used_out(pair, tmp_path):
     model, tok, drafter = pair
     prompts = [prompt(tok, q, system=f"System {i}. " * 30) for i, q in enumerate(("One?", "Two?", "Three?"))]
@@ -206,8 +210,8 @@ def _data_start(p: Path) -> int:
     return 8 + struct.unpack("<Q", p.read_bytes()[:8])[0]
 
 
-@pytest.mark.parametrize("fault", ["truncated", "corrupt", "corrupt_block", "missing_block", "other_format",
-                                   "not_a_file"])
+@pytest.mark.parametrize("fault", fast_first(["truncated", "corrupt", "corrupt_block", "missing_block", "other_format",
+                                              "not_a_file"]))
 def test_a_broken_file_is_dropped_and_the_prompt_prefilled(pair, tmp_path, capsys, fault):
     model, tok, drafter = pair
     ids = prompt(tok, "How do I list files?")
@@ -262,6 +266,7 @@ def _enospc_save(path, caches, metadata=None):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_skipped_with_one_line(pair, tmp_path, capsys, monkeypatch):
     model, tok, drafter = pair
     ids = prompt(tok, "How do I list files?")
@@ -288,6 +293,7 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_a_real_full_disk(pair, small_fs, capsys):
     """On a real 1 MiB filesystem: entries that do not fit are skipped with one
     line and leave no temp file; `settings set` says one line; the cost cache
@@ -322,6 +328,7 @@ def test_a_real_full_disk(pair, small_fs, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_dir_still_serves_what_it_holds(pair, small_fs, capsys):
     model, tok, drafter = pair
     a, b = prompt(tok, "How do I list files?"), prompt(tok, "What is a tuple?")
@@ -356,6 +363,7 @@ KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_loses_nothing(pair, pairs, tmp_path):
     model, tok, drafter = pair
     root = tmp_path / "cache"
@@ -383,6 +391,7 @@ CONCURRENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_several_processes_share_one_folder(pair, pairs, tmp_path):
     model, tok, drafter = pair
     root = tmp_path / "cache"
@@ -403,6 +412,7 @@ def test_several_processes_share_one_folder(pair, pairs, tmp_path):
 
 # -- every entry point ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_generate_and_the_cache_command(pairs, tmp_path):
     env = {**os.environ, "MLX_DFLASH_HOME": str(tmp_path / "home")}
 
@@ -467,6 +477,7 @@ class DiskCatalog(Catalog):
         return SimpleNamespace(id="pair", model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
+@pytest.mark.slow
 def test_a_restarted_server_answers_from_disk(pairs, tmp_path, monkeypatch):
     import openai
     from scripted import LocalServer
@@ -493,6 +504,7 @@ def test_a_restarted_server_answers_from_disk(pairs, tmp_path, monkeypatch):
     assert disk["hits"] == 1 and disk["bytes_read"] > 0 and disk["load_time"] > 0
 
 
+@pytest.mark.slow
 def test_prompts_cached_by_another_version_are_skipped_with_one_line(pair, tmp_path, capsys):
     model, tok, drafter = pair
     ids = prompt(tok, "How do I list files?")

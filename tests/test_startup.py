@@ -91,6 +91,7 @@ def test_unknown_command_is_a_usage_error(tmp_path):
     assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_public_api_resolves_lazily_after_the_fast_blas():
     probe = """import sys
 import mlx_dflash

@@ -108,6 +108,7 @@ def test_every_api_answers_with_the_replacement_character(padded):
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1
 
 
+@pytest.mark.slow
 def test_generate_prints_it(padded):
     """`generate` on the padded model: the random model's greedy answer has ids past
     the tokenizer (checked), printed as U+FFFD."""

@@ -23,6 +23,7 @@ from app.server import tool_grammar  # noqa: E402
 from app.server.tools import GenRequest, ToolStream, forced_prefix, parser_name  # noqa: E402
 from mlx_dflash import DecodeConfig, load, stream_generate  # noqa: E402
 from mlx_dflash.models.discovery import models_dir  # noqa: E402
+from tiers import fast_first  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 N = 160
@@ -121,7 +122,7 @@ def test_the_grammar_holds_names_keys_and_typed_values(coder):
         assert not allowed(bad), bad
 
 
-@pytest.mark.parametrize("name", list(TOOLS))
+@pytest.mark.parametrize("name", fast_first(list(TOOLS)))
 def test_forced_calls_parse_with_mlx_lms_parser_and_validate(coder, name):
     model, tok, _ = coder
     tools = tools_for(*TOOLS)
@@ -136,6 +137,7 @@ def test_forced_calls_parse_with_mlx_lms_parser_and_validate(coder, name):
         jsonschema.validate(calls[0]["arguments"], TOOLS[want])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [3, 5])
 def test_dflash_with_the_xml_grammar_is_mlx_lm_with_it(coder, width):
     model, tok, drafter = coder

@@ -19,6 +19,7 @@ from tiny_families import FAMILIES, SPECIAL, VOCAB, build
 from mlx_dflash.engine.batch_cache import join, to_batch
 from mlx_dflash.target import verify_attention as va
 from mlx_dflash.target.adapter import Target
+from tiers import fast_first
 
 WIDTHS = [2, 3, 5, 8, 16]
 
@@ -293,7 +294,7 @@ LONG = [("qwen3", 8192), ("gemma3_text", 8192), ("qwen3_5", 8192),
         pytest.param("qwen3", 16384, marks=pytest.mark.slow), pytest.param("qwen3", 32768, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("family,context", LONG)
+@pytest.mark.parametrize("family,context", fast_first(LONG, unpack=True))
 def test_greedy_equals_mlx_lm_at_long_context(family, context, calls):
     """At the shipped thresholds (no forcing): a real prompt of `context` tokens,
     prefilled once; mlx-lm's generate_step and the speculative loop continue
