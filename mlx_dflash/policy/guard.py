@@ -78,20 +78,29 @@ class LookupGate:
         """Expected tokens of a cycle verifying n lookup drafts (the bonus included)."""
         return 1 + self.alpha * n
 
-    def pays(self, n: int, kv: Dict[int, float]) -> bool:
-        return n >= 1 and self.tokens(n) >= self.MARGIN * kv[n + 1] + self.SWITCH
+    @classmethod
+    def cycle_pays(cls, tokens: float, rows: int, cost: float) -> bool:
+        """Whether a cycle of `rows` rows that yields `tokens` (each row's own token
+        included) and costs `cost` plain steps of those rows pays (a plain step
+        yields one token a row)."""
+        return tokens >= rows * (cls.MARGIN * cost + cls.SWITCH)
 
-    def take(self, n: int, kv: Dict[int, float]) -> bool:
-        """Verify this n-draft proposal? (Counts the skips of a gate that does not pay.)"""
-        if n < 1:
-            return False
-        if self.pays(n, kv):
-            return True
+    def pays(self, n: int, kv: Dict[int, float]) -> bool:
+        return n >= 1 and self.cycle_pays(self.tokens(n), 1, kv[n + 1])
+
+    def explore(self, rows: int = 1) -> bool:
+        """A proposal skipped: True on every GAP-th skip, so a text that starts
+        repeating itself is noticed. Each of `rows` rows explores at 1/rows of that
+        pace: a cycle made for one row's lookup costs every row a verify."""
         self.skipped += 1
-        if self.skipped >= self.GAP:
+        if self.skipped >= self.GAP * rows:
             self.skipped = 0
             return True
         return False
+
+    def take(self, n: int, kv: Dict[int, float]) -> bool:
+        """Verify this n-draft proposal (one row alone)? (Counts the skips of a gate that does not pay.)"""
+        return n >= 1 and (self.pays(n, kv) or self.explore())
 
     def observe(self, accepted: int, n: int) -> None:
         self.cycles += 1
@@ -213,6 +222,8 @@ class Guard(Policy):
             src, w = self._row(r, drafting)
             srcs.append(src if w > 1 else "")
             widths.append(w)
+        if not drafting:
+            self._judge_lookups(rows, srcs, widths)
         if max(widths) == 1:
             return Decision.plain(rows, self.wait if guarded and self.state == "plain" else None)
         return Decision(tuple(widths), tuple(srcs))
@@ -233,9 +244,26 @@ class Guard(Policy):
         s = self.rows[r.uid]
         if s.gate is not None:  # the context repeats itself: verify its continuation if it pays
             m = r.offers(LOOKUP, min(self.w, room) - 1)
-            if m and s.gate.take(m, self.kv):
-                return LOOKUP, m + 1
+            if m and (not drafting or s.gate.take(m, self.kv)):  # (not drafting: a proposal, judged
+                return LOOKUP, m + 1  # with the set's in _judge_lookups)
         return (DFLASH, min(self.est[0], room)) if drafting else ("", 1)
+
+    def _judge_lookups(self, rows: Sequence[Row], srcs: list, widths: list) -> None:
+        """Between DFlash cycles, a cycle is made for the rows' lookup proposals
+        alone: it costs every row of the set a verify as wide as the widest, so it
+        is taken when the set's expected tokens pay for it (a row alone: its
+        gate's rule), or when a gate's turn to explore comes; else each row steps plainly."""
+        idx = [i for i, src in enumerate(srcs) if src == LOOKUP and not rows[i].plan.fixed]  # (fixed: its mode's)
+        if not idx:
+            return
+        gates = [self.rows[rows[i].uid].gate for i in idx]
+        tokens = len(rows) + sum(g.alpha * (widths[i] - 1) for g, i in zip(gates, idx))
+        if LookupGate.cycle_pays(tokens, len(rows), self.kv[max(widths[i] for i in idx)]):
+            return
+        if any([g.explore(len(rows)) for g in gates]):  # (a list: every gate counts its skip)
+            return
+        for i in idx:
+            srcs[i], widths[i] = "", 1
 
     def observe(self, rows: Sequence[Row], results: List[CycleResult]) -> None:
         cycle = False
