@@ -32,6 +32,8 @@ from mlx_dflash.engine.calibrate import Calibration
 from mlx_dflash.policy.guard import FixedWidth
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
 from mlx_dflash.policy.guard import Guard
+from mlx_dflash.policy.base import DFLASH, Decision, Policy
+from tiers import fast_first
 from mlx_dflash.drafting.drafter import Proposal
 from mlx_dflash.target.adapter import Target
 from drafters import DrafterDouble
@@ -534,3 +536,36 @@ def test_new_prompts_prefilled_together_equal_each_alone(tok):
         assert out[i] == ref == alone_out[i], i
     for a, b in zip(feats, alone_feats):
         assert a.shape == b.shape and np.allclose(a, b, atol=1e-4)
+
+
+class PlainPlainDraft(Policy):
+    """For the set: two plain tokens, then one DFlash cycle at width 3 for every row,
+    so a draft is decided between two plain tokens (while the next is in flight)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, rows):
+        self.calls += 1
+        if self.calls % 3:
+            return Decision.plain(rows)
+        return Decision((3,) * len(rows), (DFLASH,) * len(rows))
+
+    def observe(self, rows, results):
+        pass
+
+    def reason(self, row):
+        return "plain, plain, draft"
+
+
+@pytest.mark.parametrize("join_after", fast_first(range(1, 7)))
+def test_a_row_that_joins_after_a_draft_was_decided_between_two_tokens(tok, join_after):
+    """A draft decided for the set between two plain tokens is dropped when the set
+    changes before it runs (a row joins): the new set is decided anew, every row exact."""
+    model = model_of("qwen3")
+    refs = [reference_tokens(model, tok, p, m) for p, m in zip(PROMPTS, MAXES)]
+    oracle = RowOracles([(len(tok.encode(p)), r) for p, r in zip(PROMPTS, refs)], seed=1)
+    eng = BatchEngine(model, tok, oracle, max_batch=len(PROMPTS), policy=PlainPlainDraft())
+    out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)],
+                        join_after=join_after)
+    assert [out[i] for i in range(len(refs))] == refs

@@ -136,7 +136,7 @@ class Engine:
         self.cache: Optional[list] = None  # the batch cache of several rows (None: the row's own)
         self._uid = 0
         self._flight = None  # a plain step queued: (next tokens [B], their log-probs, their features)
-        self._due: Optional[Decision] = None  # a draft decided between two plain tokens
+        self._due: Optional[tuple] = None  # (rows' uids, a draft decided for them between two plain tokens)
         self._released: List[Tuple[int, PromptCache]] = []
         self._evaluate = True  # leaving rows' caches are evaluated (close(evaluate=False): not)
         self.cycles = self.drafter_forwards = self.occupancy = self.prefilled_together = 0
@@ -298,7 +298,8 @@ class Engine:
         rows = self.rows
         if self._flight is not None:
             return self._plain()
-        d, self._due = self._due or rows[0].policy.decide(rows), None
+        due, self._due = self._due, None  # (a set changed since, by a join or a leave, is decided anew)
+        d = due[1] if due is not None and due[0] == [s.uid for s in rows] else rows[0].policy.decide(rows)
         if d.width == 1:
             return self._plain()
         return self._cycle(d)
@@ -533,7 +534,7 @@ class Engine:
         if nxt is not None and not any(s.done for s in rows):  # asked between two tokens
             d = rows[0].policy.decide(rows)
             if d.width > 1:
-                self._due = d  # after the token in flight
+                self._due = ([s.uid for s in rows], d)  # after the token in flight
         return events
 
     def _admits_soon(self) -> bool:
