@@ -129,7 +129,8 @@ class Worker:
     def _loop(self):
         while True:
             job = None  # the last job (and its prompt, maybe megabytes) is not kept while waiting
-            self._wait_for_row()
+            with self.slots:  # (the jobs behind stay in the queue: counted in /metrics, 429 once it is full)
+                self._wait_for_row(self.engine)
             job = self.jobs.get()
             if job is None:
                 # Park, never return: when this thread exits, MLX's thread-local
@@ -153,12 +154,10 @@ class Worker:
                 continue
             self._admit(job)
 
-    def _wait_for_row(self) -> None:
-        """Wait while every row of the loaded engine is served: the jobs behind stay
-        in the queue (counted in /metrics' `queued`, and 429 once it is full)."""
-        with self.slots:
-            while self.engine is not None and len(self.inflight) >= self.engine.max_batch:
-                self.slots.wait()
+    def _wait_for_row(self, engine) -> None:
+        """Wait, holding self.slots, while every row of `engine` (None: none loaded) is served."""
+        while engine is not None and len(self.inflight) >= engine.max_batch:
+            self.slots.wait()
 
     def _admit(self, job):
         """Serve `job` on a thread of its own, its tokens from the model's engine,
@@ -171,8 +170,7 @@ class Worker:
             self._fail(job, e)
             return
         with self.slots:
-            while len(self.inflight) >= engine.max_batch:
-                self.slots.wait()
+            self._wait_for_row(engine)
             self.inflight[id(job)] = job
         threading.Thread(target=self._run, args=(job, engine), daemon=True).start()
 
