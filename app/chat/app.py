@@ -24,8 +24,8 @@ from textual.containers import VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
-from .engine import (RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, generate_job, one_line,
-                     prompt_store)
+from .engine import (RELOAD_KEYS, Finished, Loaded, ManagerBackend, Prefill, Tokens, Turn, costs_at_load, generate_job,
+                     one_line, prompt_store)
 from .history import Chat, HistoryStore
 from .history import Message as ChatMessage
 from .screens import ConfirmScreen, HelpScreen, ListScreen
@@ -138,6 +138,7 @@ class ChatApp(App):
             try:
                 lm = self.backend.load(model_id)
                 store = prompt_store(self.backend, lm)  # (on this thread: it reads the weights)
+                costs_at_load(lm)
             except Exception as e:  # every load error is shown as one line
                 self.post_message(Loaded(model_id, error=one_line(e)))
             else:

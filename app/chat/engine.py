@@ -13,6 +13,8 @@ from textual.message import Message
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.cache.prompt_store import PromptStore, open_store
+from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
+from mlx_dflash.engine.cost_source import prepare_at_load
 from mlx_dflash.settings.schema import GlobalSettings
 from mlx_dflash.target.adapter import Target
 
@@ -56,6 +58,19 @@ def prompt_store(backend, lm) -> PromptStore:
     except (AttributeError, ValueError):  # a backend without settings, or an unreadable file
         g = GlobalSettings()
     return open_store(*g.prompt_store_bytes(), lm.model, lm.tokenizer, lm.drafter, lm.id, keep_last=True)
+
+
+def costs_at_load(lm) -> None:
+    """The guard's costs for short contexts, at load (measured once per machine,
+    then cached), so the first answer measures nothing; a long conversation's
+    curves are measured when it first reaches their length (`mlx-dflash doctor`
+    measures them ahead)."""
+    try:
+        cfg = DecodeConfig.from_settings(lm.settings, lm.drafter)
+    except (AttributeError, ValueError):  # a backend's model without settings: its first answer measures
+        return
+    if cfg.needs_costs(lm.drafter, 0):
+        prepare_at_load(lm.model, lm.drafter, CALIBRATION)
 
 
 # settings whose change needs the drafter (or model) loaded again

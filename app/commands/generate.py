@@ -130,6 +130,8 @@ def run(args):
         return generate(args, group, build_prompt, effective_settings)
     from mlx_dflash import DecodeConfig, stream_generate
     from mlx_dflash.cache.prompt_store import open_store
+    from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
+    from mlx_dflash.engine.cost_source import prepare_at_load
     from mlx_dflash.engine.decoder import encode
     from mlx_dflash.models.loader import model_dtype
     from mlx_dflash.models.manager import acceptance_warning, load_model
@@ -162,9 +164,13 @@ def run(args):
             sys.stderr.flush()
 
     cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop, prefill_progress=progress)
+    prompt_ids = encode(tok, prompt)
+    if cfg.needs_costs(lm.drafter, len(prompt_ids)):  # the guard's costs at load, not inside the answer (once per machine)
+        line = prepare_at_load(lm.model, lm.drafter, CALIBRATION, (len(prompt_ids),))
+        if line:
+            sys.stderr.write(f"mlx-dflash: {line}\n")
     # the prompt's longest prefix cached on disk by an earlier run (chat, serve, generate); this one's after
     cache = open_store(*store.globals().prompt_store_bytes(), lm.model, tok, lm.drafter, lm.id, keep_last=True)
-    prompt_ids = encode(tok, prompt)
     target = Target(lm.model)
     pc, _ = cache.take(target, prompt_ids, lm.drafter, cfg.keeps_drafter_context(lm.drafter, len(prompt_ids)))
     out = _Pipe()

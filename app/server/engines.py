@@ -17,6 +17,7 @@ around the decode engine. The worker (worker.py) only shapes responses.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import queue
@@ -33,6 +34,18 @@ from mlx_dflash.engine.stats import GenerationResponse
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 _END = object()
+# A curve measured while idle runs on an engine thread (a daemon): the process
+# must not exit in the middle of one (MLX aborts when a thread is killed inside a
+# computation), so exiting waits for the one under way and starts no other.
+_MEASURING = threading.Lock()
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _let_measurement_end(timeout: float = 120.0) -> None:
+    _EXITING.set()
+    if _MEASURING.acquire(timeout=timeout):
+        _MEASURING.release()
 
 
 class LocalEngine:
@@ -41,17 +54,21 @@ class LocalEngine:
     processors = True  # runs logits processors (inside the verify)
 
     def __init__(self, lm, max_batch: int = 1, store: Optional[PromptStore] = None, prefill_together: bool = False):
-        self.lm, self.max_batch = lm, max_batch
+        self.lm, self.max_batch, self.prefill_together = lm, max_batch, prefill_together
         self.why_not = None  # why this model decodes one request at a time, when it must
         try:
-            self.engine: Engine = BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=max_batch,
-                                              prefill_together=prefill_together, calibration=CALIBRATION) \
-                if max_batch > 1 else Engine(lm.model, lm.tokenizer, lm.drafter, calibration=CALIBRATION)
+            self.engine: Engine = self._make()
         except BatchError as e:
             self.why_not = str(e)
             sys.stderr.write(f"mlx-dflash: {e}; requests run one at a time\n")
-            self.engine = Engine(lm.model, lm.tokenizer, lm.drafter, calibration=CALIBRATION)
             self.max_batch = 1
+            self.engine = self._make()
+        if self.engine.costs is not None:  # measured while idle, never inside a request (cost_source.py)
+            self.engine.costs.prepare(self.max_batch)
+        self.measuring = [0, 0, 0.0]  # curves got while idle: [read from the cache, measured, seconds]
+        self.costs_ready = threading.Event()  # set whenever no curve is wanted (and said in the log)
+        if not self._costs_wanted():
+            self.costs_ready.set()
         self.store = store
         self.cv = threading.Condition()
         self.inbox: List[tuple] = []  # (ids, config, reply queue)
@@ -64,6 +81,13 @@ class LocalEngine:
         self.peak = 0  # most rows decoding together
         self.thread = threading.Thread(target=self._loop, name="mlx-dflash-engine", daemon=True)
         self.thread.start()
+
+    def _make(self) -> Engine:
+        lm, opts = self.lm, dict(calibration=CALIBRATION, defer_costs=True)
+        if self.max_batch > 1:
+            return BatchEngine(lm.model, lm.tokenizer, lm.drafter, max_batch=self.max_batch,
+                               prefill_together=self.prefill_together, **opts)
+        return Engine(lm.model, lm.tokenizer, lm.drafter, **opts)
 
     # -- the serving threads' side -------------------------------------------------------------
     def stream(self, ids: List[int], config, gone: Callable[[], bool] = lambda: False
@@ -129,6 +153,8 @@ class LocalEngine:
                     if self.closed:
                         self.engine = self.lm = self.store = None
                         return
+                    if self._costs_wanted():
+                        break
                     self.cv.wait()
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
@@ -147,6 +173,36 @@ class LocalEngine:
             for q, r in self.last:  # (a client that sends its next turn at once finds this one stored)
                 q.put(r)
             self.last = []
+            if not (inbox or cancels or len(self.engine)) and self._costs_wanted():
+                self._measure_idle()
+
+    def _costs_wanted(self) -> bool:
+        return self.engine.costs is not None and bool(self.engine.costs.wanted) and not _EXITING.is_set()
+
+    def _measure_idle(self) -> None:
+        """One cost curve the guard wants, while no request runs (a request that
+        arrives meanwhile waits for this one curve, seconds at most); once none
+        is wanted, one line in the log."""
+        costs, m = self.engine.costs, self.measuring
+        self.costs_ready.clear()
+        try:
+            with _MEASURING:
+                if _EXITING.is_set():
+                    return
+                what, seconds, fresh = costs.measure_next()
+        except Exception as e:  # noqa: BLE001 - the guard stays plain where it lacks costs; the server goes on
+            costs.wanted.clear()
+            sys.stderr.write(f"mlx-dflash: measuring the guard's costs failed ({type(e).__name__}: {e}); "
+                             "requests that need them decode plain\n")
+            return
+        m[fresh] += 1
+        m[2] += seconds
+        if not costs.wanted:
+            sys.stderr.write(f"mlx-dflash: the guard's costs for '{self.lm.id}' on this machine: {m[1]} curves "
+                             f"measured, {m[0]} read from the cache, {m[2]:.1f} s while idle (until then, requests "
+                             "that need them decode plain)\n")
+            self.measuring = [0, 0, 0.0]
+            self.costs_ready.set()
 
     def _submit(self, ids, cfg, q, gone) -> None:
         pc, extra = None, (0, 0.0)
@@ -176,7 +232,7 @@ class LocalEngine:
         pc, n0 = self.store.take(target, ids, d, with_drafter)
         if branch < MIN_BRANCH:  # (branch < len(ids): one token is always left to process)
             return pc, (0, 0.0)
-        eng = Engine(self.lm.model, self.lm.tokenizer, d, calibration=CALIBRATION, target=target)
+        eng = Engine(self.lm.model, self.lm.tokenizer, d, calibration=CALIBRATION, target=target, defer_costs=True)
         eng.submit(ids[:branch], dataclasses.replace(cfg, max_tokens=1, stop=None, logits_processors=[],
                                                      prefill_progress=None), prompt_cache=pc, keep=True)
         seconds = 0.0
@@ -196,9 +252,7 @@ class LocalEngine:
             self.gone.clear()
             if self.store is not None:
                 self.store.clear()  # a cache may be half-written
-            self.engine = type(self.engine)(self.lm.model, self.lm.tokenizer, self.lm.drafter,
-                                            calibration=CALIBRATION, **({"max_batch": self.max_batch}
-                                                                       if self.max_batch > 1 else {}))
+            self.engine = self._make()
             return
         self.peak = max(self.peak, self.engine.occupancy)
 

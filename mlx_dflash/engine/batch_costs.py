@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..policy.costs import CostBook, Costs, load_record, save_record
+from ..policy.costs import CostBook, Costs, Unpriced, load_record, save_record
 from ..target.adapter import Target, TargetError
 from . import batch_cache as bc
 
@@ -89,10 +89,12 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
 
 class BatchCosts:
     """k(w, B) for one model + drafter: cached curves at MEASURED_B (measured
-    when first needed), linear in B between them."""
+    when first needed, or with `measure` False: Unpriced until `at(B)` measures
+    them), linear in B between them."""
 
-    def __init__(self, model, drafter, book: CostBook, widest: int):
-        self.model, self.drafter, self.book = model, drafter, book
+    def __init__(self, model, drafter, book: CostBook, widest: int, measure: bool = True):
+        self.model, self.drafter, self.book, self.measure = model, drafter, book, measure
+        self._missing = set()  # sizes looked up and found neither held nor cached (not read from disk again)
         self.widths = sorted({w for w in BATCH_WIDTHS if w <= widest} | {widest, 1})
         self._held: Dict[int, Dict[int, float]] = {}  # B -> {w: verify + draft}
         self._verify: Dict[int, Dict[int, float]] = {}  # B -> {w: the verify alone}
@@ -112,8 +114,13 @@ class BatchCosts:
 
     def _at(self, B: int, verify: bool = False) -> Dict[int, float]:
         if B not in self._held:
+            if not self.measure and B in self._missing:
+                raise Unpriced(("rows", B))
             book = self.book
             got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, batch=B)
+            if got is None and not self.measure:
+                self._missing.add(B)
+                raise Unpriced(("rows", B))
             if got is None:
                 got = measure(self.model, self.drafter, B, self.widths)
                 book.keep(self.model, self.drafter, got, batch=B)
@@ -121,6 +128,15 @@ class BatchCosts:
             self._verify[B] = {w: got.c[w] for w in self.widths}
             self._t1[B] = got.t1
         return self._verify[B] if verify else self._held[B]
+
+    def at(self, B: int) -> None:
+        """Hold the curve at B rows (a measured size): cached, else measured now."""
+        self._missing.discard(B)
+        measure, self.measure = self.measure, True
+        try:
+            self._at(B)
+        finally:
+            self.measure = measure
 
     def step_s(self, B: int) -> float:
         """Seconds of one plain batched step at B rows (a measured size)."""

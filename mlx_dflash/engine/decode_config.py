@@ -92,6 +92,11 @@ class DecodeConfig:
         (what a prompt store entry must cover to be reused for it)."""
         return plan(self, drafter, prompt_tokens).drafter
 
+    def needs_costs(self, drafter, prompt_tokens: int) -> bool:
+        """Whether the guard prices this call's cycles (from measured costs)."""
+        p = plan(self, drafter, prompt_tokens)
+        return p.drafts and not p.fixed
+
     @classmethod
     def from_settings(cls, settings, drafter=None, **overrides) -> "DecodeConfig":
         """The model's saved settings (`ModelSettings.generation_kwargs()`), its

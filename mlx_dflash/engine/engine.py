@@ -46,12 +46,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..cache.prompt_cache import PromptCache, lookup_index, origin, reuse
 from ..drafting.proposers import PROPOSERS
 from ..policy.base import DFLASH, CycleResult, Decision, Policy
-from ..policy.costs import CostModel, Costs
+from ..policy.costs import CostModel
 from ..policy.guard import Guard
-from ..policy.registry import GUARD_CALIBRATION, MODES, PolicyContext, guard_widths, plan, priced_at, runs_alone
+from ..policy.registry import MODES, PolicyContext, plan, runs_alone
 from ..target.adapter import Target
 from . import batch_cache as bc
-from .batch_costs import BatchCosts
+from .cost_source import CostSource
 from .decode_config import DecodeConfig
 from .emitter import Emitter
 from .logits import process, process_rows
@@ -79,28 +79,6 @@ def encode(tokenizer: Optional[TokenizerWrapper], prompt) -> List[int]:
     return list(prompt)
 
 
-def cost_model(model, drafter, calibration, batched: bool = False) -> CostModel:
-    """What the guard prices cycles with for this model and drafter: the curves
-    measured through the engine's own steps (calibrate.py) at the widths it
-    chooses among, by context length (measured when a length first needs one)
-    and, for a set of several (`batched`), by batch size (batch_costs.py)."""
-    cap = drafter.block_size
-    widths = guard_widths(cap)
-
-    def curve(at):
-        opts = dict(GUARD_CALIBRATION, context=at) if at is not None else GUARD_CALIBRATION
-        return calibration.costs(model, drafter, widths=widths, enough=(1, min(5, cap)), at=at, **opts)
-
-    batch = None
-    if batched:
-        measured = BatchCosts(model, drafter, calibration.book, cap)
-
-        def batch(B):  # in units of a plain [B, 1] step
-            v, t = measured.verify_curve(B), measured.curve(B)
-            return Costs(1.0, v, {w: t[w] - v[w] for w in v})
-    return CostModel(curve, widths, batch, priced_at)
-
-
 class Engine:
     """Decodes a set of sequences over an mlx-lm `model` (+ a DFlash `drafter`).
 
@@ -111,14 +89,18 @@ class Engine:
     a split target's on every rank). `prefill_together`: requests that arrive
     together with short prompts, on a target with only KV layers, are prefilled
     in one left-padded forward. `policy`: the set's policy (default: the guard,
-    built when a row first needs it)."""
+    built when a row first needs it). `defer_costs`: a curve the guard needs
+    that is not measured yet is not measured inside the request: the guard
+    decodes plain until the caller measures it (`costs.measure_next`, see
+    cost_source.py; a server does, while idle)."""
 
     def __init__(self, model, tokenizer, drafter=None, *, max_batch: int = 1, calibration=None,
                  prefill_step_size: int = 2048, prefill_together: bool = False, target: Optional[Target] = None,
-                 policy: Optional[Policy] = None):
+                 policy: Optional[Policy] = None, defer_costs: bool = False):
         self.tokenizer = tokenizer if tokenizer is None or isinstance(tokenizer, TokenizerWrapper) \
             else TokenizerWrapper(tokenizer)
         self.model, self.drafter, self.calibration = model, drafter, calibration
+        self.defer_costs, self._source = defer_costs, None
         self.target = target or Target(model)
         if max_batch < 1:
             raise BatchError(f"max_batch must be >= 1, got {max_batch}")
@@ -207,10 +189,18 @@ class Engine:
                              "calibration=mlx_dflash.engine.calibrate.DEFAULT")
         return self.calibration.costs(self.model, self.drafter, **kw)
 
+    @property
+    def costs(self) -> Optional[CostSource]:
+        """Where the guard's prices come from (None: nothing to price: no drafter or no calibration)."""
+        if self._source is None and self.calibration is not None and self.drafter is not None:
+            self._source = CostSource(self.model, self.drafter, self.calibration, self.max_batch > 1,
+                                      self.defer_costs)
+        return self._source
+
     def _cost_model(self) -> CostModel:
-        if self.calibration is None:
+        if self.costs is None:
             self._costs()  # (its one-line error)
-        return cost_model(self.model, self.drafter, self.calibration, self.max_batch > 1)
+        return self.costs.cost_model()
 
     def cancel(self, uid: int) -> None:
         """The request leaves at the next step boundary; the others go on as if it had never been there."""

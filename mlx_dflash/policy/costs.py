@@ -61,6 +61,22 @@ class Costs:
 COST_METHOD = 3
 
 
+class Unpriced(Exception):
+    """A curve the price needs is neither held nor cached, and this engine does
+    not measure inside a request (a server: it measures while idle). `key`:
+    ("length", tokens or None for the base curve) or ("rows", batch size)."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+        super().__init__(f"the costs at {curve_name(key)}")
+
+
+def curve_name(key: tuple) -> str:
+    """A measured curve's name in messages: its length or its number of rows."""
+    kind, n = key
+    return "short contexts" if n is None else f"{n} tokens" if kind == "length" else f"{n} rows"
+
+
 def interpolate(curve: Dict[int, float], w: int) -> float:
     """A cost curve at width w, linear between the nearest measured widths (the
     guard measures only 1 and its width; the realistic bench a few)."""
@@ -106,7 +122,8 @@ class CostModel:
     attention's reads are. `batch(B)` is the curve of a B-row set (batch_costs:
     a [B, w] verify in units of a [B, 1] step), scaled by the single stream's
     growth with the length. Curves are fetched when first needed (a short set
-    never measures a long or batched one)."""
+    never measures a long or batched one); a fetch may raise Unpriced, which
+    passes through (nothing is cached for that price: it is asked again)."""
 
     def __init__(self, curve: Callable[[Optional[int]], Costs], widths: Sequence[int],
                  batch: Optional[Callable[[int], Costs]] = None, priced_at: Callable[[int], Optional[int]] = None):

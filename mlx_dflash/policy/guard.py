@@ -25,6 +25,10 @@ an n-gram seen before, its continuation is verified as free drafts if
 of lookup drafts accepted; k_verify: the verify alone), in any state, plain
 included; while it does not pay, every GAP-th match is verified anyway.
 
+Unpriced (the engine defers measuring and a curve this set needs, at its
+length or its number of rows, is not measured yet): the guarded rows decode
+plain, lookup included, until it is; the state and estimates wait as they are.
+
 Rows that do not follow the guard keep their own rule inside the same cycle:
 an unguarded width (verify mode dflash with the guard off, or a seeded sampled
 row beside others) drafts exactly its width; verify mode lookup drafts lookup
@@ -35,7 +39,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .base import DFLASH, LOOKUP, CycleResult, Decision, Plan, Policy, Row
-from .costs import CostModel, Observed
+from .costs import CostModel, Observed, Unpriced
 
 
 def expected(p: Sequence[float], w: int) -> float:
@@ -150,6 +154,7 @@ class Guard(Policy):
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
         self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L
         self.hopeless = False
+        self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
         if self.prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -174,10 +179,17 @@ class Guard(Policy):
         return max(self.ws, default=1)
 
     # -- the prediction --------------------------------------------------------------------
-    def _price(self, rows: Sequence[Row]) -> None:
+    def _price(self, rows: Sequence[Row]) -> bool:
+        """Price this set's cycles; False (why: self.unpriced) while a curve it needs is not measured yet."""
         B, L = len(rows), max((r.context for r in rows), default=0)
-        self.kd, self.kv = self.model.k(B, L, True), self.model.k(B, L, False)
+        try:
+            self.kd, self.kv = self.model.k(B, L, True), self.model.k(B, L, False)
+        except Unpriced as e:
+            self.unpriced = str(e)
+            return False
+        self.unpriced = None
         self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
+        return True
 
     def _p(self, s: _RowState) -> List[float]:
         """A row's per-position estimates now (probe: its evidence over the pseudo prior)."""
@@ -203,12 +215,12 @@ class Guard(Policy):
 
     # -- the interface ---------------------------------------------------------------------
     def decide(self, rows: Sequence[Row]) -> Decision:
-        for r in rows:
-            if r.uid not in self.rows and r.plan.drafts and not r.plan.fixed:
+        mine = [r for r in rows if r.plan.drafts and not r.plan.fixed]
+        priced = bool(mine) and self._price(rows)
+        for r in mine if priced else ():
+            if r.uid not in self.rows:
                 self.rows[r.uid] = _RowState(self.w, self.prior if r.plan.carry else Observed(), r.plan.lookup)
-        guarded = self._guarded(rows)
-        if guarded:
-            self._price(rows)
+        guarded = self._guarded(rows) if priced else []
         if guarded and not self.started:  # the first rows: drafting if what they carry pays
             self.started = True
             if self.state == "probe" and all(s.p is not None for s in guarded) and \
@@ -216,19 +228,20 @@ class Guard(Policy):
                 self.state = "draft"
         if guarded and self.state != "plain":
             self.est = self.best([self._p(s) for s in guarded])
-        drafting = guarded and self.state != "plain" and not self.hopeless
+        # (None: unpriced, the guarded rows step plainly)
+        drafting = (guarded and self.state != "plain" and not self.hopeless) if priced else None
         srcs, widths = [], []
         for r in rows:
             src, w = self._row(r, drafting)
             srcs.append(src if w > 1 else "")
             widths.append(w)
-        if not drafting:
+        if drafting is False:
             self._judge_lookups(rows, srcs, widths)
         if max(widths) == 1:
             return Decision.plain(rows, self.wait if guarded and self.state == "plain" else None)
         return Decision(tuple(widths), tuple(srcs))
 
-    def _row(self, r: Row, drafting: bool) -> tuple:
+    def _row(self, r: Row, drafting: Optional[bool]) -> tuple:
         """(source, verify width) of one row this cycle."""
         plan = r.plan
         if not plan.drafts:
@@ -241,7 +254,9 @@ class Guard(Policy):
                     return LOOKUP, m + 1
                 return (DFLASH, room) if plan.drafter else ("", 1)
             return DFLASH, room
-        s = self.rows[r.uid]
+        s = self.rows.get(r.uid) if drafting is not None else None
+        if s is None:  # unpriced: plain
+            return "", 1
         if s.gate is not None:  # the context repeats itself: verify its continuation if it pays
             m = r.offers(LOOKUP, min(self.w, room) - 1)
             if m and (not drafting or s.gate.take(m, self.kv)):  # (not drafting: a proposal, judged
@@ -345,7 +360,10 @@ class Guard(Policy):
             return False
         if plan.fixed:
             return True
-        kd = self.model.k(1, context, True)  # alone, at its length: then plain (and lookup) for good
+        try:
+            kd = self.model.k(1, context, True)  # alone, at its length: then plain (and lookup) for good
+        except Unpriced:
+            return True  # not measured yet: its features are kept, so it may draft once it is
         return bool(self.ws) and max(x / kd[x] for x in self.ws) >= self.CEILING_MIN
 
     def leave(self, row: Row) -> Optional[Observed]:
@@ -371,6 +389,8 @@ class Guard(Policy):
             if plan.lookup:
                 return f"lookup width {plan.cap}" + (" (else DFlash)" if plan.drafter else "")
             return f"fixed width {plan.cap}"
+        if self.unpriced:
+            return f"plain: {self.unpriced} are not measured yet (measured while the server is idle)"
         s = self.rows.get(row.uid)
         tail = s.gate.tail() if s is not None and s.gate is not None else ""
         return self._dflash_reason() + tail
@@ -393,7 +413,7 @@ class Guard(Policy):
         if not row.plan.drafts or row.plan.fixed:
             return None
         x, tau, s = self.est
-        return {"state": self.state, "fallbacks": self.fallbacks, "probes": self.probes, "speedup": s,
+        return {"state": "unpriced" if self.unpriced else self.state, "fallbacks": self.fallbacks, "probes": self.probes, "speedup": s,
                 "cycle_cost": self.kd.get(x), "tau": tau, "width": x, "widths": dict(self.widths)}
 
 
