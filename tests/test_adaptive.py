@@ -480,7 +480,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
     calibrate.remember(model, wrong, _costs(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
-    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.block_size == wrong.block_size
+    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.max_width == wrong.block_size
     assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.")
     assert r.stats.to_dict()["policy"] == r.stats.policy and r.stats.adaptive["fallbacks"] >= 1
     for kw in (dict(block_size=4), dict(guard=False)):

@@ -70,7 +70,7 @@ def test_settings_panel_validates_saves_and_applies(chat_backend, tmp_path):
         app.screen.query_one("#f-dflash_enabled").value = True
         await save_settings(pilot)
         answer = await say(pilot, "again")
-        assert answer.stats["mode"] == "dflash" and answer.stats["block_size"] == 3
+        assert answer.stats["mode"] == "dflash" and answer.stats["max_width"] == 3
 
     drive(chat_backend, tmp_path, body)
 
@@ -118,7 +118,7 @@ def test_status_is_one_line_that_fits_and_toasts_leave_it_alone(chat_backend, tm
         await pilot.pause()
         bar = app.query_one("#status")
         text = status_text(app)
-        assert "ready" in text and "DFlash on w" in text and "tok/s" in text and "tau" in text
+        assert "ready" in text and "DFlash on guard \u2264" in text and "tok/s" in text and "tau" in text
         assert "policy" not in text and "\n" not in text  # the reason is in the help screen
         # one line, inside the screen, above the footer, and all of its text is on that line
         assert bar.region.height == 1 and bar.region.width == size[0]

@@ -122,7 +122,7 @@ def test_generate_takes_listed_names_and_saved_settings(listed, capsys):
     assert main("generate", "--model", "TARGET", "--drafter", "drafter", "--prompt", "hi", "--json") == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "target" and out["drafter"] == "drafter"
-    assert out["stats"]["generation_tokens"] == 4 and out["stats"]["block_size"] == 3  # the saved settings
+    assert out["stats"]["generation_tokens"] == 4 and out["stats"]["max_width"] == 3  # the saved settings
     assert main("generate", "--model", "someorg/target", "--prompt", "hi", "--json", "--max-tokens", "6",
                 "--verify-mode", "off") == 0  # flags override
     out = json.loads(capsys.readouterr().out)

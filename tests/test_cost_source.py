@@ -15,6 +15,7 @@ from mlx_dflash.engine.batch import BatchEngine
 from mlx_dflash.engine.calibrate import Calibration
 from mlx_dflash.engine.cost_source import PREPARED_CONTEXTS, prepare_at_load
 from mlx_dflash.engine.engine import Engine
+from mlx_dflash.engine.measuring import Interrupted
 from mlx_dflash.platform.paths import cache_dir
 from mlx_dflash.policy.base import Plan
 from mlx_dflash.policy.costs import CostModel, Costs, Unpriced
@@ -160,3 +161,23 @@ def test_the_server_engine_measures_while_idle_and_says_so_once(pair, capfd):
     n = 2 + len(PREPARED_CONTEXTS)  # short contexts, 2 rows, the long lengths
     assert len(lines) == 1 and f": {n} curves measured, 0 read from the cache" in lines[0]
     assert len(curves_on_disk()) == n
+
+
+def test_a_measurement_gives_way_to_a_request_and_is_taken_up_again(pair):
+    model, tok, drafter = pair
+    eng = BatchEngine(model, tok, drafter, max_batch=2, calibration=Calibration(), defer_costs=True)
+    eng.costs.prepare(2, contexts=())
+    asked = []
+
+    def stop():  # a request arrives during the third timed piece
+        asked.append(1)
+        return len(asked) >= 3
+
+    for key in list(eng.costs.wanted):
+        before = curves_on_disk()
+        with pytest.raises(Interrupted):
+            eng.costs.measure_next(stop)
+        assert eng.costs.wanted[0] == key and curves_on_disk() == before  # still first in line, nothing kept
+        asked.clear()
+        eng.costs.measure_next()
+    assert eng.costs.wanted == [] and len(curves_on_disk()) == 2

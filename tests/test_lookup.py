@@ -186,7 +186,7 @@ def test_default_mode_takes_lookup_drafts_and_stays_exact(pairs):
             calibrate.remember(model, dr, _curve(1.6, 0.4))  # DFlash pays from tau 2, lookup from 1 + 0.5 n >= c
             r = generate(model, tok, prompt, dr, max_tokens=MAX)
             assert r.token_ids == ref, (prompt, noise)
-            assert r.stats.mode == "dflash" and r.stats.block_size == dr.block_size
+            assert r.stats.mode == "dflash" and r.stats.max_width == dr.block_size
             looked[noise] += r.stats.lookup_cycles
             if noise == 1.0:  # DFlash does not pay: the guard's cycles are plain steps or lookups
                 assert r.stats.drafted <= 3 * 4 + 4 * r.stats.lookup_cycles

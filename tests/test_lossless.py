@@ -47,7 +47,7 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
         for w in WIDTHS:
             r = generate(model, tok, prompt, drafter, max_tokens=MAX, block_size=w, guard=False)
             assert r.token_ids == ref, (prompt, w)
-            assert r.stats.mode == "dflash" and r.stats.block_size == w
+            assert r.stats.mode == "dflash" and r.stats.max_width == w
             checked += 1
         # the default block size: the guard may choose any width up to the drafter's
         r = generate(model, tok, prompt, drafter, max_tokens=MAX)

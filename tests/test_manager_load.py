@@ -33,7 +33,7 @@ def test_load_model_picks_drafter_and_stays_lossless(world):
     lm1 = load_model("embedded/target", store)
     assert lm1.drafter_id == "org/v1-drafter" and lm1.drafter.version == 1
     r = _greedy(lm1, "def main():")
-    assert r.token_ids == plain.token_ids and r.stats.block_size == 7
+    assert r.token_ids == plain.token_ids and r.stats.max_width == 7
     store.set_model("embedded/target", **{"dflash.enabled": False})
     off = load_model("embedded/target", store)
     assert off.drafter is None and off.generation_kwargs()["verify_mode"] == "off"
@@ -48,7 +48,7 @@ def test_load_model_fits_block_size_from_a_hand_edited_file(world):
     store.path.write_text(json.dumps(raw))
     lm = load_model("embedded/target", store)
     assert lm.settings.block_size == 8 and "above the drafter's trained block size 8" in lm.notices[0]
-    assert _greedy(lm, "x = 1").stats.block_size == 8
+    assert _greedy(lm, "x = 1").stats.max_width == 8
 
 
 def _draft_hidden(lm, feats):

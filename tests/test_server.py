@@ -55,8 +55,8 @@ def _check_report(d, finish_cut=False):
     assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
     assert f["mode"] in ("dflash", "off")
     if f["mode"] == "dflash":
-        assert f["verify_width"] >= 2 and f["fallback"] is None
-        assert t["draft_n"] <= f["cycles"] * (f["verify_width"] - 1)
+        assert f["max_width"] >= 2 and 1 <= f["width"] <= f["max_width"] and f["fallback"] is None
+        assert t["draft_n"] <= f["cycles"] * (f["max_width"] - 1)
         assert f["acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0)
     if not finish_cut:  # every token after the prefill's came from a verify cycle
         assert f["tau"] * f["cycles"] == pytest.approx(u["completion_tokens"] - 1)

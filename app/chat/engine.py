@@ -77,7 +77,7 @@ def costs_at_load(lm) -> None:
 RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype", "dtype")
 
 # stats the chat keeps per answer (GenerationStats.to_dict keys)
-STATS_KEYS = ("mode", "fallback", "policy", "block_size", "prompt_tokens", "reused_tokens", "generation_tokens",
+STATS_KEYS = ("mode", "fallback", "policy", "max_width", "width", "guard", "prompt_tokens", "reused_tokens", "generation_tokens",
               "cycles", "drafted", "accepted", "tau", "acceptance_rate", "generation_tps", "prompt_tps",
               "prompt_time", "generation_time", "peak_memory", "prompt_cache")
 

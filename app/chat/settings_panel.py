@@ -18,8 +18,8 @@ from .engine import one_line
 # field, label, kind
 SETTINGS_FIELDS = [
     ("dflash_enabled", "DFlash", "switch"),
-    ("guard", "Guard (auto width)", "switch"),
-    ("block_size", "Block size (guard off)", "int"),
+    ("guard", "Guard (picks width)", "switch"),
+    ("block_size", "Fixed width (guard off)", "int"),
     ("verify_mode", "Verify mode", "mode"),
     ("drafter_quant_bits", "Quantized drafter", "quant"),
     ("dtype", "Compute dtype", "dtype"),

@@ -11,6 +11,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 
+from mlx_dflash.engine.stats import width_text
 from mlx_dflash.models.drafter_precision import quant_label
 
 DRAFT_STYLE = "#7ee787"  # accepted draft tokens
@@ -69,6 +70,13 @@ def _cut(text: str, n: int) -> str:
     return text if len(text) <= n else text[:max(0, n - 1)] + "…"
 
 
+def width_label(settings, drafter, s: dict) -> str:
+    """stats.width_text for the last answer (`s`), or before one from the settings."""
+    if s.get("max_width"):
+        return width_text(bool(s.get("guard")), s["max_width"], s.get("width") or 0)
+    return width_text(settings.guard, drafter.block_size if settings.guard else settings.block_size)
+
+
 def status_parts(loaded, settings, stats: dict, status: str, colours: bool, mask_timings: bool) -> list:
     """The status bar's fields in order: (priority, markup, plain text). Lower
     priorities are dropped first when the line does not fit."""
@@ -81,10 +89,8 @@ def status_parts(loaded, settings, stats: dict, status: str, colours: bool, mask
         elif s.get("fallback"):
             parts.append((0, "DFlash [b yellow]fallback[/]", "DFlash fallback"))
         else:
-            w = s.get("block_size") or settings.block_size
-            plain = str(s.get("policy", "")).startswith("plain")  # the guard runs plain decoding for now
-            tail = " (plain now)" if plain else ""
-            parts.append((0, f"DFlash [b green]on[/] w{w}{tail}", f"DFlash on w{w}{tail}"))
+            w = width_label(settings, loaded.drafter, s)
+            parts.append((0, f"DFlash [b green]on[/] {w}", f"DFlash on {w}"))
         if s:
             if s.get("mode") == "dflash":
                 t = f"tau {s.get('tau', 0.0):.2f}"

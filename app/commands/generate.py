@@ -36,8 +36,8 @@ def add_parser(sub):
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None,
-                   help="verify width: every cycle verifies exactly this many rows (the guard off, unless --guard "
-                        "on; default from settings: 5)")
+                   help="the fixed verify width: every cycle verifies exactly this many rows (the guard off, unless "
+                        "--guard on; default from settings: 5)")
     p.add_argument("--guard", choices=("on", "off"), default=None,
                    help="on: each cycle's width is the guard's choice, from plain decoding up to the drafter's "
                         "trained block size; off: --block-size exactly (default from settings: on)")
@@ -200,13 +200,14 @@ def run(args):
                              "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
                              "prompt_tps": s.prompt_tps, "mode": s.mode, "fallback": s.fallback,
                              "policy": s.policy, "reused_tokens": s.reused_tokens, "prompt_cache": s.prompt_cache,
-                             "block_size": s.block_size, "peak_memory_gb": s.peak_memory}}
+                             "max_width": s.max_width, "width": s.width, "guard": s.guard, "peak_memory_gb": s.peak_memory}}
             out.write(json.dumps(res) + "\n")
         else:
             out.write("\n")
             sys.stderr.write(
                 f"[{s.generation_tokens} tokens, {s.generation_tps:.1f} tok/s, tau {s.tau:.2f}, "
                 f"accept {s.acceptance_rate:.0%}, mode {s.mode}{', fallback: ' + s.fallback if s.fallback else ''}, "
+                f"{s.width_text() + ', ' if s.mode != 'off' else ''}"
                 f"{model_dtype(lm.model)}]\n")
     except _Pipe.Closed:
         kept = True  # (the cache agrees with the tokens at every yield)

@@ -57,13 +57,16 @@ class ServerContext:
 
 
 def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (), queue_size: int = 8,
-               max_batch=1, model: Optional[str] = None, store=None, allowed_hosts: tuple = (),
+               max_batch=1, model: Optional[str] = None, preload: Optional[str] = None, store=None,
+               allowed_hosts: tuple = (),
                max_body: int = MAX_BODY,
                log: bool = False, strict_models: bool = False) -> FastAPI:
     """The FastAPI app. `catalog` (default: the model manager's) provides
     targets(), default(), find(name, served), settings(id) and load(id) ->
     LoadedModel. `model`, when given, is loaded at startup and is the default for
-    requests that name none. A request naming a model this server does not have
+    requests that name none; `preload`, when given, is loaded at startup too,
+    without becoming the default (`serve` without --model: the settings' default
+    model, which requests follow as the settings change). A request naming a model this server does not have
     (a client's own default, `gpt-4o`, `claude-...`) is answered by the default
     model, and the response's `model` says which; `strict_models` answers 404
     instead. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
@@ -86,9 +89,10 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
-        if model is not None:  # load now so the first request does not wait for it
+        first = model if model is not None else preload
+        if first is not None:  # load now (and measure what loading measures) so the first request does not wait
             loop = asyncio.get_running_loop()
-            worker.submit(Job("warm", model, None, loop))
+            worker.submit(Job("warm", first, None, loop))
         yield
         worker.stop()
 

@@ -120,7 +120,7 @@ def run(args) -> int:
     key = api_key(args, g.api_key)
     cors = tuple(args.cors if args.cors is not None else g.cors_origins)
     catalog = ManagerCatalog(store)
-    model = split = None
+    model = split = preload = None
     group = world()
     if group is not None:  # started by mlx.launch: the target split over the ranks, rank 0 serves
         split = SplitServer(args.model, store, group, args.split)
@@ -141,7 +141,7 @@ def run(args) -> int:
         from mlx_dflash.models.model_names import resolve
 
         try:
-            resolve(None, store)
+            preload = resolve(None, store).id
         except ValueError as e:  # still useful: requests can name any listed model
             sys.stderr.write(f"mlx-dflash: no default model ({error_line(e)}); "
                              "requests must name a model\n")
@@ -154,6 +154,7 @@ def run(args) -> int:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     remove_stale_temps(cache_dir() / "calibration", CALIBRATION_TEMP)  # left by a killed writer
     app = create_app(catalog, api_key=key, cors=cors, queue_size=args.queue_size, max_batch=max_batch, model=model,
+                     preload=preload,
                      allowed_hosts=(*args.allowed_hosts, host), log=not args.quiet,
                      strict_models=args.strict_models)
     sys.stderr.write(f"mlx-dflash: serving on http://{host}:{port}/v1"

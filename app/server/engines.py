@@ -23,6 +23,7 @@ import dataclasses
 import queue
 import sys
 import threading
+import time
 import traceback
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -30,9 +31,11 @@ from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.engine.batch import BatchEngine, BatchError
 from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
 from mlx_dflash.engine.engine import Engine
+from mlx_dflash.engine.measuring import Interrupted
 from mlx_dflash.engine.stats import GenerationResponse
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
+IDLE_S = 1.0  # idle this long before measuring (requests sent back to back, as agents send them, come first)
 _END = object()
 # A curve measured while idle runs on an engine thread (a daemon): the process
 # must not exit in the middle of one (MLX aborts when a thread is killed inside a
@@ -67,6 +70,7 @@ class LocalEngine:
             self.engine.costs.prepare(self.max_batch)
         self.measuring = [0, 0, 0.0]  # curves got while idle: [read from the cache, measured, seconds]
         self.costs_ready = threading.Event()  # set whenever no curve is wanted (and said in the log)
+        self.last_busy = time.monotonic()
         if not self._costs_wanted():
             self.costs_ready.set()
         self.store = store
@@ -153,9 +157,10 @@ class LocalEngine:
                     if self.closed:
                         self.engine = self.lm = self.store = None
                         return
-                    if self._costs_wanted():
+                    wanted = self._costs_wanted()
+                    if wanted and time.monotonic() - self.last_busy >= IDLE_S:
                         break
-                    self.cv.wait()
+                    self.cv.wait(IDLE_S if wanted else None)
                 inbox, self.inbox = self.inbox, []
                 cancels, self.cancels = self.cancels, []
             for ids, cfg, q, gone in inbox:  # (one that must run alone waits in the engine for an empty set)
@@ -173,27 +178,37 @@ class LocalEngine:
             for q, r in self.last:  # (a client that sends its next turn at once finds this one stored)
                 q.put(r)
             self.last = []
-            if not (inbox or cancels or len(self.engine)) and self._costs_wanted():
+            if inbox or cancels or len(self.engine):
+                self.last_busy = time.monotonic()
+            elif self._costs_wanted():
                 self._measure_idle()
+
+    def _interrupts(self) -> bool:
+        """Whether a measurement under way should give way (read without the lock: a hint, checked again)."""
+        return bool(self.inbox or self.cancels) or self.closed or _EXITING.is_set()
 
     def _costs_wanted(self) -> bool:
         return self.engine.costs is not None and bool(self.engine.costs.wanted) and not _EXITING.is_set()
 
     def _measure_idle(self) -> None:
-        """One cost curve the guard wants, while no request runs (a request that
-        arrives meanwhile waits for this one curve, seconds at most); once none
-        is wanted, one line in the log."""
+        """One cost curve the guard wants, while no request runs (one that arrives
+        meanwhile stops it at the next timed piece; it is measured again later);
+        once none is wanted, one line in the log."""
         costs, m = self.engine.costs, self.measuring
         self.costs_ready.clear()
         try:
             with _MEASURING:
                 if _EXITING.is_set():
                     return
-                what, seconds, fresh = costs.measure_next()
+                what, seconds, fresh = costs.measure_next(self._interrupts)
+        except Interrupted:
+            self.last_busy = time.monotonic()
+            return
         except Exception as e:  # noqa: BLE001 - the guard stays plain where it lacks costs; the server goes on
-            costs.wanted.clear()
             sys.stderr.write(f"mlx-dflash: measuring the guard's costs failed ({type(e).__name__}: {e}); "
                              "requests that need them decode plain\n")
+            if not costs.wanted:
+                self.costs_ready.set()
             return
         m[fresh] += 1
         m[2] += seconds

@@ -131,7 +131,7 @@ def report(stats, end: dict) -> dict:
                     "predicted_per_token_ms": 1000 / s.generation_tps if s.generation_tps else 0.0,
                     "predicted_per_second": s.generation_tps,
                     "draft_n": s.drafted, "draft_n_accepted": s.accepted},
-        "dflash": {"tau": s.tau, "cycles": s.cycles, "verify_width": s.block_size, "mode": s.mode,
+        "dflash": {"tau": s.tau, "cycles": s.cycles, "max_width": s.max_width, "width": s.width, "guard": s.guard, "mode": s.mode,
                    "fallback": s.fallback, "policy": s.policy, "lookup_cycles": s.lookup_cycles,
                    "acceptance_rate": s.acceptance_rate,
                    "reused_prompt_tokens": s.reused_tokens, "ttft_ms": end["ttft_ms"],

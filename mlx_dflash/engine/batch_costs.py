@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..policy.costs import CostBook, Costs, Unpriced, load_record, save_record
 from ..target.adapter import Target, TargetError
 from . import batch_cache as bc
+from .measuring import checkpoint
 
 BATCH_WIDTHS = (1, 2, 3, 5, 8)  # measured (capped at the drafter's block size); between: interpolated
 MEASURED_B = (1, 2, 4, 8, 16, 32)  # batch sizes measured; between: linear in B
@@ -34,18 +35,21 @@ PREFILL_PROBE = (40, 64, 88, 112)  # prompt lengths of the prefill probe (ragged
 PREFILL_GAIN = 0.75  # prefilled together only where that takes at most this share of one after another
 
 
-def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, rounds: int = 3) -> Costs:
-    """Time [B, w] verifies (capture on, rolled back) and B-row drafts of w positions."""
+def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, rounds: int = 3,
+            stop: Optional[Callable[[], bool]] = None) -> Costs:
+    """Time [B, w] verifies (capture on, rolled back) and B-row drafts of w
+    positions. `stop`: asked between the timed pieces (calibrate.checkpoint)."""
     target = Target(model)
     capture = list(drafter.config.target_layer_ids) if drafter is not None else []
     ids = ((mx.arange(context) * 7919 + 11) % target.vocab_size).tolist()
-    cache, feats = None, None
-    for _ in range(B):  # B rows of the same context, each prefilled alone as the engine does
-        c = target.make_cache()
-        _, f = target(mx.array(ids)[None], c, capture)
-        mx.eval([x.state for x in c])
-        feats = f
+    c = target.make_cache()  # one row prefilled alone, as the engine does; B copies of it joined
+    _, feats = target(mx.array(ids)[None], c, capture)
+    mx.eval([x.state for x in c])
+    cache = None
+    for _ in range(B):
         cache = bc.join(cache, bc.to_batch(c))
+    mx.eval([x.state for x in cache])
+    checkpoint(stop)
     real = drafter is not None
     dcaches = [drafter.make_cache() for _ in range(B)] if real else []
     if real:
@@ -74,6 +78,7 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
     tv = {w: [] for w in widths}
     td = {w: [] for w in dw}
     for _ in range(rounds):
+        checkpoint(stop)
         for w in widths:
             tv[w].append(verify(w))
         for w in dw:
@@ -124,24 +129,37 @@ class BatchCosts:
             if got is None:
                 got = measure(self.model, self.drafter, B, self.widths)
                 book.keep(self.model, self.drafter, got, batch=B)
-            self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
-            self._verify[B] = {w: got.c[w] for w in self.widths}
-            self._t1[B] = got.t1
+            self._hold(B, got)
         return self._verify[B] if verify else self._held[B]
 
-    def at(self, B: int) -> None:
-        """Hold the curve at B rows (a measured size): cached, else measured now."""
+    def _hold(self, B: int, got: Costs) -> None:
+        self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
+        self._verify[B] = {w: got.c[w] for w in self.widths}
+        self._t1[B] = got.t1
+
+    def at(self, B: int, stop: Optional[Callable[[], bool]] = None) -> None:
+        """Hold the curve at B rows (a measured size): cached, else measured now
+        (`stop`: see measure)."""
+        if B in self._held:
+            return
+        got = self.book.curve(self.model, self.drafter, widths=self.widths, batch=B)
+        if got is None:
+            got = measure(self.model, self.drafter, B, self.widths, stop=stop)
+            self.book.keep(self.model, self.drafter, got, batch=B)
+        self._hold(B, got)
         self._missing.discard(B)
-        measure, self.measure = self.measure, True
-        try:
-            self._at(B)
-        finally:
-            self.measure = measure
 
     def step_s(self, B: int) -> float:
-        """Seconds of one plain batched step at B rows (a measured size)."""
-        self._at(B)
-        return self._t1[B]
+        """Seconds of one plain batched step at B rows (a measured size): from
+        its curve when held or cached, else a few [B, 1] steps measured alone
+        (what `max_batch auto` needs at load; the widths are measured later)."""
+        if B in self._t1:
+            return self._t1[B]
+        got = self.book.curve(self.model, self.drafter, widths=(1,), batch=B)
+        if got is None:
+            got = measure(self.model, self.drafter, B, [1])
+            self.book.keep(self.model, self.drafter, got, batch=B)
+        return got.t1
 
 
 def pick_max_batch(step_s: Callable[[int], float], row_bytes: int, free_bytes: Optional[int]) -> Tuple[int, str]:

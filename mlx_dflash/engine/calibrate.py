@@ -15,7 +15,7 @@ policy.py does, from these numbers."""
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -24,6 +24,7 @@ from ..policy.base import DFLASH, Plan
 from ..policy.costs import COST_CONTEXT, CostBook, Costs, Observed, need
 from .decode_config import DecodeConfig
 from .engine import Engine
+from .measuring import checkpoint
 from .sequence import cat_feats
 
 COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
@@ -62,22 +63,35 @@ def _median(xs):
 
 def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
                   budget_s: float = COST_BUDGET_S, min_rounds: int = 5, max_rounds: int = 25,
-                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, target=None) -> Costs:
+                  widths: Optional[Sequence[int]] = None, plain_steps: int = 8, target=None,
+                  stop: Optional[Callable[[], bool]] = None) -> Costs:
     """Time, over `context` cached tokens and capturing the drafter's tapped
     layers as the loop does, the engine's own steps on a set of one: verifies of
     1..max_width rows (its verify and its one readback), drafts of 2..max_width
     positions (its DFlash proposer), and a run of `plain_steps` tokens of its
     pipelined plain decoding. `target`: the target adapter (a split target's on
-    every rank)."""
+    every rank). `stop`: asked between the timed pieces; when it says so, the
+    measurement ends with Interrupted (a server's request comes first)."""
     eng = Engine(model, None, drafter, target=target)
     real_rows = context if context <= SYNTHETIC_FROM else SYNTHETIC_FROM // 2
     ids = ((mx.arange(real_rows) * 7919 + 11) % eng.target.vocab_size).tolist()
     uid = eng.submit(ids, DecodeConfig(verify_mode="off" if drafter is None else "dflash", guard=False,
                                        block_size=2 if drafter is not None else None, max_tokens=1 << 30,
                                        drafter_window=None, prefill_step_size=1 << 20), keep=drafter is not None)
+    try:
+        return _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_rounds, max_rounds,
+                        plain_steps, stop)
+    finally:
+        eng.close(uid)
+
+
+def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_rounds, max_rounds, plain_steps,
+             stop) -> Costs:
+    drafter = eng.drafter
     s = eng.waiting[0]
     while not eng.rows:  # (its prefill alone: the steps timed below start from its first token)
         eng._prefill(s)
+        checkpoint(stop)
     pc = s.pc
     if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
         extend_with_random_rows(pc.target, context - real_rows)
@@ -129,11 +143,13 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
     plan = s.plan
     widths = sorted(set(widths or range(1, max_width + 1)) | {1})
     dwidths = [w for w in widths if w > 1] if real else ()
+    checkpoint(stop)
     for w in widths:  # warm-up: first calls at a new shape are slow
         verify(w)
     for w in dwidths:
         draft(w)
     plain(2)
+    checkpoint(stop)
     tv = {w: [] for w in widths}
     td = {w: [] for w in dwidths}
     tp = []
@@ -146,7 +162,7 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
         tp.append(plain())
         if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
             break
-    eng.close(uid)
+        checkpoint(stop)
     # ratios within a round, then the median over rounds: the machine's load
     # drifts between rounds and cancels within one; spikes fall out of the median
     t1 = _median(tv[1])

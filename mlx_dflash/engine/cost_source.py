@@ -15,11 +15,12 @@ A curve that is neither held nor cached on disk is got one of two ways:
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..policy.costs import CostModel, Costs, Unpriced, curve_name
 from ..policy.registry import GUARD_CALIBRATION, guard_widths, priced_at
 from .batch_costs import MEASURED_B, BatchCosts
+from .measuring import Interrupted
 
 PREPARED_CONTEXTS = (1024, 4096, 16384)  # long curves worth having before the first long request (agents send
 # 10-30k tokens); 65536 is measured when a request that long first needs it
@@ -54,8 +55,10 @@ class CostSource:
             raise Unpriced(key)
         return got
 
-    def _measure_curve(self, at: Optional[int]) -> Costs:
-        opts = dict(GUARD_CALIBRATION, context=at) if at is not None else GUARD_CALIBRATION
+    def _measure_curve(self, at: Optional[int], stop: Optional[Callable[[], bool]] = None) -> Costs:
+        opts = dict(GUARD_CALIBRATION, context=at) if at is not None else dict(GUARD_CALIBRATION)
+        if stop is not None:
+            opts["stop"] = stop
         return self.calibration.costs(self.model, self.drafter, widths=self.widths, enough=self.enough, at=at,
                                       **opts)
 
@@ -96,19 +99,28 @@ class CostSource:
             return self.calibration.book.curve(self.model, self.drafter, 0, self.enough, n) is not None
         return self.calibration.book.curve(self.model, self.drafter, widths=self.rows.widths, batch=n) is not None
 
-    def measure_next(self) -> Optional[tuple]:
+    def measure_next(self, stop: Optional[Callable[[], bool]] = None) -> Optional[tuple]:
         """Get the first wanted curve (cached, else measured now): (what, seconds,
-        whether it was measured), or None when nothing is wanted."""
+        whether it was measured), or None when nothing is wanted. `stop`: asked
+        between the timed pieces; when it says so the curve stays first in line
+        and measuring.Interrupted is raised."""
         if not self.wanted:
             return None
-        key = self.wanted.pop(0)
+        key = self.wanted[0]
         t0, fresh = time.perf_counter(), not self.held(key)
         kind, n = key
-        if kind == "length":
-            self._measure_curve(n)
-            self._missing.discard(key)
-        else:
-            self.rows.at(n)
+        try:
+            if kind == "length":
+                self._measure_curve(n, stop)
+                self._missing.discard(key)
+            else:
+                self.rows.at(n, stop)
+        except Interrupted:
+            raise
+        except Exception:
+            self.wanted.remove(key)  # (not asked again: the guard stays plain where it lacks it)
+            raise
+        self.wanted.remove(key)
         return curve_name(key), time.perf_counter() - t0, fresh
 
     def measure_all(self) -> float:

@@ -10,11 +10,27 @@ from typing import Optional
 from ..policy.base import CycleResult
 
 
+def width_text(guard: bool, max_width: int, width: int = 0) -> str:
+    """The width, said once, as the status line and the logs say it: the rule
+    (`guard <=16`: the guard chooses each cycle's width up to the drafter's
+    trained block size; `fixed w5`: the guard off, every cycle verifies the
+    block size) and, with the guard, what the last cycle verified (`w8 now`,
+    `plain now`; nothing before the first cycle)."""
+    if not guard:
+        return f"fixed w{max_width}"
+    now = "" if not width else " · plain now" if width == 1 else f" · w{width} now"
+    return f"guard \u2264{max_width}{now}"
+
+
 @dataclass
 class GenerationStats:
     mode: str = "dflash"  # dflash | adaptive | lookup | off
     fallback: Optional[str] = None  # why DFlash was not used, if it was asked for
-    block_size: int = 0
+    # the width, said twice: the widest a cycle of this call may verify (the guard's ceiling, the
+    # drafter's trained block size; or, the guard off, the fixed width) and what the last cycle verified
+    max_width: int = 0
+    width: int = 0  # (1: a plain step)
+    guard: bool = False  # the guard chooses each cycle's width (else: fixed, or plain)
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from a prompt cache
     generation_tokens: int = 0
@@ -55,8 +71,12 @@ class GenerationStats:
         n = self.generation_tokens - 1
         return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
+    def width_text(self) -> str:
+        return width_text(self.guard, self.max_width, self.width)
+
     def add(self, c: CycleResult) -> None:
         self.cycles += 1
+        self.width = c.width
         self.plain_cycles += c.width == 1
         self.lookup_cycles += c.source == "lookup"
         self.drafted += c.width - 1
