@@ -56,6 +56,8 @@ def test_a_deferring_engine_decodes_plain_until_its_costs_are_measured(pair):
     assert st.policy == "plain: the costs at short contexts are not measured yet (measured while the server is idle)"
     assert st.adaptive["state"] == "unpriced"
     assert curves_on_disk() == [] and eng.costs.wanted == [("length", None)]  # queued, not measured
+    ((_, got, st),) = decode(eng, PROMPTS[:1], max_tokens=1)  # done at its prefill, before any decision
+    assert got == reference_tokens(model, tok, PROMPTS[0], 1) and eng.costs.wanted == [("length", None)]
 
     what, seconds, fresh = eng.costs.measure_next()
     assert what == "short contexts" and fresh and seconds > 0 and len(curves_on_disk()) == 1
@@ -151,10 +153,12 @@ def test_the_server_engine_measures_while_idle_and_says_so_once(pair, capfd):
     lm = SimpleNamespace(model=model, tokenizer=tok, drafter=drafter, id="tiny")
     eng = LocalEngine(lm, max_batch=2)
     assert eng.engine.costs.wanted  # queued at start: nothing measured inside a request
+    assert eng.summary()["costs"].startswith("measuring while idle: short contexts, 2 rows")
     ids = tok.encode(PROMPTS[0])
     got = [r.token for r in eng.stream(ids, DecodeConfig(max_tokens=12))]  # served at once, however far it got
     assert got[:len(reference_tokens(model, tok, PROMPTS[0], 12))] == reference_tokens(model, tok, PROMPTS[0], 12)
     assert eng.costs_ready.wait(300)
+    assert eng.summary()["costs"] == "ready"
     eng.close()
     err = capfd.readouterr().err
     lines = [x for x in err.splitlines() if "the guard's costs for 'tiny'" in x]

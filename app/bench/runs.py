@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from app.bench.report import COSTS_OF
 from mlx_dflash import stream_generate
 from mlx_dflash.engine.calibrate import DEFAULT
-from mlx_dflash.engine.engine import cost_model
+from mlx_dflash.engine.cost_source import CostSource
 from mlx_dflash.platform import fastblas
 
 
@@ -152,5 +152,5 @@ def price_as(model, wrapper, inner) -> None:
     """The guard prices a drafter that wraps another (the realistic benches'
     replayed acceptance: its proposals replaced, the real forward still paid)
     with the inner drafter's measured costs: what each of its cycles really costs."""
-    base = cost_model(model, inner, DEFAULT).curve(None)
+    base = CostSource(model, inner, DEFAULT).cost_model().curve(None)
     DEFAULT.book.keep(model, wrapper, base, save=False)

@@ -16,7 +16,7 @@ import time
 from app.errors import UserError
 from mlx_dflash.platform.paths import cache_dir
 from mlx_dflash.policy.costs import COST_METHOD, Costs
-from mlx_dflash.engine.engine import cost_model
+from mlx_dflash.engine.cost_source import CostSource
 from mlx_dflash.policy.registry import GUARD_CALIBRATION, LONG_CONTEXTS, priced_at
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -271,7 +271,7 @@ def measure_guard_costs(contexts, log) -> dict:
     if lm.drafter is None:
         return {}
     rows = []
-    model = cost_model(lm.model, lm.drafter, DEFAULT)  # (the base curve: measured or read now)
+    model = CostSource(lm.model, lm.drafter, DEFAULT).cost_model()  # (the base curve: measured or read now)
     for n in (0, *sorted({priced_at(n) for n in contexts} - {None})):  # 0: the base curve
         if n:
             log(f"  the guard's cost curve at {n} tokens of context (once per machine"

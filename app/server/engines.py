@@ -33,6 +33,7 @@ from mlx_dflash.engine.calibrate import DEFAULT as CALIBRATION
 from mlx_dflash.engine.engine import Engine
 from mlx_dflash.engine.measuring import Interrupted
 from mlx_dflash.engine.stats import GenerationResponse
+from mlx_dflash.policy.costs import curve_name
 
 MIN_BRANCH = 32  # shortest shared prefix worth a checkpoint of its own (recurrent targets)
 IDLE_S = 1.0  # idle this long before measuring (requests sent back to back, as agents send them, come first)
@@ -142,6 +143,10 @@ class LocalEngine:
     def summary(self) -> dict:
         """Occupancy for /metrics."""
         out = {"max_batch": self.max_batch, "peak_rows": self.peak, **self.engine.summary()}
+        costs = self.engine.costs
+        if costs is not None:  # what the guard prices with: requests that need a missing curve decode plain
+            out["costs"] = "ready" if not costs.wanted else \
+                f"measuring while idle: {', '.join(curve_name(k) for k in list(costs.wanted))}"
         if self.why_not:
             out["batching"] = f"off: {self.why_not}"
         return out

@@ -28,7 +28,7 @@ from mlx_dflash.engine.cost_source import prepare_at_load
 from mlx_dflash.models.manager import load_model
 from mlx_dflash.models.settings_checks import settings_store
 from mlx_dflash.policy.costs import Costs
-from mlx_dflash.policy.registry import GUARD_CALIBRATION, guard_widths, priced_at
+from mlx_dflash.policy.registry import priced_at
 
 QUESTION = "\n\n# Question: what does the last function above do, and how would you test it?\n"
 
