@@ -63,33 +63,43 @@ class Tables:
         """`mx.fast.rope`'s signature and result. `known`: {id(array): its contents}
         for the caller's constant frequency arrays, so that layers whose rope
         modules hold equal ones share a table."""
-        args = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
-        if stream is not None or x.ndim != 4:
-            return mx.fast.rope(x, dims, stream=stream, **args)
+        shape = x.shape
+        if stream is not None or len(shape) != 4:
+            return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset,
+                                freqs=freqs, stream=stream)
         # else offsets and freqs are keyed by identity (the memo holds them: an id is not reused meanwhile)
-        fk = None if freqs is None else (known or {}).get(id(freqs), id(freqs))
-        key = (dims, traditional, base, scale, offset if isinstance(offset, int) else id(offset), fk,
-               x.shape[0], x.shape[2], x.dtype)
+        key = (dims, traditional, base, scale, offset if type(offset) is int else id(offset),
+               None if freqs is None else (known or {}).get(id(freqs), id(freqs)), shape[0], shape[2], x.dtype)
         hit = self._memo.get(key)
         if hit is None:
+            args = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
             hit = (_table(x, dims, args), offset, freqs)
             self._memo[key] = hit
-        cos, sin = hit[0]
+        whole, cos, sin = hit[0]
+        if whole:  # [cos, cos] and [-sin, sin] over the whole head: x * c + roll(x) * s
+            return x * cos + mx.roll(x, dims // 2, axis=-1) * sin
         return _rotate(x, dims, traditional, cos, sin)
 
 
 def _table(x, dims: int, args: dict):
-    """(cos, sin) [B or 1, 1, T, dims / 2] in x's dtype, as mx.fast.rope computes them."""
-    B, _, T, _ = x.shape
+    """(False, cos, sin) [B or 1, 1, T, dims / 2] in x's dtype, as mx.fast.rope computes them;
+    for a rotation over the whole head (not interleaved) instead (True, [cos, cos], [-sin, sin])
+    [.., dims]: then x1 * cos - x2 * sin is computed as x1 * cos + x2 * (-sin) and
+    x1 * sin + x2 * cos as x2 * cos + x1 * sin, equal bit for bit (a negation is exact,
+    a sum commutes) in three operations instead of the fallback's slices and concatenate."""
+    B, _, T, D = x.shape
     half = dims // 2
     B = B if isinstance(args["offset"], mx.array) and args["offset"].size > 1 else 1
     one, zero = mx.ones((B, 1, T, half), x.dtype), mx.zeros((B, 1, T, half), x.dtype)
     if args["traditional"]:  # pairs (x1, x2) interleaved
         probe = mx.stack([one, zero], axis=-1).reshape(B, 1, T, dims)
         r = mx.fast.rope(probe, dims, **args).reshape(B, 1, T, half, 2)
-        return r[..., 0], r[..., 1]
+        return False, r[..., 0], r[..., 1]
     r = mx.fast.rope(mx.concatenate([one, zero], axis=-1), dims, **args)
-    return r[..., :half], r[..., half:]
+    cos, sin = r[..., :half], r[..., half:]
+    if dims == D:
+        return True, mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
+    return False, cos, sin
 
 
 def _rotate(x, dims: int, traditional: bool, cos, sin):
