@@ -149,6 +149,7 @@ def main():
         for who in loops:
             run(who, prompts[0]["prompt"], w)
 
+    load0 = os.getloadavg()
     rec = {w: {who: [] for who in loops} for w in widths}
     mismatches = []
     k = 0
@@ -189,19 +190,24 @@ def main():
             Bs = agg(rec[w]["base"])
             bp = [r["time"] / r["cycles"] / (o["time"] / o["cycles"])
                   for r, o in zip(rec[w]["ref"], rec[w]["base"]) if r["cycles"] and o["cycles"]]
+            ob = [b["time"] / b["cycles"] / (o["time"] / o["cycles"])
+                  for b, o in zip(rec[w]["base"], rec[w]["ours"]) if b["cycles"] and o["cycles"]]
             summary[w].update(base=Bs, base_speedup_per_cycle_median_of_pairs=statistics.median(bp),
-                              base_speedup_per_cycle_pooled=R["per_cycle_ms_pooled"] / Bs["per_cycle_ms_pooled"])
+                              base_speedup_per_cycle_pooled=R["per_cycle_ms_pooled"] / Bs["per_cycle_ms_pooled"],
+                              ours_over_base_per_cycle_median_of_pairs=statistics.median(ob))
 
     cmd = " ".join(["MLX_DFLASH_DTYPE=" + os.environ.get("MLX_DFLASH_DTYPE", ""),
                     "MLX_DFLASH_BLAS_THREADS=" + os.environ.get("MLX_DFLASH_BLAS_THREADS", ""),
                     "MLX_DFLASH_KERNEL_THREADS=" + os.environ.get("MLX_DFLASH_KERNEL_THREADS", ""),
                     "PYTHONPATH=. " + sys.executable, "bench/reference_loop/bench.py"] + sys.argv[1:])
-    meta = {"command": cmd, "label": a.label, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    meta = {"command": cmd, "label": a.label, "load_average_start": load0,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "blas": fastblas.STATE["blas"], "dtype": str(param_dtype(model)), "prompts": a.prompts,
             "num_prompts": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
             "python": platform.python_version(), "mlx": mx.__version__, "load_average": os.getloadavg(),
             "outputs_identical": not mismatches, "mismatches": mismatches}
-    lines = [f"{a.label or 'run'} ({meta['when']}; {meta['blas']}; {meta['dtype']}; "
+    lines = [f"{a.label or 'run'} ({meta['when']}; load average {load0[0]:.2f} -> {meta['load_average'][0]:.2f}; "
+             f"{meta['blas']}; {meta['dtype']}; "
              f"{len(prompts)} {a.prompts} prompts x {a.rounds} rounds, {a.max_tokens} tokens)",
              "| width | ref ms/cycle | ours ms/cycle | ref/ours per cycle (median of pairs) | pooled | tok/s ref | "
              "tok/s ours | tau ref | tau ours |", "|---|---|---|---|---|---|---|---|---|"]
@@ -214,7 +220,8 @@ def main():
         if "base" in s:
             lines.append(f"base (--base {a.base}) at width {w}: {s['base']['per_cycle_ms_median']:.2f} ms/cycle, "
                          f"ref/base {s['base_speedup_per_cycle_median_of_pairs']:.3f}x (median of pairs), "
-                         f"{s['base_speedup_per_cycle_pooled']:.3f}x pooled; tau {s['base']['tau']:.2f}")
+                         f"{s['base_speedup_per_cycle_pooled']:.3f}x pooled; tau {s['base']['tau']:.2f}; "
+                         f"base/ours {s['ours_over_base_per_cycle_median_of_pairs']:.3f}x (median of pairs)")
     lines.append(f"every output identical to plain decoding (mlx-lm) and to the other loop's: "
                  f"{'yes' if not mismatches else 'NO: ' + json.dumps(mismatches[:5])}")
     lines.append(f"command: {cmd}")
