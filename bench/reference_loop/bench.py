@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # (run from the checkout: PYTHONPATH=.)
 
 import mlx_dflash  # noqa: E402,F401  (the BLAS shim binds before mlx is imported)
 import mlx.core as mx  # noqa: E402

@@ -16,23 +16,23 @@ Also the node count of one cycle's graphs (mx.export_to_dot; arrays incl. weight
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import re
 import statistics
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import mlx_dflash  # noqa: F401  (run from the checkout: PYTHONPATH=.)
+import mlx.core as mx
+
+from mlx_dflash.engine.engine import Engine
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import mlx_dflash  # noqa: E402,F401
-import mlx.core as mx  # noqa: E402
-
-import bench as B  # noqa: E402  (bench/reference_loop/bench.py)
-from mlx_dflash.engine.engine import Engine  # noqa: E402
+_spec = importlib.util.spec_from_file_location("reference_loop_bench", Path(__file__).with_name("bench.py"))
+B = importlib.util.module_from_spec(_spec)  # bench/reference_loop/bench.py: its loaders and loops
+_spec.loader.exec_module(B)
 
 T = defaultdict(float)  # seconds by phase, this run
 MODE = {"barrier": False, "dot": None}
