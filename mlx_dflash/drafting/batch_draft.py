@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..target import rope_tables
+
 
 
 def _layer_inputs(attn, ctxs, offsets: List[int], w: int):
@@ -55,6 +57,11 @@ def propose_batch(drafter, target, anchors: List[int], feats: List[Optional[mx.a
     filler, never verified). Returns (tokens [B, width - 1] int32, per row its
     proposal distribution q [width - 1, V] when it samples from a DFlash 2
     selector, else None). `drafter`: a drafting.drafter.Drafter."""
+    with rope_tables.Tables():  # (the layers rotate at the same positions: one table each)
+        return _propose_batch(drafter, target, anchors, feats, caches, width, temperatures, keys)
+
+
+def _propose_batch(drafter, target, anchors, feats, caches, width, temperatures, keys):
     B, w = len(anchors), width
     caches = [c if c is not None else drafter.make_cache(1, 0) for c in caches]  # (filler rows: a throwaway context)
     ctxs = [drafter.feed(f, c) for f, c in zip(feats, caches)]  # per row, per layer

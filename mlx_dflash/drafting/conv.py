@@ -71,10 +71,11 @@ def _conv_ops(x, base, dyn, side, block_size, group_size):
     # Broadcast each dynamic coefficient over its G channels without repeating it.
     k = base[side].reshape(K, H // G, G) + dyn[:, :, side, :, :, None]  # [B, L, K, H/G, G]
     y = k[:, :, 0] * x32.reshape(B, L, H // G, G)
-    pos = mx.arange(L) % block_size
+    pos = mx.arange(L) % block_size if L > block_size else None
     for j in range(1, K):  # tap j reads x[t - j], zero where that crosses a block start
         prev = mx.concatenate([mx.zeros((B, j, H), f32), x32[:, :-j]], axis=1)[:, :L]
-        prev = mx.where((pos >= j)[:, None], prev, 0.0)
+        if pos is not None:  # (one block, as in a draft: only its start, zero already)
+            prev = mx.where((pos >= j)[:, None], prev, 0.0)
         y = y + k[:, :, j] * prev.reshape(B, L, H // G, G)
     return y.reshape(B, L, H).astype(x.dtype)
 

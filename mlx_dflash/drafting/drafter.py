@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..platform.hub import resolve_path
+from ..target import rope_tables
 from .batch_draft import propose_batch
 from .drafter_config import (
     ARCH_V1,
@@ -50,12 +51,15 @@ class DraftAttention(nn.Module):
                                     max_position_embeddings=c.max_position_embeddings)
         self.window = c.window(layer)
         self.causal = c.causal(layer)
+        # every layer rotates at the same positions: within a forward opened with
+        # rope_tables.Tables (Drafter.__call__, propose_batch) they share the tables
+        self._rope = rope_tables.shared(self.rope) or self.rope
 
     def _kv(self, x, offset):
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
-        return self.rope(k, offset=offset), v
+        return self._rope(k, offset=offset), v
 
     def visible(self, L: int, n: int, offset: int, first: int = 0):
         """Context rows kept (from lo) and the boolean mask [L, n - lo + L], or None
@@ -79,7 +83,7 @@ class DraftAttention(nn.Module):
         (row j at position first + j on a window layer)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=offset)
+        q = self._rope(q, offset=offset)
         k, v = self._kv(x, offset)
         if mask is None:
             lo, mask = self.visible(L, 0 if ctx_k is None else ctx_k.shape[2], offset, first)
@@ -328,6 +332,10 @@ class Drafter(nn.Module):
         cache: per-layer context K/V (grows by n rows). The block sits at positions
         `offset` (default: the context length, i.e. the anchor's position).
         Returns the final-normed hidden states [1, w, H] (apply `logits`)."""
+        with rope_tables.Tables():
+            return self._forward(block_emb, new_feats, cache, offset)
+
+    def _forward(self, block_emb, new_feats, cache, offset):
         ctxs = self.feed(new_feats, cache)
         x = block_emb
         if self.config.input_embedding_scale != 1.0:

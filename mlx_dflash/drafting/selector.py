@@ -103,8 +103,8 @@ class PathSelector(nn.Module):
         S = self.lattice(anchor, ids, u, h, embed)  # row 0 of S[0] already holds the anchor's scores
         i, picks = mx.array(0, mx.int32), []
         if temperature <= 0:
-            for t in range(P):
-                i = mx.argmax(mx.take(S[t], i, axis=0)).astype(mx.int32)
+            for t in range(P):  # (argmax's uint32 index is taken as it is: one cast, after the walk)
+                i = mx.argmax(mx.take(S[t], i, axis=0))
                 picks.append(i)
             probs = None
         else:
@@ -115,7 +115,7 @@ class PathSelector(nn.Module):
                 c = mx.cumsum(mx.take(probs[t], i, axis=0))
                 i = mx.minimum((c <= r[t] * c[-1]).astype(mx.int32).sum(), K - 1)
                 picks.append(i)
-        picks = mx.stack(picks)
+        picks = mx.stack(picks).astype(mx.int32)
         used = mx.concatenate([mx.zeros((1,), mx.int32), picks[:-1]])  # the row each pick came from
         rows = S[mx.arange(P), used]  # [P, K]
         tokens = mx.take_along_axis(ids, picks[:, None], axis=1)[:, 0].astype(mx.int32)

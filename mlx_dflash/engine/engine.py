@@ -586,11 +586,14 @@ class Engine:
         proposed and still pay the forward (the realistic bench's replayed acceptance)."""
         B = len(rows)
         n, parts, qs, confs = [0] * B, [None] * B, [None] * B, [None] * B
+        whole = None  # one source's drafts for every row, in row order
         for name in {src for src, w in zip(sources, widths) if src and w > 1}:
             idx = [b for b in range(B) if sources[b] == name and widths[b] > 1]
             got = self.proposers[name].propose(self.target, [rows[b] for b in idx], [widths[b] for b in idx])
             if name == DFLASH:
                 self.drafter_forwards += 1
+            if len(idx) == B:
+                whole = got.tokens
             for i, b in enumerate(idx):
                 parts[b], n[b], qs[b], confs[b] = got.tokens[i], got.counts[i], got.q[i], got.conf[i]
         if B == 1 and sources[0] == DFLASH and rows[0].policy.reads_confidence:  # the policy's cut (adaptive)
@@ -600,6 +603,8 @@ class Engine:
             n[0] = s.policy.trim(s, parts[0].tolist(), conf)
             confs[0] = conf[: n[0]]
         W = max(n) + 1
+        if whole is not None and whole.shape[1] == W - 1:  # already [B, W - 1]: no per-row slices and stack
+            return n, whole.astype(mx.int32), qs, confs
 
         def fit(p):  # a row's drafts as W - 1 columns (cut, or filler that is never accepted)
             p = p if p is not None else mx.zeros((0,), mx.int32)
@@ -611,8 +616,8 @@ class Engine:
 
     def verify(self, drafts: mx.array, n: List[int], qs: list):
         """[anchors, drafts] through the target in one forward, each row accepted
-        on the device, lazily. Returns (the per-row results for `readback`, the
-        captured features). Greedy rows are accepted together; rows with logits
+        on the device, lazily. Returns (the results for `readback`: per row, or one
+        block when every row is greedy without processors; the captured features). Greedy rows are accepted together; rows with logits
         processors are processed row by row after their own history (the drafts
         read to the host first: their one extra sync)."""
         rows = self.rows
@@ -626,9 +631,14 @@ class Engine:
             ix = mx.array(plain, mx.int32) if len(plain) < len(rows) else None
             lg, dr = (logits, drafts) if ix is None else (logits[ix], drafts[ix])
             tgt = mx.argmax(lg, axis=-1).astype(mx.int32)
-            ok = (dr == tgt[:, :-1]) & (mx.arange(W - 1)[None] < mx.array([n[b] for b in plain])[:, None])
+            ok = dr == tgt[:, :-1]
+            counts = [n[b] for b in plain]
+            if min(counts) < W - 1:  # columns past a row's own drafts are filler, never accepted
+                ok = ok & (mx.arange(W - 1)[None] < mx.array(counts)[:, None])
             a = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
             block = mx.concatenate([a[:, None].astype(mx.int32), tgt], axis=1)  # emitted = tgt[:a+1]
+            if len(plain) == len(rows):  # read back whole (readback takes a [B, W + 1] array)
+                return block, f
             for i, b in enumerate(plain):
                 res[b] = block[i]
         host = drafts.tolist() if any(s.hist is not None for s in rows) else None
@@ -647,9 +657,17 @@ class Engine:
                 res[b] = mx.concatenate([a[None], db.astype(mx.int32), nxt.astype(mx.int32)[None]])
         return res, f
 
-    def readback(self, res: List[mx.array], n: List[int]) -> tuple:
+    def readback(self, res, n: List[int]) -> tuple:
         """The cycle's ONE host sync: drafts, verify and acceptance evaluated
-        together. Returns (accepted counts, each row's emitted tokens)."""
+        together. `res`: `verify`'s per-row results, or its [B, W + 1] block when
+        every row was accepted greedily together. Returns (accepted counts, each
+        row's emitted tokens)."""
+        if isinstance(res, mx.array):
+            A, outs = [], []
+            for row in res.tolist():
+                A.append(row[0])
+                outs.append(row[1: row[0] + 2])
+            return A, outs
         flat = mx.concatenate(res).tolist() if len(res) > 1 else res[0].tolist()
         A, outs, i = [], [], 0
         for s, r in zip(self.rows, res):

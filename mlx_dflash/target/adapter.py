@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import rollback as rb
+from . import rope_tables
 from . import verify_attention as va
 from .rebind import forward_with, uses
 
@@ -141,7 +142,12 @@ class _Attention:
 
     def __init__(self, module, state: _State):
         self._module, self._state = module, state
-        self._verify = forward_with(copy.copy(module), {self.NAME: va.attention})
+        mine = copy.copy(module)
+        for name, child in module.children().items():  # its rope shares one table per forward (rope_tables.py)
+            rope = rope_tables.shared(child)
+            if rope is not None:
+                mine[name] = rope
+        self._verify = forward_with(mine, {self.NAME: va.attention})
 
     def __call__(self, *args, **kwargs):
         return (self._verify if self._state.verify else self._module)(*args, **kwargs)
@@ -444,7 +450,11 @@ class Target:
             m.sink = sink
         logits = None
         try:
-            logits = self._view(tokens, cache=cache)
+            if verify:
+                with rope_tables.Tables():
+                    logits = self._view(tokens, cache=cache)
+            else:
+                logits = self._view(tokens, cache=cache)
         except _Stop:
             pass
         finally:
