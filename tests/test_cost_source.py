@@ -74,7 +74,7 @@ def test_a_long_prompt_waits_for_its_own_length_and_a_batch_for_its_size(pair):
     eng = BatchEngine(model, tok, drafter, max_batch=2, calibration=cal, defer_costs=True)
     eng.costs.want(("length", None))
     eng.costs.measure_next()  # short contexts measured; not the batch sizes nor the long lengths
-    long_prompt = list(range(3, 603))  # 600 tokens: priced with the 1024-token curve
+    long_prompt = tok.encode("\n".join(PROMPTS * 40))[:600]  # 600 tokens: priced with the 1024-token curve
     assert priced_at(len(long_prompt)) == 1024
     ((_, got, st),) = decode(eng, [long_prompt], 8)
     assert got == reference_tokens(model, tok, mx.array(long_prompt), 8)

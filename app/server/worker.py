@@ -75,6 +75,8 @@ class Worker:
             self.jobs.put_nowait(None)
         except queue.Full:
             pass
+        if self.engine is not None:  # its thread ends once idle (a cost measurement under way gives way)
+            self.engine.close()
 
     def close(self, grace: float) -> None:
         """First step of a shutdown: refuse new jobs, answer the queued ones 503,
