@@ -51,7 +51,7 @@ def test_greedy_equals_mlx_lm_with_real_drafter(pairs, family):
             checked += 1
         # the default block size: the guard may choose any width up to the drafter's
         r = generate(model, tok, prompt, drafter, max_tokens=MAX)
-        assert r.token_ids == ref and 5 <= r.stats.block_size <= drafter.block_size
+        assert r.token_ids == ref and 5 <= r.stats.max_width <= drafter.block_size
     assert checked == len(PROMPTS) * len(WIDTHS)
 
 

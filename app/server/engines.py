@@ -72,6 +72,7 @@ class LocalEngine:
         self.measuring = [0, 0, 0.0]  # curves got while idle: [read from the cache, measured, seconds]
         self.costs_ready = threading.Event()  # set whenever no curve is wanted (and said in the log)
         self.last_busy = time.monotonic()
+        self.piece = threading.Lock()  # held while a curve is measured
         if not self._costs_wanted():
             self.costs_ready.set()
         self.store = store
@@ -131,9 +132,13 @@ class LocalEngine:
             self.cv.notify()
 
     def close(self) -> None:
+        """The thread ends once idle; a cost measurement under way gives way first (waited for here:
+        its memory and cores are the next model's, or the next test's)."""
         with self.cv:
             self.closed = True
             self.cv.notify()
+        with self.piece:
+            pass
 
     def flush(self, timeout: float) -> None:
         """Wait for the prompt store's writes to disk (shutting down)."""
@@ -202,8 +207,8 @@ class LocalEngine:
         costs, m = self.engine.costs, self.measuring
         self.costs_ready.clear()
         try:
-            with _MEASURING:
-                if _EXITING.is_set():
+            with _MEASURING, self.piece:
+                if _EXITING.is_set() or self.closed:
                     return
                 what, seconds, fresh = costs.measure_next(self._interrupts)
         except Interrupted:

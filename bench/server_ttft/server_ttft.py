@@ -104,7 +104,7 @@ def report(model: str, rows: dict, what: str, repeats: int, note: str = "", colu
     r0 = next(iter(rows.values()))[0]
     f = r0["dflash"]
     print(f"model: {model}; decoding: {f['mode']}{' (' + f['fallback'] + ')' if f['fallback'] else ''}, "
-          f"verify width {f['verify_width']}; {what} prompt {r0['usage']['prompt_tokens']} tokens; "
+          f"verify width {f['max_width']}; {what} prompt {r0['usage']['prompt_tokens']} tokens; "
           f"{repeats} repeats, medians{note}\n")
     print(f"| {column or what + ' request'} | client TTFT (ms) | server ttft_ms | prompt_ms | prefilled tokens | {reused} |")
     print("|---|---|---|---|---|---|")
