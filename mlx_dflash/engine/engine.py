@@ -500,6 +500,7 @@ class Engine:
         the step consuming this token is queued before this one is read back.
         When it is not, the token read is the next anchor (not cached yet)."""
         rows, t0 = self.rows, time.perf_counter()
+        self.occupancy = len(rows)
         if self._flight is None:
             self._flight = self._feed(mx.array([s.anchor for s in rows], mx.int32))
             self._book_fed(rows, [s.anchor for s in rows], self._flight[2])
