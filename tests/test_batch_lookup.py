@@ -13,6 +13,7 @@ the drafter does not pay the guard verifies lookup rows without any drafter
 forward."""
 
 
+import math
 import mlx.core as mx
 import pytest
 from drafters import reference_tokens
@@ -148,7 +149,7 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
     """The policy alone: a row whose context repeats verifies its lookup drafts
     where they pay for the set (the verify costs every row), beside a row whose
     drafter does not pay; each row's gate follows its own acceptance, and while
-    lookup does not pay a match is verified anyway every GAP x rows steps."""
+    lookup does not pay a match is verified anyway every GAP x rows x c steps."""
     from mlx_dflash.policy.base import CycleResult, Plan
 
     class R:
@@ -171,7 +172,8 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
         g.observe(rows, [CycleResult(5, 0, 1, source=LOOKUP), CycleResult(1, 0, 1)])
     assert g.rows[1].gate.alpha < 0.01 and g.rows[2].gate.cycles == 0
     g.rows[1].gate.skipped = 0
-    taken = [g.decide(rows).sources[0] == LOOKUP for _ in range(LookupGate.GAP * len(rows))]
+    every = math.ceil(LookupGate.GAP * len(rows) * g.kv[5])  # (the verify's price: exploring costs ~1/GAP)
+    taken = [g.decide(rows).sources[0] == LOOKUP for _ in range(every)]
     assert taken.count(True) == 1 and taken[-1]  # one row's exploring costs both: at half the pace
     g.rows[1].gate.alpha = 0.3  # 1 + 0.3 x 4 tokens would pay alone (2.2 >= 1.1 x 1.25 + 0.5), not for two rows
     assert LookupGate.cycle_pays(1 + 0.3 * 4, 1, 1.25) and g.decide(rows).widths == (1, 1)

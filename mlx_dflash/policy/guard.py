@@ -23,7 +23,8 @@ Prompt lookup (drafting/lookup.py), per row: whenever a row's context ends in
 an n-gram seen before, its continuation is verified as free drafts if
 1 + alpha * n >= MARGIN * k_verify(n + 1) + SWITCH (alpha: the row's live share
 of lookup drafts accepted; k_verify: the verify alone), in any state, plain
-included; while it does not pay, every GAP-th match is verified anyway.
+included; while it does not pay, a match is verified anyway now and then
+(every GAP x k_verify-th: about 1/GAP of the time at any length).
 
 Unpriced (the engine defers measuring and a curve this set needs, at its
 length or its number of rows, is not measured yet): the guarded rows decode
@@ -92,19 +93,21 @@ class LookupGate:
     def pays(self, n: int, kv: Dict[int, float]) -> bool:
         return n >= 1 and self.cycle_pays(self.tokens(n), 1, kv[n + 1])
 
-    def explore(self, rows: int = 1) -> bool:
-        """A proposal skipped: True on every GAP-th skip, so a text that starts
-        repeating itself is noticed. Each of `rows` rows explores at 1/rows of that
-        pace: a cycle made for one row's lookup costs every row a verify."""
+    def explore(self, rows: int = 1, cost: float = 1.0) -> bool:
+        """A proposal skipped: True on every (GAP x rows x cost)-th skip, so a text
+        that starts repeating itself is noticed, at about 1/GAP of the time at
+        any length and batch size: `cost` is the exploring verify's price in plain
+        steps (it grows with the context), and each of `rows` rows explores at
+        1/rows of the pace (a cycle made for one row's lookup costs every row a verify)."""
         self.skipped += 1
-        if self.skipped >= self.GAP * rows:
+        if self.skipped >= self.GAP * rows * max(1.0, cost):
             self.skipped = 0
             return True
         return False
 
     def take(self, n: int, kv: Dict[int, float]) -> bool:
         """Verify this n-draft proposal (one row alone)? (Counts the skips of a gate that does not pay.)"""
-        return n >= 1 and (self.pays(n, kv) or self.explore())
+        return n >= 1 and (self.pays(n, kv) or self.explore(cost=kv[n + 1]))
 
     def observe(self, accepted: int, n: int) -> None:
         self.cycles += 1
@@ -275,7 +278,8 @@ class Guard(Policy):
         tokens = len(rows) + sum(g.alpha * (widths[i] - 1) for g, i in zip(gates, idx))
         if LookupGate.cycle_pays(tokens, len(rows), self.kv[max(widths[i] for i in idx)]):
             return
-        if any([g.explore(len(rows)) for g in gates]):  # (a list: every gate counts its skip)
+        cost = self.kv[max(widths[i] for i in idx)]
+        if any([g.explore(len(rows), cost) for g in gates]):  # (a list: every gate counts its skip)
             return
         for i in idx:
             srcs[i], widths[i] = "", 1
