@@ -185,3 +185,19 @@ def test_a_measurement_gives_way_to_a_request_and_is_taken_up_again(pair):
         asked.clear()
         eng.costs.measure_next()
     assert eng.costs.wanted == [] and len(curves_on_disk()) == 2
+
+
+def test_a_curve_that_cannot_be_measured_is_not_asked_for_again(pair, monkeypatch):
+    model, tok, drafter = pair
+    eng = Engine(model, tok, drafter, calibration=Calibration(), defer_costs=True)
+    eng.costs.prepare(contexts=())
+
+    def broken(at, stop=None):
+        raise RuntimeError("no memory for the probe")
+
+    monkeypatch.setattr(eng.costs, "_measure_curve", broken)
+    with pytest.raises(RuntimeError):
+        eng.costs.measure_next()
+    assert eng.costs.wanted == []
+    ((prompt, got, st),) = decode(eng, PROMPTS[:1])  # still served, plainly, and nothing queued again
+    assert got == reference_tokens(model, tok, prompt, 20) and st.drafted == 0 and eng.costs.wanted == []

@@ -65,11 +65,7 @@ def costs_at_load(lm) -> None:
     then cached), so the first answer measures nothing; a long conversation's
     curves are measured when it first reaches their length (`mlx-dflash doctor`
     measures them ahead)."""
-    try:
-        cfg = DecodeConfig.from_settings(lm.settings, lm.drafter)
-    except (AttributeError, ValueError):  # a backend's model without settings: its first answer measures
-        return
-    if cfg.needs_costs(lm.drafter, 0):
+    if DecodeConfig.from_settings(lm.settings, lm.drafter).needs_costs(lm.drafter, 0):
         prepare_at_load(lm.model, lm.drafter, CALIBRATION)
 
 
@@ -77,9 +73,9 @@ def costs_at_load(lm) -> None:
 RELOAD_KEYS = ("drafter", "drafter_quant_bits", "drafter_quant_group_size", "drafter_activation_dtype", "dtype")
 
 # stats the chat keeps per answer (GenerationStats.to_dict keys)
-STATS_KEYS = ("mode", "fallback", "policy", "max_width", "width", "guard", "prompt_tokens", "reused_tokens", "generation_tokens",
-              "cycles", "drafted", "accepted", "tau", "acceptance_rate", "generation_tps", "prompt_tps",
-              "prompt_time", "generation_time", "peak_memory", "prompt_cache")
+STATS_KEYS = ("mode", "fallback", "policy", "max_width", "width", "guard", "prompt_tokens", "reused_tokens",
+              "generation_tokens", "cycles", "drafted", "accepted", "tau", "acceptance_rate", "generation_tps",
+              "prompt_tps", "prompt_time", "generation_time", "peak_memory", "prompt_cache")
 
 
 def build_prompt(tokenizer, system: str, messages: list) -> list:

@@ -87,7 +87,8 @@ def _generate(args, group, out, build_prompt, effective_settings) -> int:
                          "acceptance_rate": st.acceptance_rate, "tokens_per_second": st.generation_tps,
                          "prompt_tokens": st.prompt_tokens, "generation_tokens": st.generation_tokens,
                          "prompt_tps": st.prompt_tps, "mode": st.mode, "fallback": st.fallback,
-                         "policy": st.policy, "max_width": st.max_width, "width": st.width, "peak_memory_gb": st.peak_memory,
+                         "policy": st.policy, "max_width": st.max_width, "width": st.width, "guard": st.guard,
+                         "peak_memory_gb": st.peak_memory,
                          "distributed": st.distributed}}
         out.write(json.dumps(res) + "\n")
     else:

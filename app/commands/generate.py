@@ -165,7 +165,7 @@ def run(args):
 
     cfg = DecodeConfig.from_settings(s, lm.drafter, seed=args.seed, stop=args.stop, prefill_progress=progress)
     prompt_ids = encode(tok, prompt)
-    if cfg.needs_costs(lm.drafter, len(prompt_ids)):  # the guard's costs at load, not inside the answer (once per machine)
+    if cfg.needs_costs(lm.drafter, len(prompt_ids)):  # the guard's costs at load, not inside the answer (once)
         line = prepare_at_load(lm.model, lm.drafter, CALIBRATION, (len(prompt_ids),))
         if line:
             sys.stderr.write(f"mlx-dflash: {line}\n")
@@ -200,7 +200,8 @@ def run(args):
                              "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
                              "prompt_tps": s.prompt_tps, "mode": s.mode, "fallback": s.fallback,
                              "policy": s.policy, "reused_tokens": s.reused_tokens, "prompt_cache": s.prompt_cache,
-                             "max_width": s.max_width, "width": s.width, "guard": s.guard, "peak_memory_gb": s.peak_memory}}
+                             "max_width": s.max_width, "width": s.width, "guard": s.guard,
+                             "peak_memory_gb": s.peak_memory}}
             out.write(json.dumps(res) + "\n")
         else:
             out.write("\n")

@@ -66,10 +66,10 @@ def create_app(catalog=None, *, api_key: Optional[str] = None, cors: tuple = (),
     LoadedModel. `model`, when given, is loaded at startup and is the default for
     requests that name none; `preload`, when given, is loaded at startup too,
     without becoming the default (`serve` without --model: the settings' default
-    model, which requests follow as the settings change). A request naming a model this server does not have
-    (a client's own default, `gpt-4o`, `claude-...`) is answered by the default
-    model, and the response's `model` says which; `strict_models` answers 404
-    instead. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
+    model, which requests follow as the settings change). A request naming a
+    model this server does not have (a client's own default, `gpt-4o`,
+    `claude-...`) is answered by the default model, and the response's `model`
+    says which; `strict_models` answers 404 instead. `allowed_hosts` / `cors` extend the Host and Origin allow-lists
     (security.AccessRules); `log` writes one line per request to stderr."""
     from contextlib import asynccontextmanager
 

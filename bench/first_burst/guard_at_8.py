@@ -3,7 +3,7 @@
 
     MLX_DFLASH_HOME=/tmp/b8-home PYTHONPATH=. python bench/first_burst/guard_at_8.py
 """
-import time, sys
+import time
 from mlx_dflash.models.manager import load_model
 from mlx_dflash.models.settings_checks import settings_store
 from mlx_dflash.engine.batch import BatchEngine

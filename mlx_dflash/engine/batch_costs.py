@@ -38,7 +38,7 @@ PREFILL_GAIN = 0.75  # prefilled together only where that takes at most this sha
 def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, rounds: int = 3,
             stop: Optional[Callable[[], bool]] = None) -> Costs:
     """Time [B, w] verifies (capture on, rolled back) and B-row drafts of w
-    positions. `stop`: asked between the timed pieces (calibrate.checkpoint)."""
+    positions. `stop`: asked between the timed pieces (measuring.checkpoint)."""
     target = Target(model)
     capture = list(drafter.config.target_layer_ids) if drafter is not None else []
     ids = ((mx.arange(context) * 7919 + 11) % target.vocab_size).tolist()

@@ -4,7 +4,7 @@
 
 A curve that is neither held nor cached on disk is got one of two ways:
 - measured at first need (`defer` False: a library call, where the call is
-  the user's own; `generate` and the chat measure at load with `prepare`);
+  the user's own; `generate` and the chat measure at load: `prepare_at_load`);
 - deferred (the server): pricing raises Unpriced, so the guard decodes plain
   meanwhile (never slower than plain), and the curve joins `wanted`, which the
   server measures while it is idle (`measure_next`). Nothing is then ever
@@ -38,6 +38,7 @@ class CostSource:
         self.rows = BatchCosts(model, drafter, calibration.book, cap, measure=not defer) if batched else None
         self.wanted: List[tuple] = []  # Unpriced keys, in the order they are to be measured
         self._missing = set()  # length keys looked up and found neither held nor cached (not read again)
+        self._failed = set()  # keys whose measurement failed: not asked for again (plain where they are needed)
 
     def cost_model(self) -> CostModel:
         """The CostModel over these curves (Unpriced while the base curve is missing and deferred)."""
@@ -74,6 +75,8 @@ class CostSource:
     # -- measuring ahead of the requests ---------------------------------------------------
     def want(self, key: tuple, first: bool = False) -> None:
         """Queue a curve (`first`: a request is waiting for it: before the others)."""
+        if key in self._failed:
+            return
         if key in self.wanted:
             if not first:
                 return
@@ -118,7 +121,8 @@ class CostSource:
         except Interrupted:
             raise
         except Exception:
-            self.wanted.remove(key)  # (not asked again: the guard stays plain where it lacks it)
+            self.wanted.remove(key)
+            self._failed.add(key)  # (not asked again: the guard stays plain where it lacks it)
             raise
         self.wanted.remove(key)
         return curve_name(key), time.perf_counter() - t0, fresh

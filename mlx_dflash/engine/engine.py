@@ -142,7 +142,8 @@ class Engine:
         p = plan(cfg, self.drafter, len(ids), self.target.can_trim(pc.target), shared=self.max_batch > 1)
         self._uid += 1
         sp = cfg.sampling()
-        st = GenerationStats(mode=p.mode, fallback=p.fallback, max_width=p.cap, guard=p.drafts and not p.fixed, prompt_tokens=len(ids))
+        st = GenerationStats(mode=p.mode, fallback=p.fallback, max_width=p.cap, guard=p.drafts and not p.fixed,
+                             prompt_tokens=len(ids))
         seq = Sequence(self._uid, cfg, p, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, pc, [],
                        capture=False, returned=prompt_cache is not None)
         if p.mode == "off" and p.fallback and p.fallback.startswith("target KV"):
