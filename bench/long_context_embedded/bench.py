@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
+import mlx_dflash  # noqa: F401  (first: it loads the fast BLAS, which must precede any import of mlx)
 from app.bench.long import prefill
 from app.bench.runs import run_ours
 from mlx_dflash.engine.calibrate import DEFAULT
@@ -29,6 +28,7 @@ from mlx_dflash.models.manager import load_model
 from mlx_dflash.models.settings_checks import settings_store
 from mlx_dflash.policy.costs import Costs
 from mlx_dflash.policy.registry import priced_at
+import mlx.core as mx
 
 QUESTION = "\n\n# Question: what does the last function above do, and how would you test it?\n"
 
