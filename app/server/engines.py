@@ -73,6 +73,7 @@ class LocalEngine:
         self.costs_ready = threading.Event()  # set whenever no curve is wanted (and said in the log)
         self.last_busy = time.monotonic()
         self.piece = threading.Lock()  # held while a curve is measured
+        self.quiet = False  # no more measuring (the server is stopping)
         if not self._costs_wanted():
             self.costs_ready.set()
         self.store = store
@@ -133,10 +134,15 @@ class LocalEngine:
 
     def close(self) -> None:
         """The thread ends once idle; a cost measurement under way gives way first (waited for here:
-        its memory and cores are the next model's, or the next test's)."""
+        its memory and cores are the next model's)."""
         with self.cv:
             self.closed = True
             self.cv.notify()
+        self.stop_measuring()
+
+    def stop_measuring(self) -> None:
+        """No more cost measurement while idle; one under way gives way (waited for: the server is stopping)."""
+        self.quiet = True
         with self.piece:
             pass
 
@@ -195,10 +201,11 @@ class LocalEngine:
 
     def _interrupts(self) -> bool:
         """Whether a measurement under way should give way (read without the lock: a hint, checked again)."""
-        return bool(self.inbox or self.cancels) or self.closed or _EXITING.is_set()
+        return bool(self.inbox or self.cancels) or self.closed or self.quiet or _EXITING.is_set()
 
     def _costs_wanted(self) -> bool:
-        return self.engine.costs is not None and bool(self.engine.costs.wanted) and not _EXITING.is_set()
+        return (self.engine.costs is not None and bool(self.engine.costs.wanted) and not self.quiet
+                and not _EXITING.is_set())
 
     def _measure_idle(self) -> None:
         """One cost curve the guard wants, while no request runs (one that arrives
@@ -321,6 +328,9 @@ class SplitEngine:
 
     def store_summary(self) -> Optional[dict]:
         return None
+
+    def stop_measuring(self) -> None:
+        """(a split target measures nothing while idle)"""
 
     def close(self) -> None:
         """(the split server closes with the process)"""

@@ -75,8 +75,8 @@ class Worker:
             self.jobs.put_nowait(None)
         except queue.Full:
             pass
-        if self.engine is not None:  # its thread ends once idle (a cost measurement under way gives way)
-            self.engine.close()
+        if self.engine is not None:  # (a cost measurement under way gives way: its memory and cores)
+            self.engine.stop_measuring()
 
     def close(self, grace: float) -> None:
         """First step of a shutdown: refuse new jobs, answer the queued ones 503,
