@@ -134,9 +134,9 @@ def test_disconnect_during_prefill_frees_the_worker_after_the_chunk_in_flight(lo
     that request, and the next request's forwards follow at once. The chunks done
     stay cached: the same prompt again reuses them."""
     hook, worker = long_srv.hook, long_srv.worker
-    # (the forwards logged below are the requests' only: the guard's costs, which the server measures
-    # while idle once a model is loaded, are measured first)
-    assert worker.engine is None or worker.engine.costs_ready.wait(300)
+    # (the forwards logged below are the requests' only: no cost measurement while idle from here on)
+    if worker.engine is not None:
+        worker.engine.stop_measuring()
     worker.store.clear()
     before = worker.snapshot()["script"]["cancelled"]
     body = {"model": "script", "prompt": LONG, "max_tokens": 8, "stream": True}
