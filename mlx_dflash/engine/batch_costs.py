@@ -119,34 +119,30 @@ class BatchCosts:
 
     def _at(self, B: int, verify: bool = False) -> Dict[int, float]:
         if B not in self._held:
-            if not self.measure and B in self._missing:
-                raise Unpriced(("rows", B))
-            book = self.book
-            got: Optional[Costs] = book.curve(self.model, self.drafter, widths=self.widths, batch=B)
-            if got is None and not self.measure:
-                self._missing.add(B)
-                raise Unpriced(("rows", B))
-            if got is None:
-                got = measure(self.model, self.drafter, B, self.widths)
-                book.keep(self.model, self.drafter, got, batch=B)
-            self._hold(B, got)
+            self._fetch(B, self.measure)
         return self._verify[B] if verify else self._held[B]
-
-    def _hold(self, B: int, got: Costs) -> None:
-        self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
-        self._verify[B] = {w: got.c[w] for w in self.widths}
-        self._t1[B] = got.t1
 
     def at(self, B: int, stop: Optional[Callable[[], bool]] = None) -> None:
         """Hold the curve at B rows (a measured size): cached, else measured now
         (`stop`: see measure)."""
-        if B in self._held:
-            return
-        got = self.book.curve(self.model, self.drafter, widths=self.widths, batch=B)
+        if B not in self._held:
+            self._fetch(B, True, stop)
+
+    def _fetch(self, B: int, measuring: bool, stop: Optional[Callable[[], bool]] = None) -> None:
+        """Hold the curve at B rows: held by the book or cached on disk, else measured
+        now (`measuring`) or Unpriced (a size found missing is not read from disk again)."""
+        if not measuring and B in self._missing:
+            raise Unpriced(("rows", B))
+        got: Optional[Costs] = self.book.curve(self.model, self.drafter, widths=self.widths, batch=B)
         if got is None:
+            if not measuring:
+                self._missing.add(B)
+                raise Unpriced(("rows", B))
             got = measure(self.model, self.drafter, B, self.widths, stop=stop)
             self.book.keep(self.model, self.drafter, got, batch=B)
-        self._hold(B, got)
+        self._held[B] = {w: got.c[w] + got.d.get(w, 0.0) for w in self.widths}
+        self._verify[B] = {w: got.c[w] for w in self.widths}
+        self._t1[B] = got.t1
         self._missing.discard(B)
 
     def step_s(self, B: int) -> float:

@@ -127,13 +127,6 @@ class CostSource:
         self.wanted.remove(key)
         return curve_name(key), time.perf_counter() - t0, fresh
 
-    def measure_all(self) -> float:
-        """Every wanted curve now (at load); the seconds it took."""
-        t0 = time.perf_counter()
-        while self.measure_next() is not None:
-            pass
-        return time.perf_counter() - t0
-
 
 def prepare_at_load(model, drafter, calibration, contexts: Sequence[int] = ()) -> Optional[str]:
     """What `generate` and the chat measure right after loading: the base curve

@@ -94,8 +94,7 @@ class DecodeConfig:
 
     def needs_costs(self, drafter, prompt_tokens: int) -> bool:
         """Whether the guard prices this call's cycles (from measured costs)."""
-        p = plan(self, drafter, prompt_tokens)
-        return p.drafts and not p.fixed
+        return plan(self, drafter, prompt_tokens).guarded
 
     @classmethod
     def from_settings(cls, settings, drafter=None, **overrides) -> "DecodeConfig":

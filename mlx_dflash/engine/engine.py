@@ -142,7 +142,7 @@ class Engine:
         p = plan(cfg, self.drafter, len(ids), self.target.can_trim(pc.target), shared=self.max_batch > 1)
         self._uid += 1
         sp = cfg.sampling()
-        st = GenerationStats(mode=p.mode, fallback=p.fallback, max_width=p.cap, guard=p.drafts and not p.fixed,
+        st = GenerationStats(mode=p.mode, fallback=p.fallback, max_width=p.cap, guard=p.guarded,
                              prompt_tokens=len(ids))
         seq = Sequence(self._uid, cfg, p, sp, Emitter(self.tokenizer, cfg.stop, cfg.max_tokens), st, pc, [],
                        capture=False, returned=prompt_cache is not None)

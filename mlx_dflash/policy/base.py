@@ -52,6 +52,11 @@ class Plan:
     def drafts(self) -> bool:
         return self.cap > 1
 
+    @property
+    def guarded(self) -> bool:
+        """The guard chooses its widths (it drafts, at no fixed width): what needs measured costs."""
+        return self.drafts and not self.fixed
+
 
 class Row(Protocol):
     """What a policy reads of a sequence."""

@@ -218,7 +218,7 @@ class Guard(Policy):
 
     # -- the interface ---------------------------------------------------------------------
     def decide(self, rows: Sequence[Row]) -> Decision:
-        mine = [r for r in rows if r.plan.drafts and not r.plan.fixed]
+        mine = [r for r in rows if r.plan.guarded]
         priced = bool(mine) and self._price(rows)
         for r in mine if priced else ():
             if r.uid not in self.rows:
@@ -414,7 +414,7 @@ class Guard(Policy):
         return f"dflash: {why}"
 
     def summary(self, row: Row) -> Optional[dict]:
-        if not row.plan.drafts or row.plan.fixed:
+        if not row.plan.guarded:
             return None
         x, tau, s = self.est
         return {"state": "unpriced" if self.unpriced else self.state, "fallbacks": self.fallbacks, "probes": self.probes, "speedup": s,
