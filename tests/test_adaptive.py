@@ -295,6 +295,15 @@ def test_guard_measures_nothing_for_fixed_widths_and_plain_rows():
     assert g.decide([off]).width == 1
 
 
+def test_a_probe_starts_only_where_the_room_left_repays_it():
+    g = Guard(_model(_costs(2.0)))  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
+    row = Row()
+    row.left = 8 * 3 - 1  # (PAYBACK x that, less one)
+    assert _due(g, (row,)) == -1 and g.reason(row).startswith("plain: too few tokens left to repay a probe")
+    row.left = 8 * 3
+    assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
+
+
 def test_guard_keeps_drafting_when_it_pays():
     g = Guard(_model(_costs(2.0)))
     assert _due(g) == 0 and g.reason(ROW).startswith("dflash: probing")

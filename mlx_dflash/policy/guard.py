@@ -9,7 +9,9 @@ per cycle, from its per-position acceptance estimates p_b; the set's predicted
 speedup at w is mean_b tau_b(w) / k(w, B, L), and each cycle drafts at the w
 that maximises it. States (of the set):
 
-- probe: drafting on trial (a fresh start, or after a plain run). Each row's
+- probe: drafting on trial (a fresh start, or after a plain run), started only
+  where the rows' room left could repay its worst case PAYBACK times over (a
+  few tokens left, or a dear cycle: many rows, a long context). Each row's
   estimates start from PSEUDO pseudo-tries at p_mid (the constant acceptance
   whose tau at the widest width is halfway between break-even and that width)
   and are judged after every cycle: on text that does not draft well a probe
@@ -135,6 +137,9 @@ class Guard(Policy):
     model objects left (Observed)."""
 
     PROBE = 3  # cycles that end a probe that pays
+    # a probe's worst case is PROBE cycles that find nothing (each k(w) plain steps for one token a
+    # row); one is started only where the rows' room left repays that PAYBACK times over
+    PAYBACK = 8
     MARGIN = 1.1  # a probe must predict this much to switch to drafting (k itself is measured, with noise)
     BACKOFF0, BACKOFF_MAX = 64, 1024  # plain steps before the next probe
     # DFlash is never tried where even a drafter accepting 90% of drafts per position
@@ -158,6 +163,7 @@ class Guard(Policy):
         self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
+        self.short = False  # the last probe due was not started: the rows' room left could not repay it
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
         if self.prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -232,7 +238,8 @@ class Guard(Policy):
         if guarded and self.state != "plain":
             self.est = self.best([self._p(s) for s in guarded])
         # (None: unpriced, the guarded rows step plainly)
-        drafting = (guarded and self.state != "plain" and not self.hopeless) if priced else None
+        drafting = (guarded and self.state != "plain" and not self.hopeless and self._probe_pays(rows)) \
+            if priced else None
         srcs, widths = [], []
         for r in rows:
             src, w = self._row(r, drafting)
@@ -243,6 +250,18 @@ class Guard(Policy):
         if max(widths) == 1:
             return Decision.plain(rows, self.wait if guarded and self.state == "plain" else None)
         return Decision(tuple(widths), tuple(srcs))
+
+    def _probe_pays(self, rows: Sequence[Row]) -> bool:
+        """Whether a probe about to start (its first cycle) could repay its worst
+        case (see PAYBACK) within the guarded rows' room left (mean tokens before
+        max_tokens): near an answer's end, or for short answers where a cycle is
+        dear (long contexts, many rows), it could not, and the rows step plainly."""
+        if self.state != "probe" or self.trial > 0:
+            return True
+        loss = self.PROBE * (self.kd[self.est[0]] - 1)
+        left = [r.left for r in rows if r.uid in self.rows]
+        self.short = sum(left) / len(left) < self.PAYBACK * loss
+        return not self.short
 
     def _row(self, r: Row, drafting: Optional[bool]) -> tuple:
         """(source, verify width) of one row this cycle."""
@@ -409,6 +428,8 @@ class Guard(Policy):
                "tokens)" if s is not None else "")
         if self.state == "plain":
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
+        if self.state == "probe" and self.short:
+            return f"plain: too few tokens left to repay a probe; DFlash {why}"
         if self.state == "probe":
             return f"dflash: probing, {why}" if why else f"dflash: probing (cycle = {k:.2f} plain tokens)"
         return f"dflash: {why}"
