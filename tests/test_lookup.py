@@ -141,7 +141,7 @@ def _guard(curve, prior=None):
 
 
 def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
-    from mlx_dflash.policy.base import LOOKUP, CycleResult
+    from mlx_dflash.policy.base import DFLASH, LOOKUP, CycleResult
 
     row = _Row()
     g = _guard(_curve(2.4))
@@ -157,6 +157,10 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     g.observe([row], [CycleResult(5, 4, 5, source=LOOKUP)])  # every draft right: alpha 0.5 -> 0.6
     assert lk.alpha == pytest.approx(0.6) and lk.pays(4, g.kv)  # 1 + 0.6 * 4 = 3.4 >= 3.14
     assert "lookup: 1 cycles, 60% accepted" in g.reason(row) and g.reason(row).startswith("dflash: probing")
+    # but while drafting it replaces a DFlash cycle: the probe's prior predicts tau (2.4 + 5) / 2 = 3.7 at
+    # width 5 for the same verify (no drafter cost here), so lookup's 3.4 loses; at alpha 0.68 (3.72) it wins
+    assert g.decide([row]).sources == (DFLASH,)
+    g.observe([row], [CycleResult(5, 4, 5, source=LOOKUP)])
     assert g.decide([row]).sources == (LOOKUP,) and g.decide([row]).widths == (5,)
     for _ in range(3):
         g.observe([row], [CycleResult(5, 0, 1, source=LOOKUP)])
@@ -167,8 +171,10 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     every = math.ceil(lk.GAP * g.kv[5])
     taken = [lk.take(4, g.kv) for _ in range(2 * every)]
     assert taken.count(True) == 2 and taken[every - 1] and taken[-1]
-    cheap = _guard(_curve(1.2))
-    assert cheap.decide([row]).sources == (LOOKUP,)  # cheap verifies: pays at the prior
+    cheap = _guard(_curve(1.2))  # cheap verifies: lookup pays against plain at the prior (3.0 >= 1.82)...
+    assert cheap.decide([row]).sources == (DFLASH,) and cheap.rows[1].gate.pays(4, cheap.kv)
+    assert cheap.rows[1].gate.pays(4, cheap.kv, rate=2.45) and not cheap.rows[1].gate.pays(4, cheap.kv, rate=2.55)
+    # ...not against the probe's DFlash cycle (tau 3.1 for 1.2: 2.58 tokens per plain step to lookup's 2.5)
 
 
 @pytest.mark.slow

@@ -24,9 +24,11 @@ that maximises it. States (of the set):
 Prompt lookup (drafting/lookup.py), per row: whenever a row's context ends in
 an n-gram seen before, its continuation is verified as free drafts if
 1 + alpha * n >= MARGIN * k_verify(n + 1) + SWITCH (alpha: the row's live share
-of lookup drafts accepted; k_verify: the verify alone), in any state, plain
-included; while it does not pay, a match is verified anyway now and then
-(every GAP x k_verify-th: about 1/GAP of the time at any length).
+of lookup drafts accepted; k_verify: the verify alone) while the set steps
+plainly, and while it drafts if it yields more per unit of time than the DFlash
+cycle it replaces: (1 + alpha * n) / k_verify(n + 1) > tau_b(w) / k(w). While it
+does not pay, a match is verified anyway now and then (every GAP x k_verify-th,
+times the DFlash rate it displaces: about 1/GAP of the time at any length).
 
 Unpriced (the engine defers measuring and a curve this set needs, at its
 length or its number of rows, is not measured yet): the guarded rows decode
@@ -92,8 +94,15 @@ class LookupGate:
         yields one token a row)."""
         return tokens >= rows * (cls.MARGIN * cost + cls.SWITCH)
 
-    def pays(self, n: int, kv: Dict[int, float]) -> bool:
-        return n >= 1 and self.cycle_pays(self.tokens(n), 1, kv[n + 1])
+    def pays(self, n: int, kv: Dict[int, float], rate: Optional[float] = None) -> bool:
+        """Whether verifying n lookup drafts (one row alone) beats what the row
+        would do instead: plain steps (rate None), or a DFlash cycle yielding
+        `rate` tokens per plain step's time (its tau / k_drafting(w))."""
+        if n < 1:
+            return False
+        if rate is None:
+            return self.cycle_pays(self.tokens(n), 1, kv[n + 1])
+        return self.tokens(n) > rate * kv[n + 1]
 
     def explore(self, rows: int = 1, cost: float = 1.0) -> bool:
         """A proposal skipped: True on every (GAP x rows x cost)-th skip, so a text
@@ -107,9 +116,11 @@ class LookupGate:
             return True
         return False
 
-    def take(self, n: int, kv: Dict[int, float]) -> bool:
-        """Verify this n-draft proposal (one row alone)? (Counts the skips of a gate that does not pay.)"""
-        return n >= 1 and (self.pays(n, kv) or self.explore(cost=kv[n + 1]))
+    def take(self, n: int, kv: Dict[int, float], rate: Optional[float] = None) -> bool:
+        """Verify this n-draft proposal (one row alone)? (Counts the skips of a gate
+        that does not pay; an explore in place of a DFlash cycle loses up to `rate`
+        tokens per plain step's time, so it comes that much more rarely.)"""
+        return n >= 1 and (self.pays(n, kv, rate) or self.explore(cost=kv[n + 1] * max(1.0, rate or 1.0)))
 
     def observe(self, accepted: int, n: int) -> None:
         self.cycles += 1
@@ -279,11 +290,12 @@ class Guard(Policy):
         s = self.rows.get(r.uid) if drafting is not None else None
         if s is None:  # unpriced: plain
             return "", 1
-        if s.gate is not None:  # the context repeats itself: verify its continuation if it pays
-            m = r.offers(LOOKUP, min(self.w, room) - 1)
-            if m and (not drafting or s.gate.take(m, self.kv)):  # (not drafting: a proposal, judged
-                return LOOKUP, m + 1  # with the set's in _judge_lookups)
-        return (DFLASH, min(self.est[0], room)) if drafting else ("", 1)
+        w = min(self.est[0], room)
+        if s.gate is not None:  # the context repeats itself: verify its continuation if it beats the
+            m = r.offers(LOOKUP, min(self.w, room) - 1)  # DFlash cycle it would replace
+            if m and (not drafting or s.gate.take(m, self.kv, expected(self._p(s), w) / self.kd[w])):
+                return LOOKUP, m + 1  # (not drafting: a proposal, judged with the set's in _judge_lookups)
+        return (DFLASH, w) if drafting else ("", 1)
 
     def _judge_lookups(self, rows: Sequence[Row], srcs: list, widths: list) -> None:
         """Between DFlash cycles, a cycle is made for the rows' lookup proposals
