@@ -295,6 +295,47 @@ def test_guard_measures_nothing_for_fixed_widths_and_plain_rows():
     assert g.decide([off]).width == 1
 
 
+def _step(g, w, secs, rows=(ROW,), accepted=0):
+    """One step the engine accounted `secs` after its previous one (CycleResult.t_step)."""
+    g.decide(list(rows))
+    src = DFLASH if w > 1 else ""
+    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=src, t_step=secs) for _ in rows])
+
+
+def test_prices_are_raised_to_what_the_cycles_paid():
+    """Cycles that take longer than k(w) x the set's plain step raise every price
+    at that set size (by the median ratio, beyond SLACK); the ratio carries to the
+    next request; the first cycle after plain steps (the drafter's catch-up) and
+    steps of another set of rows are left out."""
+    g = Guard(_model(_costs(2.0)))
+    rows = (Row(uid=1), Row(uid=2))
+    for _ in range(4):
+        _step(g, 1, 0.010, rows)  # plain steps at 2 rows: 10 ms
+    assert g.paid == {}
+    k5 = g.priced[0][5]
+    _step(g, 5, 100.0, rows, accepted=4)  # right after plain steps: the catch-up cycle, left out
+    assert g.paid == {}
+    for secs in (0.010 * k5 * 1.6, 0.010 * k5 * 1.4, 0.010 * k5 * 9.0):
+        _step(g, 5, secs, rows, accepted=4)
+    assert g.paid[2] == pytest.approx(1.6)  # the median of 1.6, 1.4 and 9
+    g.decide(list(rows))
+    assert g.kd[5] == pytest.approx(1.6 * k5) and g.kv[5] == pytest.approx(1.6 * g.priced[1][5])
+    assert "1.60x its measured price as paid" in g.reason(rows[0])
+    assert g.decide([ROW]) and g.kd[5] == pytest.approx(g.model.k(1, 0, True)[5])  # one row: its own price
+    o = g.leave(rows[0])
+    h = Guard(_model(_costs(2.0)), o)
+    h.decide(list(rows))
+    assert h.kd[5] == pytest.approx(1.6 * k5)  # the next request starts from what was paid
+    # within SLACK, the measured price stands; unknown step times (0) are not samples
+    q = Guard(_model(_costs(2.0)))
+    for _ in range(4):
+        _step(q, 1, 0.010, rows)
+    for secs in (0.010 * k5 * 5, 0.0, 0.0, 0.010 * k5 * 1.1):  # (the catch-up, two unknown, one sample)
+        _step(q, 5, secs, rows, accepted=4)
+    q.decide(list(rows))
+    assert q.paid[2] == pytest.approx(1.1) and q.kd[5] == pytest.approx(k5)
+
+
 def test_a_probe_starts_only_where_the_room_left_repays_it():
     g = Guard(_model(_costs(2.0)))  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
     row = Row()

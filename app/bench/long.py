@@ -25,6 +25,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,7 +46,7 @@ from app.errors import UserError
 from mlx_dflash import DecodeConfig, PromptCache, stream_generate
 from mlx_dflash.engine.calibrate import DEFAULT, extend_with_random_rows
 from mlx_dflash.policy.costs import Costs
-from mlx_dflash.policy.registry import priced_at
+from mlx_dflash.policy.registry import guard_widths, priced_at
 
 DEFAULT_TARGETS = "qwen3-small,hybrid-small"
 CONTEXTS = (1024, 8192, 32768, 65536)
@@ -126,7 +127,9 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     layout = DecodeConfig().drafter_layout
     base = run_mlx_lm(model, tok, prompt[-1:], args.max_tokens, prompt_cache=copy.deepcopy(pc.target))
     cont = base.tokens
-    sampler = CostSampler(model, inner, widths, n, cache=copy.deepcopy(pc.target), feats=pc.pending, layout=layout)
+    # the guard's own widths too: it is priced at this length as its own calibration would price it
+    sampled = sorted(set(widths) | {w for w in guard_widths(inner.block_size) if w > 1})
+    sampler = CostSampler(model, inner, sampled, n, cache=copy.deepcopy(pc.target), feats=pc.pending, layout=layout)
     sampler.sample(2)
     costs = sampler.costs()
 
@@ -143,7 +146,8 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     def go(m, i):
         if m.kind == "mlx-lm":
             return run_mlx_lm(model, tok, prompt[-1:], args.max_tokens, prompt_cache=copy.deepcopy(pc.target))
-        replay.begin(prompt, cont, seed=1000 * i + len(m.name))
+        # every method sees the same accept-length draws (common random numbers: a fair comparison)
+        replay.begin(prompt, cont, seed=1000 * i)
         seed_guard()
         return run_ours(model, tok, prompt, replay, args.max_tokens, None if m.kind == "default" else m.width,
                         "dflash", costs, m.kind == "default", on_token=lambda k: setattr(replay, "emitted", k),
@@ -165,6 +169,8 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     for m in methods:
         rows.append(summarize(m, rows[0] if rows else None, {"dflash2": costs, "plain_t1": costs.t1},
                               [r.tokens for r in methods[0].runs]))
+        if m.kind == "default":  # the widths the guard chose, cycles at each (1: plain steps)
+            rows[-1]["widths"] = dict(sorted(Counter(w for r in m.runs for w, _ in r.cycle_log).items()))
     first = next(r for r in methods[1].runs)
     return {"context": n, "tau_replayed": tau, "alpha": replay.alpha,
             "synthetic_context": ref is None,
@@ -218,6 +224,9 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {L['context']} | {r['method']} | {fmt_num(r['tau'])} | {fmt_num(r['ratio'])}x "
                              f"| {fmt_num(r.get('c'))} | {fmt_num(r.get('d'))} | {fmt_num(r['limit'])} "
                              f"| {fmt_num(r['efficiency'], '{:.0%}')} | {ok} |")
+        lines += ["", "The guard's widths (width: cycles; 1: plain steps): " + "; ".join(
+            f"{L['context']}: " + ", ".join(f"{w}: {k}" for w, k in r["widths"].items())
+            for L in t["lengths"] for r in L["methods"] if r.get("widths"))]
         lines += ["", "| context | replayed tau (w16) | 1-token step ms | prefill s, mlx-lm | prefill s, ours | ours / mlx-lm "
                   "| peak GB mlx-lm prefill | peak GB ours prefill | peak GB ours decode |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -119,6 +119,7 @@ class Engine:
         self._uid = 0
         self._flight = None  # a plain step queued: (next tokens [B], their log-probs, their features)
         self._due: Optional[tuple] = None  # (rows' uids, a draft decided for them between two plain tokens)
+        self._accounted: Optional[float] = None  # when the last step was accounted (CycleResult.t_step)
         self._released: List[Tuple[int, PromptCache]] = []
         self._evaluate = True  # leaving rows' caches are evaluated (close(evaluate=False): not)
         self.cycles = self.drafter_forwards = self.occupancy = self.prefilled_together = 0
@@ -695,8 +696,12 @@ class Engine:
     def _account(self, rows: List[Sequence], results: List[CycleResult]) -> None:
         """After a cycle or plain step, before its tokens are handed out (every
         token of the cycle sees the stats): the stats, then the policy."""
-        rows[0].policy.observe(rows, results)
         now = time.perf_counter()
+        step = now - self._accounted if self._accounted is not None else 0.0
+        self._accounted = now
+        for cyc in results:
+            cyc.t_step = step
+        rows[0].policy.observe(rows, results)
         for s, cyc in zip(rows, results):
             st = s.stats
             st.add(cyc)

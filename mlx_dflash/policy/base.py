@@ -32,6 +32,7 @@ class CycleResult:
     source: str = ""  # "dflash" | "lookup" | "" (plain)
     t_wait: float = 0.0  # of t_verify: blocked in the readback (compute not hidden behind the host)
     conf: Optional[list] = None  # the verified drafts' confidences, when the policy read them (adaptive)
+    t_step: float = 0.0  # wall time since the engine's previous step was accounted: all it cost (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,6 @@ class Plan:
     fixed: bool = False  # it verifies exactly `cap` rows whenever it drafts (an unguarded width)
     drafter: bool = False  # the DFlash drafter drafts for it (its features are captured)
     lookup: bool = False  # it may verify prompt-lookup drafts (an n-gram index of its tokens is kept)
-    start: int = 1  # the width its first probe drafts at (the block_size setting)
     fallback: Optional[str] = None  # why it runs another mode than it asked for
     carry: bool = True  # the guard's state carries to and from other requests (not a seeded call)
 

@@ -30,6 +30,12 @@ cycle it replaces: (1 + alpha * n) / k_verify(n + 1) > tau_b(w) / k(w). While it
 does not pay, a match is verified anyway now and then (every GAP x k_verify-th,
 times the DFlash rate it displaces: about 1/GAP of the time at any length).
 
+Prices as paid: the curves are measured apart from the requests (a set of
+one through the engine's own steps; several rows as bare forwards), so a set
+also times its own steps (CycleResult.t_step) and, where its cycles take more
+than SLACK times k(w) x its plain step, raises every price at that set size by
+the median ratio; what was paid carries to the next request (Observed.paid).
+
 Unpriced (the engine defers measuring and a curve this set needs, at its
 length or its number of rows, is not measured yet): the guarded rows decode
 plain, lookup included, until it is; the state and estimates wait as they are.
@@ -54,6 +60,10 @@ def expected(p: Sequence[float], w: int) -> float:
         run *= x
         out += run
     return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def p_mid(k: float, w: int) -> float:
@@ -158,6 +168,12 @@ class Guard(Policy):
     # cost at most 0.8 w plain steps (ceiling w / k >= 1.25) to be worth a probe
     CEILING_MIN = 1.25
     ALPHA = 0.15
+    # prices as paid: a set of B rows keeps the ratio of its cycles' seconds to their price (k(w) x its
+    # plain step's seconds; the median of the last PAID_SAMPLES cycles against that of the last
+    # PLAIN_SAMPLES plain steps), and where the cycles took more than SLACK times their price, every
+    # price at B is raised by that ratio (the costs measured apart miss host work per row and the
+    # drafter's context update: at 8 rows on a 2-core CPU, 1.3-1.8x)
+    PAID_SAMPLES, PLAIN_SAMPLES, SLACK = 8, 16, 1.15
     DRIFT = 0.04  # per cycle that accepts every draft: how fast the next position's estimate recovers
     PSEUDO = 2  # pseudo-tries of the probe's prior
 
@@ -171,7 +187,14 @@ class Guard(Policy):
         self.state, self.wait, self.trial = "probe", 0, 0
         self.fallbacks = self.probes = 0
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
-        self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L
+        self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L (as paid)
+        self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
+        self.paid = dict(self.prior.paid)  # B -> cycle seconds over their price (Observed.paid)
+        self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
+        self.ratios: Dict[int, List[float]] = {}  # B -> the last cycles' seconds over their price
+        self.unmatched: List[tuple] = []  # (B, seconds over k) of cycles before a plain step at B was timed
+        self.last_step: Optional[tuple] = None  # the rows of the last step observed
+        self.after_plain = True  # the last step observed was plain (the next draft catches the drafter up)
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
@@ -203,11 +226,14 @@ class Guard(Policy):
         """Price this set's cycles; False (why: self.unpriced) while a curve it needs is not measured yet."""
         B, L = len(rows), max((r.context for r in rows), default=0)
         try:
-            self.kd, self.kv = self.model.k(B, L, True), self.model.k(B, L, False)
+            self.priced = (self.model.k(B, L, True), self.model.k(B, L, False))
         except Unpriced as e:
             self.unpriced = str(e)
             return False
         self.unpriced = None
+        f = self.paid.get(B, 1.0)
+        f = f if f > self.SLACK else 1.0
+        self.kd, self.kv = ({x: k * f if x > 1 else 1.0 for x, k in ks.items()} for ks in self.priced)
         self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
         return True
 
@@ -337,6 +363,7 @@ class Guard(Policy):
                 # (slowly: DRIFT) toward the last one tried (acceptance falls with the position), so a
                 # wider width is tried again now and then and a stale low estimate does not stick
                 s.p[n] += self.DRIFT * (s.p[n - 1] - s.p[n])
+        self._time(rows, results, cycle)
         if cycle:
             w = max(res.width for res in results if res.source == DFLASH)
             self.widths[w] = self.widths.get(w, 0) + 1
@@ -344,6 +371,38 @@ class Guard(Policy):
         elif all(res.width == 1 for res in results):
             self._plain_step()
 
+    def _time(self, rows: Sequence[Row], results: List[CycleResult], drafted: bool) -> None:
+        """What this step took against its price (see PAID): its wall time since
+        the engine's previous step (CycleResult.t_step: everything a step costs,
+        its tokens' handing out included), when that step had the same rows. Medians over the last few: a pipelined plain
+        step before a cycle is short (its compute was done) and the one after
+        long (two steps' compute). A DFlash cycle right after a plain step is
+        left out: it also brings the drafter's context up to date, once."""
+        uids = tuple(r.uid for r in rows)
+        last, self.last_step = self.last_step, uids
+        after_plain, self.after_plain = self.after_plain, not drafted and max(r.width for r in results) == 1
+        B, secs, w = len(rows), results[0].t_step, max(r.width for r in results)
+        if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
+            return
+        if w == 1:
+            plain = self.plain_s.setdefault(B, [])
+            plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
+            if len(plain) >= 3:
+                for x in [x for b, x in self.unmatched if b == B]:
+                    self._paid(B, x)
+                self.unmatched = [u for u in self.unmatched if u[0] != B]
+            return
+        price = self.priced[0 if drafted else 1].get(w)
+        if price:
+            self.unmatched = self.unmatched[-7:] + [(B, secs / price)]
+            if len(self.plain_s.get(B, ())) >= 3:
+                self._paid(*self.unmatched.pop())
+
+    def _paid(self, B: int, x: float) -> None:
+        """One cycle's seconds over its k(w), against the median plain step at B."""
+        ratios = self.ratios.setdefault(B, [])
+        ratios[:] = ratios[-(self.PAID_SAMPLES - 1):] + [x / median(self.plain_s[B])]
+        self.paid[B] = median(ratios)
     def _judge(self, rows: Sequence[Row]) -> None:
         guarded = self._guarded(rows)
         if not guarded:
@@ -407,7 +466,7 @@ class Guard(Policy):
             return None
         o = Observed(backoff=self.backoff, p=list(self._p(s)),
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
-                     lookup_alpha=s.gate.alpha if s.gate is not None else None)
+                     lookup_alpha=s.gate.alpha if s.gate is not None else None, paid=dict(self.paid))
         if row.plan.carry:
             self.prior = o  # rows that join later start from it
         return o if row.plan.carry else None
@@ -436,8 +495,10 @@ class Guard(Policy):
             return f"plain: width {self.w} cannot pay here (a cycle costs {k:.2f} plain tokens)"
         x, tau, s = self.est
         # (rounded down: a prediction just below break-even never reads 1.00x)
+        as_paid = f", {self.kd[x] / self.priced[0][x]:.2f}x its measured price as paid" \
+            if x in self.priced[0] and self.kd[x] > self.priced[0][x] else ""
         why = (f"{int(s * 100) / 100:.2f}x predicted (width {x}, tau {tau:.2f}, cycle = {self.kd[x]:.2f} plain "
-               "tokens)" if s is not None else "")
+               f"tokens{as_paid})" if s is not None else "")
         if self.state == "plain":
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
         if self.state == "probe" and self.short:
