@@ -317,9 +317,9 @@ def test_prices_are_raised_to_what_the_cycles_paid():
     assert g.paid == {}
     for secs in (0.010 * k5 * 1.6, 0.010 * k5 * 1.4, 0.010 * k5 * 9.0):
         _step(g, 5, secs, rows, accepted=4)
-    assert g.paid[2] == pytest.approx(1.6)  # the median of 1.6, 1.4 and 9
+    assert g.paid[(2, True)] == pytest.approx(1.6)  # the median of 1.6, 1.4 and 9
     g.decide(list(rows))
-    assert g.kd[5] == pytest.approx(1.6 * k5) and g.kv[5] == pytest.approx(1.6 * g.priced[1][5])
+    assert g.kd[5] == pytest.approx(1.6 * k5) and g.kv[5] == pytest.approx(g.priced[1][5])  # (lookup apart)
     assert "1.60x its measured price as paid" in g.reason(rows[0])
     assert g.decide([ROW]) and g.kd[5] == pytest.approx(g.model.k(1, 0, True)[5])  # one row: its own price
     o = g.leave(rows[0])
@@ -333,7 +333,7 @@ def test_prices_are_raised_to_what_the_cycles_paid():
     for secs in (0.010 * k5 * 5, 0.0, 0.0, 0.010 * k5 * 1.1):  # (the catch-up, two unknown, one sample)
         _step(q, 5, secs, rows, accepted=4)
     q.decide(list(rows))
-    assert q.paid[2] == pytest.approx(1.1) and q.kd[5] == pytest.approx(k5)
+    assert q.paid[(2, True)] == pytest.approx(1.1) and q.kd[5] == pytest.approx(k5)
 
 
 def test_a_probe_starts_only_where_the_room_left_repays_it():

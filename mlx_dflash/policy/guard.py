@@ -189,10 +189,10 @@ class Guard(Policy):
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
         self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L (as paid)
         self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
-        self.paid = dict(self.prior.paid)  # B -> cycle seconds over their price (Observed.paid)
+        self.paid = dict(self.prior.paid)  # (B, drafting) -> cycle seconds over their price (Observed.paid)
         self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
-        self.ratios: Dict[int, List[float]] = {}  # B -> the last cycles' seconds over their price
-        self.unmatched: List[tuple] = []  # (B, seconds over k) of cycles before a plain step at B was timed
+        self.ratios: Dict[tuple, List[float]] = {}  # (B, drafting) -> the last cycles' seconds over their price
+        self.unmatched: List[tuple] = []  # ((B, drafting), seconds over k): cycles before B's plain steps were timed
         self.last_step: Optional[tuple] = None  # the rows of the last step observed
         self.after_plain = True  # the last step observed was plain (the next draft catches the drafter up)
         self.hopeless = False
@@ -231,9 +231,9 @@ class Guard(Policy):
             self.unpriced = str(e)
             return False
         self.unpriced = None
-        f = self.paid.get(B, 1.0)
-        f = f if f > self.SLACK else 1.0
-        self.kd, self.kv = ({x: k * f if x > 1 else 1.0 for x, k in ks.items()} for ks in self.priced)
+        fs = [self.paid.get((B, drafting), 1.0) for drafting in (True, False)]
+        self.kd, self.kv = ({x: k * f if x > 1 and f > self.SLACK else 1.0 if x == 1 else k for x, k in ks.items()}
+                            for ks, f in zip(self.priced, fs))
         self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
         return True
 
@@ -388,21 +388,22 @@ class Guard(Policy):
             plain = self.plain_s.setdefault(B, [])
             plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
             if len(plain) >= 3:
-                for x in [x for b, x in self.unmatched if b == B]:
-                    self._paid(B, x)
-                self.unmatched = [u for u in self.unmatched if u[0] != B]
+                for key, x in [u for u in self.unmatched if u[0][0] == B]:
+                    self._paid(key, x)
+                self.unmatched = [u for u in self.unmatched if u[0][0] != B]
             return
         price = self.priced[0 if drafted else 1].get(w)
         if price:
-            self.unmatched = self.unmatched[-7:] + [(B, secs / price)]
+            self.unmatched = self.unmatched[-7:] + [((B, drafted), secs / price)]
             if len(self.plain_s.get(B, ())) >= 3:
                 self._paid(*self.unmatched.pop())
 
-    def _paid(self, B: int, x: float) -> None:
-        """One cycle's seconds over its k(w), against the median plain step at B."""
-        ratios = self.ratios.setdefault(B, [])
-        ratios[:] = ratios[-(self.PAID_SAMPLES - 1):] + [x / median(self.plain_s[B])]
-        self.paid[B] = median(ratios)
+    def _paid(self, key: tuple, x: float) -> None:
+        """One cycle's seconds over its k(w), against the median plain step at its B
+        (DFlash cycles and lookup-only ones apart: the drafter's share is priced apart)."""
+        ratios = self.ratios.setdefault(key, [])
+        ratios[:] = ratios[-(self.PAID_SAMPLES - 1):] + [x / median(self.plain_s[key[0]])]
+        self.paid[key] = median(ratios)
     def _judge(self, rows: Sequence[Row]) -> None:
         guarded = self._guarded(rows)
         if not guarded:
@@ -464,7 +465,9 @@ class Guard(Policy):
         s = self.rows.pop(row.uid, None)
         if s is None:
             return None
-        o = Observed(backoff=self.backoff, p=list(self._p(s)),
+        # estimates only where this row drafted (a row that never did would hand on its prior as evidence)
+        p = s.p if s.p is not None else self._p(s) if any(n for _, n in s.counts) else self.prior.p
+        o = Observed(backoff=self.backoff, p=list(p) if p is not None else None,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
                      lookup_alpha=s.gate.alpha if s.gate is not None else None, paid=dict(self.paid))
         if row.plan.carry:
