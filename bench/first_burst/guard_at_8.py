@@ -1,7 +1,7 @@
 """The guard vs plain decoding (verify mode off) at 8 rows in one BatchEngine, in process:
 8 short chat prompts, 64 tokens, the guard priced from its measured curves.
 
-    MLX_DFLASH_HOME=/tmp/b8-home PYTHONPATH=. python bench/first_burst/guard_at_8.py
+    MLX_DFLASH_HOME=/tmp/b8-home MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/first_burst/guard_at_8.py
 """
 import time
 from mlx_dflash.models.manager import load_model
@@ -24,6 +24,6 @@ def run(defer, mode="dflash"):
     for u, r in eng.run(): n+=1; last[u]=r.stats
     st = list(last.values())[0]
     return round(n/(time.perf_counter()-t),1), eng.cycles, st.drafted, st.lookup_cycles, st.policy[:90]
-for i in range(2):
-    print("off", run(True, "off")); print("guard", run(False))
+for i in range(4):
+    print("off", run(True, "off")); print("guard", run(False)); o = cal.prior(lm.model, lm.drafter); print("  carried", o and {k: round(v, 2) for k, v in o.paid.items()})
 print(cal.book._entries and [ (t, c.t1, c.c) for t,c in list(cal.book._entries.values())[0][3] if t[1]==8])
