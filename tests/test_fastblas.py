@@ -342,3 +342,22 @@ def test_fastest_threads_times_each_configuration_and_keeps_the_fastest(monkeypa
         assert flat["fastest"] == "measured" and fastblas.kernel_threads_at(1, 151936, 1024) == 1
     finally:
         fastblas.set_threads(*prev)
+
+
+def test_a_fixed_thread_count_is_ready_only_once_measured_for_it(tmp_path, monkeypatch):
+    """MLX_DFLASH_BLAS_THREADS=N has its own routing of the few-row kernel: a
+    machine measured only for the automatic choice is not ready for it (the CLI's
+    first start then measures it, instead of every product going to OpenBLAS)."""
+    lib = fastblas._openblas_lib()
+    if lib is None:
+        pytest.skip("scipy-openblas32 is not installed")
+    monkeypatch.setenv("MLX_DFLASH_BLAS_DIR", str(tmp_path))
+    monkeypatch.delenv("MLX_DFLASH_BLAS_THREADS", raising=False)
+    (tmp_path / f"libmlx_dflash_blas-{fastblas.shim_key(lib)}.so").write_bytes(b"")
+    fastblas._calibration_path(lib).write_text(json.dumps({"version": fastblas.CALIBRATION_VERSION, "auto": {}}))
+    assert fastblas.ready()
+    monkeypatch.setenv("MLX_DFLASH_BLAS_THREADS", "1")
+    assert not fastblas.ready()
+    fastblas._calibration_path(lib).write_text(
+        json.dumps({"version": fastblas.CALIBRATION_VERSION, "auto": {}, "t1": {}}))
+    assert fastblas.ready()

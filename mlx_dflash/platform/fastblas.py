@@ -371,6 +371,14 @@ def _calibration_path(lib: Path) -> Path:
     return cache_dir() / f"calibration-{shim_key(lib)}-{_cpus()}cpu.json"
 
 
+def _fixed_threads() -> tuple:
+    """(MLX_DFLASH_BLAS_THREADS or None, the calibration's key for it): a fixed
+    thread count has its own routing, measured for it."""
+    env_t = os.environ.get("MLX_DFLASH_BLAS_THREADS", "")
+    fixed = int(env_t) if env_t.isdigit() and int(env_t) > 0 else None
+    return fixed, f"t{fixed}" if fixed else "auto"
+
+
 def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
     """Measure (or read back) the thread count and the kernel's routing for this
     machine, and apply them. Cached next to the shim; concurrent first starts
@@ -380,9 +388,7 @@ def calibrate(force: bool = False, log=None, measure: bool = True) -> dict:
     one thread with every product on OpenBLAS until `prepare()` measures it."""
     lib = _openblas_lib()
     path = _calibration_path(lib)
-    env_t = os.environ.get("MLX_DFLASH_BLAS_THREADS", "")
-    fixed = int(env_t) if env_t.isdigit() and int(env_t) > 0 else None
-    key = f"t{fixed}" if fixed else "auto"
+    fixed, key = _fixed_threads()
 
     def read():
         try:
@@ -469,8 +475,8 @@ def _describe() -> str:
 
 
 def ready() -> bool:
-    """Whether the shim is built and this machine measured (what `prepare` does
-    once); a cheap file check. Always True where there is no shim to build."""
+    """Whether the shim is built and this machine measured for the thread
+    setting in force (what `prepare` does once); a cheap file check. Always True where there is no shim to build."""
     if not sys.platform.startswith("linux") or os.environ.get("MLX_DFLASH_REFERENCE_BLAS") == "1":
         return True
     lib = _openblas_lib()
@@ -481,7 +487,7 @@ def ready() -> bool:
         data = json.loads(_calibration_path(lib).read_text())
     except (OSError, ValueError):
         data = {}
-    return built and data.get("version") == CALIBRATION_VERSION
+    return built and data.get("version") == CALIBRATION_VERSION and _fixed_threads()[1] in data
 
 
 def use_fast_blas(prepare: bool = False) -> str:
