@@ -476,7 +476,8 @@ def _describe() -> str:
 
 def ready() -> bool:
     """Whether the shim is built and this machine measured for the thread
-    setting in force (what `prepare` does once); a cheap file check. Always True where there is no shim to build."""
+    setting in force (what `prepare` does once); a cheap file check. Always
+    True where there is no shim to build."""
     if not sys.platform.startswith("linux") or os.environ.get("MLX_DFLASH_REFERENCE_BLAS") == "1":
         return True
     lib = _openblas_lib()

@@ -10,8 +10,10 @@ speedup at w is mean_b tau_b(w) / k(w, B, L), and each cycle drafts at the w
 that maximises it. States (of the set):
 
 - probe: drafting on trial (a fresh start, or after a plain run), started only
-  where the rows' room left could repay its worst case PAYBACK times over (a
-  few tokens left, or a dear cycle: many rows, a long context). Each row's
+  where the rows' room left could repay its worst case PAYBACK times over, at
+  the widest width up to the predicted one where it can (short answers probe
+  narrower; a few tokens left, or a dear cycle: many rows, a long context, do
+  not probe). Each row's
   estimates start from PSEUDO pseudo-tries at p_mid (the constant acceptance
   whose tau at the widest width is halfway between break-even and that width)
   and are judged after every cycle: on text that does not draft well a probe
@@ -198,6 +200,7 @@ class Guard(Policy):
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
+        self.probe_w: Optional[int] = None  # the probe under way drafts at most this wide (its worst case repaid)
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
         if self.prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -231,9 +234,12 @@ class Guard(Policy):
             self.unpriced = str(e)
             return False
         self.unpriced = None
-        fs = [self.paid.get((B, drafting), 1.0) for drafting in (True, False)]
-        self.kd, self.kv = ({x: k * f if x > 1 and f > self.SLACK else 1.0 if x == 1 else k for x, k in ks.items()}
-                            for ks, f in zip(self.priced, fs))
+        raised = []
+        for ks, drafting in zip(self.priced, (True, False)):
+            f = self.paid.get((B, drafting), 1.0)
+            f = f if f > self.SLACK else 1.0
+            raised.append({x: k * f if x > 1 else 1.0 for x, k in ks.items()})
+        self.kd, self.kv = raised
         self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
         return True
 
@@ -291,13 +297,16 @@ class Guard(Policy):
     def _probe_pays(self, rows: Sequence[Row]) -> bool:
         """Whether a probe about to start (its first cycle) could repay its worst
         case (see PAYBACK) within the guarded rows' room left (mean tokens before
-        max_tokens): near an answer's end, or for short answers where a cycle is
-        dear (long contexts, many rows), it could not, and the rows step plainly."""
+        max_tokens), at the widest width up to the predicted one that can: a
+        short answer probes narrower (probe_w). Where none can (near an answer's
+        end; a dear cycle: many rows, a long context) the rows step plainly."""
         if self.state != "probe" or self.trial > 0:
             return True
-        loss = self.PROBE * (self.kd[self.est[0]] - 1)
         left = [r.left for r in rows if r.uid in self.rows]
-        self.short = sum(left) / len(left) < self.PAYBACK * loss
+        risk = sum(left) / len(left) / (self.PAYBACK * self.PROBE)  # plain steps a probe cycle may lose
+        fits = [x for x in self.ws if x <= self.est[0] and self.kd[x] - 1 <= risk]
+        self.probe_w = max(fits, default=None)
+        self.short = self.probe_w is None
         return not self.short
 
     def _row(self, r: Row, drafting: Optional[bool]) -> tuple:
@@ -316,7 +325,7 @@ class Guard(Policy):
         s = self.rows.get(r.uid) if drafting is not None else None
         if s is None:  # unpriced: plain
             return "", 1
-        w = min(self.est[0], room)
+        w = min(self.est[0], self.probe_w or self.est[0], room)
         if s.gate is not None:  # the context repeats itself: verify its continuation if it beats the
             m = r.offers(LOOKUP, min(self.w, room) - 1)  # DFlash cycle it would replace
             if m and (not drafting or s.gate.take(m, self.kv, expected(self._p(s), w) / self.kd[w])):
@@ -372,12 +381,13 @@ class Guard(Policy):
             self._plain_step()
 
     def _time(self, rows: Sequence[Row], results: List[CycleResult], drafted: bool) -> None:
-        """What this step took against its price (see PAID): its wall time since
-        the engine's previous step (CycleResult.t_step: everything a step costs,
-        its tokens' handing out included), when that step had the same rows. Medians over the last few: a pipelined plain
-        step before a cycle is short (its compute was done) and the one after
-        long (two steps' compute). A DFlash cycle right after a plain step is
-        left out: it also brings the drafter's context up to date, once."""
+        """What this step took against its price (see PAID_SAMPLES): its wall
+        time since the engine's previous step (CycleResult.t_step: everything a
+        step costs, its tokens' handing out included), when that step had the
+        same rows. Medians over the last few: a pipelined plain step before a
+        cycle is short (its compute was done) and the one after long (two
+        steps' compute). A DFlash cycle right after a plain step is left out:
+        it also brings the drafter's context up to date, once."""
         uids = tuple(r.uid for r in rows)
         last, self.last_step = self.last_step, uids
         after_plain, self.after_plain = self.after_plain, not drafted and max(r.width for r in results) == 1
@@ -404,6 +414,7 @@ class Guard(Policy):
         ratios = self.ratios.setdefault(key, [])
         ratios[:] = ratios[-(self.PAID_SAMPLES - 1):] + [x / median(self.plain_s[key[0]])]
         self.paid[key] = median(ratios)
+
     def _judge(self, rows: Sequence[Row]) -> None:
         guarded = self._guarded(rows)
         if not guarded:
@@ -416,10 +427,11 @@ class Guard(Policy):
                 for g, p in zip(guarded, ps):
                     g.p = p
                 self._fall_back()
+                self.probe_w = None
             elif self.trial >= self.PROBE:
                 for g, p in zip(guarded, ps):
                     g.p = p
-                self.state, self.trial = "draft", 0
+                self.state, self.trial, self.probe_w = "draft", 0, None
                 self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
         elif self.state == "draft":
             for g in guarded:
