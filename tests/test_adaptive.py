@@ -345,6 +345,25 @@ def test_a_probe_starts_only_where_the_room_left_repays_it():
     assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
 
 
+def test_a_short_answer_probes_at_the_widest_width_that_repays_it():
+    """The probe's worst case is checked at each width up to the predicted one:
+    where the widest cannot be repaid in the room left, a narrower one that can
+    is probed; the probe ends, and the next one is judged afresh."""
+    c = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.5, 8: 1.7}  # (the probe's prior predicts width 8 best)
+    g = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    row = Row(cap=8)
+    row.left = 15  # repays a width-5 probe (8 x 3 x 0.5 = 12) but not width 8 (8 x 3 x 0.7 = 16.8)
+    d = g.decide([row])
+    assert g.est[0] == 8 and d.widths == (5,) and g.reason(row).startswith("dflash: probing")
+    g.observe([row], [CycleResult(5, 4, 5, source=DFLASH)])
+    assert g.decide([row]).widths == (5,)  # the same probe: still at most 5 wide
+    row.left = 2  # a fresh guard with less room: not even width 2 (8 x 3 x 0.1 = 2.4) repays
+    h = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    assert h.decide([row]).width == 1 and h.reason(row).startswith("plain: too few tokens left to repay a probe")
+    row.left = 17
+    assert Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01))).decide([row]).widths == (8,)
+
+
 def test_guard_keeps_drafting_when_it_pays():
     g = Guard(_model(_costs(2.0)))
     assert _due(g) == 0 and g.reason(ROW).startswith("dflash: probing")
