@@ -4,13 +4,15 @@ has its first token, and the decode phase's tok/s.
 
     MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/batch_diag/batch_diag.py 8
 """
-import sys, time, statistics
-import mlx_dflash  # noqa: F401
-import mlx.core as mx
-from app.bench.batch import run_plain_batched, run_engine
+import sys
+import time
+
+import mlx_dflash  # noqa: F401  (first: it loads the fast BLAS, which must precede any import of mlx)
+from app.bench.batch import run_plain_batched
 from app.bench.prompts import load_prompts
 from mlx_dflash import DecodeConfig, load
 from mlx_dflash.engine.batch import BatchEngine
+from mlx_dflash.engine.calibrate import Calibration
 from mlx_dflash.models.discovery import default_pair
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -19,6 +21,7 @@ t, d = default_pair()
 model, tok, drafter = load(str(t), str(d), dtype=sys.argv[2] if len(sys.argv) > 2 else "float32")
 ps = [p["prompt"] if isinstance(p["prompt"], list) else tok.encode(p["prompt"]) for p in load_prompts("gsm8k-dev", tok, N)]
 print("prompt lens", [len(p) for p in ps])
+CAL = Calibration()  # one for every run: the guard's state carries from run to run, as in a server
 
 def eng_run(drafter_, mode):
     eng = BatchEngine(model, tok, drafter_, max_batch=len(ps), calibration=CAL)
@@ -36,8 +39,6 @@ def split(times, t0, wall):
     ntok = sum(len(ts) for ts in times)
     return f"wall {wall:.2f}s  all-first {first:.2f}s  agg {ntok/wall:.1f} tok/s  decode-phase {(ntok-len(times))/(wall-first):.1f} tok/s"
 
-from mlx_dflash.engine.calibrate import Calibration
-CAL = Calibration()
 for rep in range(4):
     tm, ids, t0, wall = run_plain_batched(model, tok, ps, T)
     print("mlx-lm BatchGenerator:", split(tm, t0, wall), flush=True)
