@@ -265,15 +265,12 @@ class CostSampler:
                 self.d[w].append(self._draft(w) / t1)
 
     def costs(self):
-        from mlx_dflash.policy.costs import Costs, interpolate
+        from mlx_dflash.policy.costs import Costs, interpolate, median
 
-        def med(xs):
-            return sorted(xs)[len(xs) // 2]
-
-        c = {1: 1.0, **{w: med(v) for w, v in self.c.items() if v}}
-        d = {1: 0.0, **{w: med(v) for w, v in self.d.items()}}
+        c = {1: 1.0, **{w: median(v) for w, v in self.c.items() if v}}
+        d = {1: 0.0, **{w: median(v) for w, v in self.d.items()}}
         full = range(1, max(self.ws) + 1)
-        return Costs(med(self.t1), {w: interpolate(c, w) for w in full}, {w: interpolate(d, w) for w in full},
+        return Costs(median(self.t1), {w: interpolate(c, w) for w in full}, {w: interpolate(d, w) for w in full},
                      self.context, time.time())
 
 

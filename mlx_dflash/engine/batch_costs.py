@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..policy.costs import CostBook, Costs, Unpriced, load_record, save_record
+from ..policy.costs import CostBook, Costs, Unpriced, load_record, median, save_record
 from ..target.adapter import Target, TargetError
 from . import batch_cache as bc
 from .measuring import checkpoint
@@ -84,11 +84,10 @@ def measure(model, drafter, B: int, widths: Sequence[int], context: int = 128, r
         for w in dw:
             td[w].append(draft(w))
     # ratios within a round, then the median: the machine's load drifts between rounds
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    c = {w: med([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
+    c = {w: median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
     d = {1: 0.0}
-    d.update({w: med([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0 for w in widths if w > 1})
-    t1 = med(tv[1])
+    d.update({w: median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0 for w in widths if w > 1})
+    t1 = median(tv[1])
     return Costs(t1, c, d, context, time.time(), t1)
 
 

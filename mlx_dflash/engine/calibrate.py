@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..policy.base import DFLASH, Plan
-from ..policy.costs import COST_CONTEXT, CostBook, Costs, Observed, need
+from ..policy.costs import COST_CONTEXT, CostBook, Costs, Observed, median, need
 from .decode_config import DecodeConfig
 from .engine import Engine
 from .measuring import checkpoint
@@ -54,11 +54,6 @@ def extend_with_random_rows(cache: list, rows: int, seed: int = 0) -> None:
                                mx.random.normal((*v.shape[:2], m, v.shape[3]), key=key).astype(v.dtype))
             left -= m
         mx.eval(c.keys, c.values)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_CONTEXT,
@@ -165,15 +160,15 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
         checkpoint(stop)
     # ratios within a round, then the median over rounds: the machine's load
     # drifts between rounds and cancels within one; spikes fall out of the median
-    t1 = _median(tv[1])
-    c = {w: _median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
+    t1 = median(tv[1])
+    c = {w: median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
     d = {1: 0.0}
-    d.update({w: (_median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0) for w in widths if w > 1})
+    d.update({w: (median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0) for w in widths if w > 1})
     # a plain token, as a ratio to the 1-token step within each round like c and d
     # (the session's plain run includes the loop's own per-token work). The median:
     # the fastest round (used before) picked a lucky round on a busy machine and
     # made every cycle look ~2x dearer than fixed widths measured it
-    return Costs(t1, c, d, context, time.time(), t1 * _median([a / b for a, b in zip(tp, tv[1])]))
+    return Costs(t1, c, d, context, time.time(), t1 * median([a / b for a, b in zip(tp, tv[1])]))
 
 
 class Calibration:

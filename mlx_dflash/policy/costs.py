@@ -100,6 +100,11 @@ class Observed:
     paid: Dict[tuple, float] = field(default_factory=dict)
 
 
+def median(xs: Sequence[float]) -> float:
+    """The middle of xs (the upper one of an even count): a timing's spikes fall out."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def monotone(ys: List[float]) -> List[float]:
     """The closest non-decreasing sequence (least squares: pool adjacent violators):
     a wider verify or draft is never cheaper, whatever the timing noise says."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .base import DFLASH, LOOKUP, CycleResult, Decision, Plan, Policy, Row
-from .costs import CostModel, Observed, Unpriced
+from .costs import CostModel, Observed, Unpriced, median
 
 
 def expected(p: Sequence[float], w: int) -> float:
@@ -62,10 +62,6 @@ def expected(p: Sequence[float], w: int) -> float:
         run *= x
         out += run
     return out
-
-
-def median(xs: Sequence[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
 
 
 def p_mid(k: float, w: int) -> float:
@@ -388,10 +384,9 @@ class Guard(Policy):
         cycle is short (its compute was done) and the one after long (two
         steps' compute). A DFlash cycle right after a plain step is left out:
         it also brings the drafter's context up to date, once."""
-        uids = tuple(r.uid for r in rows)
+        uids, B, secs, w = tuple(r.uid for r in rows), len(rows), results[0].t_step, max(r.width for r in results)
         last, self.last_step = self.last_step, uids
-        after_plain, self.after_plain = self.after_plain, not drafted and max(r.width for r in results) == 1
-        B, secs, w = len(rows), results[0].t_step, max(r.width for r in results)
+        after_plain, self.after_plain = self.after_plain, not drafted and w == 1
         if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
             return
         if w == 1:
@@ -404,7 +399,7 @@ class Guard(Policy):
             return
         price = self.priced[0 if drafted else 1].get(w)
         if price:
-            self.unmatched = self.unmatched[-7:] + [((B, drafted), secs / price)]
+            self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs / price)]
             if len(self.plain_s.get(B, ())) >= 3:
                 self._paid(*self.unmatched.pop())
 
