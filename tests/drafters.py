@@ -2,6 +2,7 @@
 the mlx-lm reference they are checked against."""
 
 import random
+import time
 
 from mlx_lm.models.cache import KVCache
 
@@ -25,12 +26,14 @@ class _Cfg:
 
 class OracleDrafter(DrafterDouble):
     """Proposes the target's own greedy continuation (known in advance), each
-    draft corrupted with probability `noise` (noise=1: always wrong)."""
+    draft corrupted with probability `noise` (noise=1: always wrong). `delay`:
+    seconds each proposal takes, as a real drafter's forward does."""
 
     version = 1
 
-    def __init__(self, prompt_len, continuation, vocab, block_size=16, noise=0.0, seed=0, layer_ids=(0,)):
+    def __init__(self, prompt_len, continuation, vocab, block_size=16, noise=0.0, seed=0, layer_ids=(0,), delay=0.0):
         self.prompt_len = prompt_len
+        self.delay, self.proposed = delay, 0
         self.cont = list(continuation)
         self.vocab = vocab
         self.block_size = block_size
@@ -49,6 +52,8 @@ class OracleDrafter(DrafterDouble):
             cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
         pos = cache[0].offset - self.prompt_len  # index of the anchor in the continuation
         assert self.cont[pos] == anchor, "oracle out of sync with the decode loop"
+        time.sleep(self.delay)
+        self.proposed += 1
         out = []
         for k in range(1, width):
             true = self.cont[pos + k] if pos + k < len(self.cont) else 0

@@ -496,11 +496,12 @@ class Engine:
         mx.async_eval(nxt, *([f] if f is not None else []), *[x for x in lps or () if x is not None])
         return nxt, lps, f
 
-    def _plain(self) -> List[Event]:
+    def _plain(self, t_draft: float = 0.0) -> List[Event]:
         """One plain token of every row. The step consuming the anchors is queued
         first (their K/V go in with it); while the policy keeps deciding plain,
         the step consuming this token is queued before this one is read back.
-        When it is not, the token read is the next anchor (not cached yet)."""
+        When it is not, the token read is the next anchor (not cached yet).
+        `t_draft`: what a cycle that ended up verifying no draft paid for drafting."""
         rows, t0 = self.rows, time.perf_counter()
         self.occupancy = len(rows)
         if self._flight is None:
@@ -516,7 +517,7 @@ class Engine:
             self._book_fed(rows, toks, nxt[2])
         events, results = [], []
         for b, s in enumerate(rows):
-            cyc = CycleResult(1, 0, 1, t_verify=time.perf_counter() - t0, t_wait=t_wait)
+            cyc = CycleResult(1, 0, 1, t_draft=t_draft, t_verify=time.perf_counter() - t0, t_wait=t_wait)
             events.append((s.uid, self._emit(s, toks[b], False, cyc, lps[b] if lps else None)))
             results.append(cyc)
         self._flight = nxt
@@ -548,8 +549,8 @@ class Engine:
         widths = [min(w, s.emit.left + 1, self._kv_room(s)) if src else 1
                   for s, w, src in zip(rows, d.widths, d.sources)]
         n, drafts, qs, confs = self.propose(rows, widths, d.sources)
-        if max(n) == 0:  # (a lookup decided a token ago: the context moved on) plain, unpipelined
-            return self._plain()
+        if max(n) == 0:  # (a lookup decided a token ago: the context moved on, or the cut took
+            return self._plain(time.perf_counter() - t0)  # no draft) plain, unpipelined; the draft is paid
         t_draft = time.perf_counter()
         res, f = self.verify(drafts, n, qs)
         t_wait = time.perf_counter()

@@ -223,8 +223,9 @@ class AdaptiveWidth(Policy):
                     self.d_seen += 0.2 * (td - self.d_seen)
             self.book += 0.1 * (cyc.t_book - self.book)
             self._refresh()
-        if self.state == "fallback" and not self.probing:
-            self.wait -= 1
+        if self._dw is None:  # a plain step: fallback's wait, or the token read out after a probe
+            if self.state == "fallback":  # was decided (the engine asks between two tokens)
+                self.wait = max(0, self.wait - 1)
             return
         if self.probing:  # judge the probe with its own evidence included
             self.probing = False
