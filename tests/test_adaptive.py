@@ -3,6 +3,7 @@
 (pure tests, no model); calibration caches its measurements (calibrate.py)."""
 
 import json
+import random
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_always_wrong_drafter_falls_back_and_reprobes(pairs):
     # inside a run, and the last is cut short by max_tokens
     assert any(r >= AdaptiveWidth.BACKOFF0 for r in runs) and max(runs) >= 2 * AdaptiveWidth.BACKOFF0
     assert max(w[w.index(1):]) > 1  # re-probed after falling back
-    print("TD", st.t_draft, o.proposed, [c.width for c in cycles]); assert st.t_draft >= o.proposed * o.delay  # every draft is paid for, verified or cut
+    assert st.t_draft >= o.proposed * o.delay  # every draft is paid for, verified or cut
 
 
 def test_a_draft_cut_to_nothing_is_still_paid(pairs):
@@ -522,6 +523,59 @@ def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_
     dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
     h = Guard(_model(_multi(c, dear)))
     assert h.decide([row]).width == 1 and h.hopeless and "cannot pay" in h.reason(row)
+
+
+def test_guard_prices_positions_past_a_narrow_width_from_the_ones_it_tried():
+    """Drafting narrow, a row's later positions are never tried: they are priced
+    like the positions that were (the row's pooled rate), not held at a stale
+    value. A stretch of bad luck narrows the width; once the drafts are right
+    again the guard widens, and no position keeps its old low estimate."""
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify: wide blocks pay when drafts are right
+    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    for _ in range(6):
+        _cycle(g, 7, g.decide([row]).width, [row])
+    assert g.state == "draft" and g.decide([row]).width == 8
+    for _ in range(40):  # every draft past the first wrong: it narrows
+        _cycle(g, 1, g.decide([row]).width, [row])
+    assert g.decide([row]).width <= 3
+    widths = []
+    for _ in range(30):  # every draft right again
+        w = g.decide([row]).width
+        widths.append(w)
+        _cycle(g, w - 1, w, [row])
+    assert widths[-1] == 8 and widths.index(8) < 20
+    est = g._p(g.rows[row.uid])
+    assert min(est) > 0.8  # no position left behind at its old low value
+
+
+def test_guard_does_not_keep_probing_a_drafter_right_half_the_time():
+    """Where plain decoding is best (each draft right one time in two: tau at
+    width 2 is 1.5, a cycle costs over 2 steps), a probe ends within a few cycles and
+    backs off, whichever width its optimistic start picks: drafting costs a few
+    percent of the tokens at most, never a steady loss."""
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1.5 + 0.15 * (w - 1) for w in ws}
+    d = {w: 0.0 if w == 1 else 0.5 for w in ws}
+    rng = random.Random(0)
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    cost = tokens = 0.0
+    while tokens < 2000:
+        w = g.decide([row]).width
+        if w == 1:
+            _plain(g, 1, [row])
+            cost, tokens = cost + 1, tokens + 1
+            continue
+        a = 0
+        while a < w - 1 and rng.random() < 0.5:
+            a += 1
+        _cycle(g, a, w, [row])
+        cost, tokens = cost + g.priced[0][w], tokens + a + 1
+    assert tokens / cost > 0.97  # plain: 1.0
+    assert g.fallbacks >= 3 and g.backoff > Guard.BACKOFF0
 
 
 def test_guard_prices_cycles_at_the_length_of_the_context():

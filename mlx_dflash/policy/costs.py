@@ -95,6 +95,7 @@ class Observed:
     wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
     lookup_alpha: Optional[float] = None  # share of the guard's lookup drafts accepted
     p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)
+    tries: Optional[List[float]] = None  # the evidence behind p, tries per position (None: a prior's weight)
     # by (set size B, drafting): what the guard's cycles took over their price (observed seconds over the
     # measured k(w) times an observed plain step): costs measured apart miss a set's host work and drafter updates
     paid: Dict[tuple, float] = field(default_factory=dict)

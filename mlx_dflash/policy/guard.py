@@ -13,15 +13,24 @@ that maximises it. States (of the set):
   where the rows' room left could repay its worst case PAYBACK times over, at
   the widest width up to the predicted one where it can (short answers probe
   narrower; a few tokens left, or a dear cycle: many rows, a long context, do
-  not probe). Each row's
-  estimates start from PSEUDO pseudo-tries at p_mid (the constant acceptance
-  whose tau at the widest width is halfway between break-even and that width)
-  and are judged after every cycle: on text that does not draft well a probe
-  costs one to three cycles; PROBE cycles that pay by MARGIN switch to draft.
-- draft: running means (rate ALPHA); below break-even -> plain.
+  not probe). It starts each row's evidence afresh and is judged after every
+  cycle: on text that does not draft well a probe costs one to three cycles;
+  PROBE cycles that pay by MARGIN switch to draft.
+- draft: the evidence goes on, fading by 1 - ALPHA per cycle; below
+  break-even -> plain.
 - plain: `wait` plain steps (64, 128, ... 1024, doubling per failed probe),
   then probe. Where even a drafter right 90% of the time could not pay (the
   ceiling w / k(w) below CEILING_MIN at this B and L) DFlash is not tried.
+
+A row's estimate at a position is its hits over its tries there, shrunk
+(PSEUDO pseudo-tries) toward the row's pooled rate over every position tried,
+which is shrunk (POOL pseudo-tries) toward p_mid: the constant acceptance whose
+tau at the widest width is halfway between break-even and that width. So one
+bad cycle does not end a probe, the positions a narrow width never reaches are
+priced from the ones it does (never held at a stale value, nor at an optimism
+the evidence belies: a drafter right half the time is not probed for long), and
+a wider width is still tried now and then (bench/guard_sim: the width chosen
+against the best fixed one, under many acceptance laws and cost curves).
 
 Prompt lookup (drafting/lookup.py), per row: whenever a row's context ends in
 an n-gram seen before, its continuation is verified as free drafts if
@@ -49,6 +58,7 @@ first at its width; verify mode off verifies its anchor alone."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .base import DFLASH, LOOKUP, CycleResult, Decision, Plan, Policy, Row
@@ -64,6 +74,7 @@ def expected(p: Sequence[float], w: int) -> float:
     return out
 
 
+@lru_cache(maxsize=256)  # (asked for every row's estimates, every cycle; k changes only with the price)
 def p_mid(k: float, w: int) -> float:
     """The constant per-position acceptance whose tau at width w is halfway
     between break-even (k) and w: the probe's prior (by bisection)."""
@@ -140,13 +151,32 @@ class LookupGate:
 
 
 class _RowState:
-    """A guarded row's evidence: per-position acceptance (draft state), this
-    probe's [hits, tries] per position, and its lookup gate."""
+    """A guarded row's evidence: per-position hits and tries, decayed while it
+    drafts so that old evidence fades. It starts from the last request's
+    (Observed.p and .tries; a prior without its tries counts `weight` tries
+    at each position); and its lookup gate."""
 
-    def __init__(self, widest: int, prior: Observed, lookup: bool):
-        self.p = list(prior.p[: widest - 1]) if prior.p and len(prior.p) >= widest - 1 else None
-        self.counts = [[0, 0] for _ in range(widest - 1)]
+    def __init__(self, widest: int, prior: Observed, lookup: bool, weight: float):
+        m = widest - 1
+        self.carried = bool(prior.p) and len(prior.p) >= m
+        if self.carried:
+            self.tries = list(prior.tries[:m]) if prior.tries and len(prior.tries) >= m else [float(weight)] * m
+            self.hits = [x * n for x, n in zip(prior.p, self.tries)]
+        else:
+            self.hits, self.tries = [0.0] * m, [0.0] * m
         self.gate = LookupGate(prior.lookup_alpha) if lookup else None
+
+    def forget(self, keep: float) -> None:
+        self.hits = [h * keep for h in self.hits]
+        self.tries = [n * keep for n in self.tries]
+
+    def reset(self) -> None:
+        self.hits = [0.0] * len(self.hits)
+        self.tries = [0.0] * len(self.tries)
+
+    @property
+    def tried(self) -> bool:
+        return any(self.tries)
 
 
 class Guard(Policy):
@@ -165,15 +195,16 @@ class Guard(Policy):
     # could not pay: tau(w) / w <= 0.82 at w = 5 for such a drafter, so a cycle must
     # cost at most 0.8 w plain steps (ceiling w / k >= 1.25) to be worth a probe
     CEILING_MIN = 1.25
-    ALPHA = 0.15
+    ALPHA = 0.05  # while drafting, evidence fades by 1 - ALPHA per cycle (about the last 1 / ALPHA cycles count)
     # prices as paid: a set of B rows keeps the ratio of its cycles' seconds to their price (k(w) x its
     # plain step's seconds; the median of the last PAID_SAMPLES cycles against that of the last
     # PLAIN_SAMPLES plain steps), and where the cycles took more than SLACK times their price, every
     # price at B is raised by that ratio (the costs measured apart miss host work per row and the
     # drafter's context update: at 8 rows on a 2-core CPU, 1.3-1.8x)
     PAID_SAMPLES, PLAIN_SAMPLES, SLACK = 8, 16, 1.15
-    DRIFT = 0.04  # per cycle that accepts every draft: how fast the next position's estimate recovers
-    PSEUDO = 2  # pseudo-tries of the probe's prior
+    PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
+    POOL = 8  # pseudo-tries of the pooled rate's prior, p_mid
+    CARRIED = 4  # tries a prior given without its evidence (Observed.tries) counts for at each position
 
     def __init__(self, costs: Union[CostModel, Callable[[], CostModel]], prior: Optional[Observed] = None):
         self._costs = costs
@@ -240,11 +271,12 @@ class Guard(Policy):
         return True
 
     def _p(self, s: _RowState) -> List[float]:
-        """A row's per-position estimates now (probe: its evidence over the pseudo prior)."""
-        if self.state == "probe" or s.p is None:
-            pm = p_mid(self.kd[self.w], self.w)
-            return [(self.PSEUDO * pm + h) / (self.PSEUDO + n) for h, n in s.counts]
-        return s.p
+        """A row's per-position estimates now (see the module docstring). The
+        pool's POOL pseudo-tries at p_mid do not fade: a little optimism keeps
+        a wider width tried now and then."""
+        pm = p_mid(self.kd[self.w], self.w)
+        pool = (self.POOL * pm + sum(s.hits)) / (self.POOL + sum(s.tries))
+        return [(self.PSEUDO * pool + h) / (self.PSEUDO + n) for h, n in zip(s.hits, s.tries)]
 
     def best(self, ps: List[List[float]]):
         """(width, mean tau, predicted speedup) that maximises mean tau(w) / k(w)."""
@@ -267,13 +299,17 @@ class Guard(Policy):
         priced = bool(mine) and self._price(rows)
         for r in mine if priced else ():
             if r.uid not in self.rows:
-                self.rows[r.uid] = _RowState(self.w, self.prior if r.plan.carry else Observed(), r.plan.lookup)
+                self.rows[r.uid] = _RowState(self.w, self.prior if r.plan.carry else Observed(), r.plan.lookup,
+                                             self.CARRIED)
         guarded = self._guarded(rows) if priced else []
-        if guarded and not self.started:  # the first rows: drafting if what they carry pays
+        if guarded and not self.started:  # the first rows: drafting if what they carry pays, else a fresh probe
             self.started = True
-            if self.state == "probe" and all(s.p is not None for s in guarded) and \
-                    self.best([s.p for s in guarded])[2] >= self.MARGIN:
+            if self.state == "probe" and all(s.carried for s in guarded) and \
+                    self.best([self._p(s) for s in guarded])[2] >= self.MARGIN:
                 self.state = "draft"
+            elif self.state == "probe":
+                for s in guarded:
+                    s.reset()
         if guarded and self.state != "plain":
             self.est = self.best([self._p(s) for s in guarded])
         # (None: unpriced, the guarded rows step plainly)
@@ -357,17 +393,11 @@ class Guard(Policy):
                 continue
             cycle = True
             n, a = res.width - 1, res.accepted
+            if self.state == "draft":  # (a probe judges its own few cycles, none faded)
+                s.forget(1 - self.ALPHA)
             for i in range(min(a + 1, n)):  # position i was tried iff all before it were accepted
-                if self.state == "probe":
-                    s.counts[i][0] += i < a
-                    s.counts[i][1] += 1
-                elif self.state == "draft" and s.p is not None:
-                    s.p[i] += self.ALPHA * ((i < a) - s.p[i])
-            if self.state == "draft" and s.p is not None and a == n and 0 < n < len(s.p) and s.p[n] < s.p[n - 1]:
-                # every draft accepted: the first position past them, never tried at this width, drifts
-                # (slowly: DRIFT) toward the last one tried (acceptance falls with the position), so a
-                # wider width is tried again now and then and a stale low estimate does not stick
-                s.p[n] += self.DRIFT * (s.p[n - 1] - s.p[n])
+                s.hits[i] += i < a
+                s.tries[i] += 1
         self._time(rows, results, cycle)
         if cycle:
             w = max(res.width for res in results if res.source == DFLASH)
@@ -416,23 +446,15 @@ class Guard(Policy):
             return
         if self.state == "probe":
             self.trial += 1
-            ps = [self._p(s) for s in guarded]
-            s = self.best(ps)[2]
+            s = self.best([self._p(g) for g in guarded])[2]
             if s < 1.0 or (self.trial >= self.PROBE and s < self.MARGIN):
-                for g, p in zip(guarded, ps):
-                    g.p = p
                 self._fall_back()
                 self.probe_w = None
             elif self.trial >= self.PROBE:
-                for g, p in zip(guarded, ps):
-                    g.p = p
                 self.state, self.trial, self.probe_w = "draft", 0, None
                 self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
         elif self.state == "draft":
-            for g in guarded:
-                if g.p is None:
-                    g.p = self._p(g)
-            if self.best([g.p for g in guarded])[2] < 1.0:
+            if self.best([self._p(g) for g in guarded])[2] < 1.0:
                 self._fall_back()
         self.est = self.best([self._p(g) for g in guarded])
 
@@ -450,7 +472,7 @@ class Guard(Policy):
     def _start_probe(self) -> None:
         self.state, self.trial = "probe", 0
         for s in self.rows.values():
-            s.counts = [[0, 0] for _ in s.counts]
+            s.reset()
 
     def _fall_back(self) -> None:
         self.fallbacks += 1
@@ -472,9 +494,13 @@ class Guard(Policy):
         s = self.rows.pop(row.uid, None)
         if s is None:
             return None
-        # estimates only where this row drafted (a row that never did would hand on its prior as evidence)
-        p = s.p if s.p is not None else self._p(s) if any(n for _, n in s.counts) else self.prior.p
-        o = Observed(backoff=self.backoff, p=list(p) if p is not None else None,
+        # the rates seen (estimates where a position was never tried) and the tries behind them; a row
+        # with no evidence hands on the prior as it came (never its estimates, which would pass for evidence)
+        p, tries = self.prior.p, self.prior.tries
+        if s.tried:
+            p = [h / n if n else e for h, n, e in zip(s.hits, s.tries, self._p(s))]
+            tries = list(s.tries)
+        o = Observed(backoff=self.backoff, p=list(p) if p is not None else None, tries=tries,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
                      lookup_alpha=s.gate.alpha if s.gate is not None else None, paid=dict(self.paid))
         if row.plan.carry:

@@ -1,0 +1,149 @@
+"""The guard's width choice against the best fixed width, with no model: a
+stream's accept lengths drawn from a per-position acceptance law, each cycle
+priced by a cost curve k(w) (plain steps), the guard (policy.guard.Guard, as
+the engine drives it) deciding every cycle. Reported per (curve, law): the
+guard's tokens per plain step's time over the best fixed width's expectation
+and over plain decoding, mean over seeds.
+
+    PYTHONPATH=. python bench/guard_sim/sim.py [--tokens 400] [--seeds 20]
+"""
+
+import argparse
+import random
+import statistics
+
+from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
+from mlx_dflash.policy.costs import CostModel, Costs
+from mlx_dflash.policy.guard import Guard, expected
+
+# k(w) = c(w) + d(w) in 1-token steps, measured (bench/long_context/realistic/results.json)
+CURVES = {
+    "qwen3-small 1k": {2: 2.24, 3: 2.63, 5: 2.67, 8: 3.22, 12: 3.93, 16: 4.82},
+    "qwen3-small 32k": {2: 0.86, 3: 1.18, 5: 1.68, 8: 2.12, 12: 2.87, 16: 3.57},
+    "hybrid-small 1k": {2: 2.14, 3: 2.56, 5: 2.8, 8: 3.4, 12: 4.35, 16: 5.38},
+    "hybrid-small 16k": {2: 1.56, 3: 1.93, 5: 2.23, 8: 2.81, 12: 3.69, 16: 4.5},
+    "embedded short": {2: 1.88, 3: 1.98, 5: 2.07, 8: 2.48, 12: 3.0, 16: 3.6},
+    # in plain tokens, as the guard priced it in the realistic bench (hybrid-small at 4k, 64-token answers)
+    "hybrid-small 4k as priced": {2: 2.25, 3: 2.73, 5: 3.03, 8: 3.72, 12: 4.77, 16: 5.84},
+}
+
+
+def geometric(a):
+    return lambda i, t: a
+
+
+def falling(a0, a1, n=15):  # acceptance falls with the position, linearly from a0 to a1
+    return lambda i, t: a0 + (a1 - a0) * i / (n - 1)
+
+
+def regimes(hi, lo, every):  # the text alternates: predictable stretches and hard ones, `every` tokens each
+    return lambda i, t: hi(i, t) if (t // every) % 2 == 0 else lo(i, t)
+
+
+LAWS = {
+    "geometric 0.86 (tau16 6.5)": geometric(0.86),
+    "geometric 0.7": geometric(0.7),
+    "geometric 0.5": geometric(0.5),
+    "falling 0.95 -> 0.4": falling(0.95, 0.4),
+    "falling 0.8 -> 0.2": falling(0.8, 0.2),
+    "regimes 0.9 / 0.3, 100 tokens": regimes(geometric(0.9), geometric(0.3), 100),
+    "regimes falling / 0.5, 200 tokens": regimes(falling(0.95, 0.5), geometric(0.5), 200),
+}
+
+
+class Row:
+    def __init__(self, cap, left):
+        self.uid, self.context, self.left = 1, 0, left
+        self.plan = Plan("dflash", cap, False, True, False)
+
+    def offers(self, source, n):
+        return n if source == DFLASH else 0
+
+
+def model_of(k):
+    ws = sorted(k)
+    curve = Costs(1.0, {1: 1.0, **{w: k[w] for w in ws}}, {1: 0.0, **{w: 0.0 for w in ws}}, t_plain=1.0)
+    return CostModel(lambda at: curve, [1] + ws)
+
+
+def accept(law, w, t, rng):
+    """Drafts accepted of w - 1 (position i right with probability law(i, t), t: the answer's tokens so far)."""
+    a = 0
+    while a < w - 1 and rng.random() < law(a, t):
+        a += 1
+    return a
+
+
+def run_guard(k, law, tokens, seed, cap=16, prior=None):
+    """One answer of `tokens` tokens decoded under the guard: (tokens per plain step's time, what it hands on)."""
+    rng = random.Random(seed)
+    g = Guard(model_of(k), prior)
+    row = Row(cap, tokens)
+    made = cost = 0
+    while made < tokens:
+        row.left = tokens - made
+        w = g.decide([row]).widths[0]
+        if w == 1:
+            res, c = CycleResult(1, 0, 1), 1.0
+        else:  # (its width is within what is left of the answer, plus the bonus row; a stop cuts the rest)
+            a = accept(law, w, made, rng)
+            res, c = CycleResult(w, a, min(a + 1, row.left), source=DFLASH), _interp(k, w)
+        made += res.emitted
+        cost += c
+        g.observe([row], [res])
+    return made / cost, g.leave(row)
+
+
+def _interp(k, w):
+    lo = max(x for x in k if x <= w)
+    hi = min(x for x in k if x >= w)
+    return k[lo] if lo == hi else k[lo] + (k[hi] - k[lo]) * (w - lo) / (hi - lo)
+
+
+def fixed_rate(k, law, tokens, requests, seed, w):
+    """A fixed width over `requests` answers of `tokens` each (the last block of an
+    answer no wider than what is left of it, as the engine cuts it)."""
+    rng = random.Random(seed)
+    made = cost = 0
+    for _ in range(requests):
+        got = 0
+        while got < tokens:
+            x = min(w, tokens - got + 1)
+            a = min(accept(law, x, got, rng), tokens - got - 1)
+            got += a + 1
+            cost += _interp(k, x) if x > 1 else 1.0
+        made += got
+    return made / cost
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=3, help="requests in a row, the guard's state carried")
+    args = ap.parse_args()
+    print(f"| curve | law | best fixed (x plain) | guard x plain | guard / best fixed |")
+    print("|---|---|---|---|---|")
+    worst = []
+    for cname, k in CURVES.items():
+        for lname, law in LAWS.items():
+            fixed = {w: statistics.mean(fixed_rate(k, law, args.tokens, args.requests, s, w) for s in range(args.seeds))
+                     for w in range(2, 17)}
+            bw = max(fixed, key=fixed.get)
+            best = max(1.0, fixed[bw])
+            got = []
+            for s in range(args.seeds):
+                prior, rates = None, []
+                for r in range(args.requests):
+                    x, prior = run_guard(k, law, args.tokens, 1000 * s + r, prior=prior)
+                    rates.append(x)
+                got.append(statistics.mean(rates))
+            m = statistics.mean(got)
+            worst.append(m / best)
+            print(f"| {cname} | {lname} | w{bw if fixed[bw] > 1 else 1} {best:.2f}x | {m:.2f}x | **{m / best:.3f}** |",
+                  flush=True)
+    print(f"\nmean guard / best fixed {statistics.mean(worst):.3f}, min {min(worst):.3f}")
+
+
+if __name__ == "__main__":
+    main()
