@@ -13,7 +13,7 @@ import random
 import statistics
 
 from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
-from mlx_dflash.policy.costs import CostModel, Costs
+from mlx_dflash.policy.costs import CostModel, Costs, interpolate
 from mlx_dflash.policy.guard import Guard, expected
 
 # k(w) = c(w) + d(w) in 1-token steps, measured (bench/long_context/realistic/results.json)
@@ -87,17 +87,11 @@ def run_guard(k, law, tokens, seed, cap=16, prior=None):
             res, c = CycleResult(1, 0, 1), 1.0
         else:  # (its width is within what is left of the answer, plus the bonus row; a stop cuts the rest)
             a = accept(law, w, made, rng)
-            res, c = CycleResult(w, a, min(a + 1, row.left), source=DFLASH), _interp(k, w)
+            res, c = CycleResult(w, a, min(a + 1, row.left), source=DFLASH), interpolate(k, w)
         made += res.emitted
         cost += c
         g.observe([row], [res])
     return made / cost, g.leave(row)
-
-
-def _interp(k, w):
-    lo = max(x for x in k if x <= w)
-    hi = min(x for x in k if x >= w)
-    return k[lo] if lo == hi else k[lo] + (k[hi] - k[lo]) * (w - lo) / (hi - lo)
 
 
 def fixed_rate(k, law, tokens, requests, seed, w):
@@ -111,7 +105,7 @@ def fixed_rate(k, law, tokens, requests, seed, w):
             x = min(w, tokens - got + 1)
             a = min(accept(law, x, got, rng), tokens - got - 1)
             got += a + 1
-            cost += _interp(k, x) if x > 1 else 1.0
+            cost += interpolate(k, x) if x > 1 else 1.0
         made += got
     return made / cost
 

@@ -444,19 +444,18 @@ class Guard(Policy):
         guarded = self._guarded(rows)
         if not guarded:
             return
+        self.est = self.best([self._p(g) for g in guarded])  # (the estimates do not depend on the state)
+        s = self.est[2]
         if self.state == "probe":
             self.trial += 1
-            s = self.best([self._p(g) for g in guarded])[2]
             if s < 1.0 or (self.trial >= self.PROBE and s < self.MARGIN):
                 self._fall_back()
                 self.probe_w = None
             elif self.trial >= self.PROBE:
                 self.state, self.trial, self.probe_w = "draft", 0, None
                 self.backoff = self.BACKOFF0  # drafting pays: a later fallback probes again soon
-        elif self.state == "draft":
-            if self.best([self._p(g) for g in guarded])[2] < 1.0:
-                self._fall_back()
-        self.est = self.best([self._p(g) for g in guarded])
+        elif self.state == "draft" and s < 1.0:
+            self._fall_back()
 
     def _plain_step(self) -> None:
         self.wait = max(0, self.wait - 1)
