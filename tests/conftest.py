@@ -28,6 +28,15 @@ if not fastblas.ready():
 
 import pytest  # noqa: E402
 
+from mlx_dflash.engine import calibrate  # noqa: E402
+
+
+@pytest.fixture
+def fresh_costs(tmp_path, monkeypatch):
+    """Cost curves go to a temporary cache dir, measured afresh per test (test_adaptive, test_guard)."""
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
+
 
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory):

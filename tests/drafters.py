@@ -10,6 +10,11 @@ from mlx_dflash.drafting.drafter import Proposal
 from mlx_dflash.drafting.proposers import propose_rows
 
 
+# prompts the policy tests decode (test_adaptive, test_guard)
+PROMPTS = ["def fibonacci(n):", "Natalia sold clips to 48 of her friends", "import os\nimport sys\n",
+           "class Stack:\n    def push(self, x):", "The answer is", "while True:"]
+
+
 class DrafterDouble:
     """What the engine asks of a drafter besides `propose` (drafting/drafter.Drafter's
     interface): `propose_batch`, here one row at a time through `propose`."""

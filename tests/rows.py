@@ -1,0 +1,14 @@
+"""A row as the policies see it (policy.base.Row), for their pure tests."""
+
+from mlx_dflash.policy.base import DFLASH, Plan
+
+
+class Row:
+    """A guarded row as the guard sees it (policy.base.Row)."""
+
+    def __init__(self, cap=5, uid=1, context=0, fixed=False, lookup=False, offer=0, carry=True):
+        self.uid, self.context, self.left, self.offer = uid, context, 10**6, offer
+        self.plan = Plan("dflash", cap, fixed, True, lookup, carry=carry)
+
+    def offers(self, source, n):
+        return n if source == DFLASH else min(n, self.offer)

@@ -1,0 +1,433 @@
+"""The default mode's guard (policy.guard.Guard): its prices, probes, fallbacks
+and widths (pure, no model), and the guard in the decode loop; its calibration
+is measured once and cached."""
+
+import random
+
+import pytest
+
+from drafters import PROMPTS, OracleDrafter, reference_tokens
+from mlx_dflash import generate, load
+from mlx_dflash.engine import calibrate
+from mlx_dflash.policy import costs
+from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
+from mlx_dflash.policy.costs import CostModel, Costs, Observed
+from mlx_dflash.policy.guard import Guard, LookupGate
+from rows import Row
+
+pytestmark = pytest.mark.usefixtures("fresh_costs")
+
+
+def _costs(k, w=5):
+    """A curve whose width-w cycle costs k plain tokens (a plain token 0.8 of a
+    1-token step, as pipelining gives; verify and draft split 3:1)."""
+    t1, tp = 0.01, 0.008
+    steps = k * tp / t1
+    return Costs(t1, {1: 1.0, w: 0.75 * steps}, {1: 0.0, w: 0.25 * steps}, t_plain=tp)
+
+
+def _model(base, long=None):
+    """The CostModel of one curve (and a long-context one)."""
+    return CostModel(lambda at: base if at is None else long, sorted(base.c),
+                     priced_at=(lambda n: None) if long is None else (lambda n: long.context if n > 512 else None))
+
+
+ROW = Row()
+
+
+def _due(g, rows=(ROW,)) -> int:
+    """0 when the guard drafts now, else -1 (plain steps)."""
+    return 0 if g.decide(list(rows)).width > 1 else -1
+
+
+def _cycle(g, accepted, w=5, rows=(ROW,)):
+    """A DFlash cycle at width w in which each row accepted `accepted` drafts."""
+    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=DFLASH) for _ in rows])
+
+
+def _plain(g, k, rows=(ROW,)):
+    for _ in range(k):
+        g.observe(list(rows), [CycleResult(1, 0, 1) for _ in rows])
+
+
+def _drive(g, accepted, cycles, rows=(ROW,)):
+    """Run the guard's loop for `cycles` decisions, each draft cycle accepting
+    `accepted(i)` drafts per row. Returns the decisions: a width, or -1 per plain step."""
+    seq = []
+    for i in range(cycles):
+        d = g.decide(list(rows))
+        if d.width == 1:
+            _plain(g, 1, rows)
+            seq.append(-1)
+        else:
+            assert set(d.sources) == {DFLASH}
+            _cycle(g, accepted(i), d.width, rows)
+            seq.append(d.width)
+    return seq
+
+
+def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
+    c = Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6}, t_plain=0.008)
+    g = Guard(_model(c))
+    g.decide([ROW])
+    assert g.kd[5] == pytest.approx((1.8 + 0.6) * 0.01 / 0.008) and g.kv[5] == pytest.approx(1.8 * 0.01 / 0.008)
+    g = Guard(_model(Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})))  # no t_plain: t1
+    g.decide([ROW])
+    assert g.kd[5] == pytest.approx(2.4)
+
+
+def test_guard_measures_nothing_for_fixed_widths_and_plain_rows():
+    def boom():
+        raise AssertionError("measured for rows that need no costs")
+
+    g = Guard(boom)
+    fixed, off = Row(cap=4, fixed=True, uid=2), Row(uid=3)
+    off.plan = Plan("off")
+    d = g.decide([fixed, off])
+    assert d.widths == (4, 1) and d.sources == (DFLASH, "")
+    assert g.reason(fixed) == "fixed width 4" and g.reason(off) == "plain: verify mode off"
+    assert g.decide([off]).width == 1
+
+
+def _step(g, w, secs, rows=(ROW,), accepted=0):
+    """One step the engine accounted `secs` after its previous one (CycleResult.t_step)."""
+    g.decide(list(rows))
+    src = DFLASH if w > 1 else ""
+    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=src, t_step=secs) for _ in rows])
+
+
+def test_prices_are_raised_to_what_the_cycles_paid():
+    """Cycles that take longer than k(w) x the set's plain step raise every price
+    at that set size (by the median ratio, beyond SLACK); the ratio carries to the
+    next request; the first cycle after plain steps (the drafter's catch-up) and
+    steps of another set of rows are left out."""
+    g = Guard(_model(_costs(2.0)))
+    rows = (Row(uid=1), Row(uid=2))
+    for _ in range(4):
+        _step(g, 1, 0.010, rows)  # plain steps at 2 rows: 10 ms
+    assert g.paid == {}
+    k5 = g.priced[0][5]
+    _step(g, 5, 100.0, rows, accepted=4)  # right after plain steps: the catch-up cycle, left out
+    assert g.paid == {}
+    for secs in (0.010 * k5 * 1.6, 0.010 * k5 * 1.4, 0.010 * k5 * 9.0):
+        _step(g, 5, secs, rows, accepted=4)
+    assert g.paid[(2, True)] == pytest.approx(1.6)  # the median of 1.6, 1.4 and 9
+    g.decide(list(rows))
+    assert g.kd[5] == pytest.approx(1.6 * k5) and g.kv[5] == pytest.approx(g.priced[1][5])  # (lookup apart)
+    assert "1.60x its measured price as paid" in g.reason(rows[0])
+    assert g.decide([ROW]) and g.kd[5] == pytest.approx(g.model.k(1, 0, True)[5])  # one row: its own price
+    o = g.leave(rows[0])
+    h = Guard(_model(_costs(2.0)), o)
+    h.decide(list(rows))
+    assert h.kd[5] == pytest.approx(1.6 * k5)  # the next request starts from what was paid
+    # within SLACK, the measured price stands; unknown step times (0) are not samples
+    q = Guard(_model(_costs(2.0)))
+    for _ in range(4):
+        _step(q, 1, 0.010, rows)
+    for secs in (0.010 * k5 * 5, 0.0, 0.0, 0.010 * k5 * 1.1):  # (the catch-up, two unknown, one sample)
+        _step(q, 5, secs, rows, accepted=4)
+    q.decide(list(rows))
+    assert q.paid[(2, True)] == pytest.approx(1.1) and q.kd[5] == pytest.approx(k5)
+
+
+def test_a_probe_starts_only_where_the_room_left_repays_it():
+    g = Guard(_model(_costs(2.0)))  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
+    row = Row()
+    row.left = 8 * 3 - 1  # (PAYBACK x that, less one)
+    assert _due(g, (row,)) == -1 and g.reason(row).startswith("plain: too few tokens left to repay a probe")
+    row.left = 8 * 3
+    assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
+
+
+def test_a_short_answer_probes_at_the_widest_width_that_repays_it():
+    """The probe's worst case is checked at each width up to the predicted one:
+    where the widest cannot be repaid in the room left, a narrower one that can
+    is probed; the probe ends, and the next one is judged afresh."""
+    c = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.5, 8: 1.7}  # (the probe's prior predicts width 8 best)
+    g = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    row = Row(cap=8)
+    row.left = 15  # repays a width-5 probe (8 x 3 x 0.5 = 12) but not width 8 (8 x 3 x 0.7 = 16.8)
+    d = g.decide([row])
+    assert g.est[0] == 8 and d.widths == (5,) and g.reason(row).startswith("dflash: probing")
+    g.observe([row], [CycleResult(5, 4, 5, source=DFLASH)])
+    assert g.decide([row]).widths == (5,)  # the same probe: still at most 5 wide
+    row.left = 2  # a fresh guard with less room: not even width 2 (8 x 3 x 0.1 = 2.4) repays
+    h = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    assert h.decide([row]).width == 1 and h.reason(row).startswith("plain: too few tokens left to repay a probe")
+    row.left = 17
+    assert Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01))).decide([row]).widths == (8,)
+
+
+def test_guard_keeps_drafting_when_it_pays():
+    g = Guard(_model(_costs(2.0)))
+    assert _due(g) == 0 and g.reason(ROW).startswith("dflash: probing")
+    seq = _drive(g, lambda i: 3 if i % 2 else 2, 60)  # 3.5 tokens a cycle: 1.75x
+    assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
+    assert g.speedup() > 1.4 and g.reason(ROW).startswith("dflash: ")
+
+
+def test_guard_probe_is_a_sequential_test():
+    """A probe starts from pseudo-tries halfway between break-even (k) and the
+    width: one poor cycle ends it, cycles that pay keep it going, and it switches
+    to drafting only after PROBE cycles that pay by MARGIN."""
+    k = 3.2
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    _cycle(g, 0)  # nothing accepted: below break-even at once -> plain
+    assert g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    for a in (4, 4):
+        _cycle(g, a)
+        assert g.state == "probe"
+    _cycle(g, 4)
+    assert g.state == "draft" and g.speedup() > Guard.MARGIN
+    n = 0
+    while g.state == "draft" and n < 6:  # a run of cycles that emit one token each: below break-even -> plain
+        _cycle(g, 0)
+        n += 1
+    assert g.state == "plain" and n >= 2 and g.reason(ROW).startswith("plain: DFlash 0.")
+    g = Guard(_model(_costs(k)))
+    _due(g)
+    for a in (2, 1, 2):  # about break-even: not by MARGIN -> plain after PROBE cycles at most
+        _cycle(g, a)
+    assert g.state == "plain"
+
+
+def test_guard_falls_back_probes_with_backoff_and_recovers():
+    g = Guard(_model(_costs(3.0)))
+    seq = _drive(g, lambda i: 0, 4000)  # nothing accepted
+    runs, run = [], 0
+    for x in seq:
+        if x < 0:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert runs[:3] == [Guard.BACKOFF0, 2 * Guard.BACKOFF0, 4 * Guard.BACKOFF0]  # doubling
+    assert max(runs) == Guard.BACKOFF_MAX and g.fallbacks >= 3 and g.probes >= 3
+    assert all(x == 5 for x in seq if x > 0)  # probes draft at the widest measured width
+    assert sum(x > 0 for x in seq) <= 3 * g.fallbacks  # each failed probe cost at most 3 cycles
+    while g.state != "plain":
+        _drive(g, lambda i: 0, 1)
+    assert g.reason(ROW).startswith("plain: DFlash 0.")
+    seq = _drive(g, lambda i: 4, Guard.BACKOFF_MAX + 8)  # the text becomes draftable: drafting comes back
+    assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
+
+
+def test_guard_never_drafts_where_even_full_acceptance_loses():
+    # a cycle = 6 plain tokens > width 5; 4.2 (bf16 on mlx-cpu): w / k = 1.19 < 1.25, only a
+    # drafter right > 90% of the time could pay; 3.9: w / k = 1.28, worth probing
+    for k, hopeless in ((6.0, True), (4.2, True), (3.9, False)):
+        g = Guard(_model(_costs(k)), Observed(p=[0.95] * 4))
+        assert g.uses_drafter(ROW.plan, 0) == (not hopeless)
+        if not hopeless:
+            assert _due(g) == 0 and g.state == "draft"
+            continue
+        assert _due(g) == -1 and "cannot pay" in g.reason(ROW)
+        for _ in range(5):  # plain for good: it never probes
+            _plain(g, Guard.BACKOFF_MAX)
+            assert _due(g) == -1 and g.probes == 0
+        assert g.leave(ROW).wait == 0  # nothing to carry: the next request decides the same from the costs
+
+
+def test_guard_prior_carries_acceptance_and_backoff():
+    g = Guard(_model(_costs(3.0)), Observed(p=[0.5] * 4, backoff=64, wait=40))
+    assert _due(g) == -1 and g.wait == 40  # the last request ended plain: this one continues it
+    o = g.leave(ROW)
+    assert o.backoff == 64 and o.wait == 40
+    g = Guard(_model(_costs(3.0)), Observed(p=[0.95] * 4))
+    assert _due(g) == 0 and g.state == "draft" and g.speedup() > 1
+    assert g.leave(Row(carry=False)) is None  # (a seeded row's state is not carried)
+
+
+def _multi(c, d, tp=0.01):
+    """A curve measured at several widths: c, d dicts over the same widths (1 included)."""
+    return Costs(0.01, c, d, t_plain=tp)
+
+
+def test_guard_chooses_the_width_that_pays_best():
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify (memory-bound target)
+    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    assert g.decide([row]).widths == (8,)  # the probe's prior: the widest
+    for _ in range(12):  # every draft accepted: the widest block pays best
+        _cycle(g, 7, 8, [row])
+    assert g.state == "draft" and g.decide([row]).widths == (8,) and g.speedup() > 3
+    for _ in range(40):  # the first draft right, the second wrong: two-token blocks are the most a cycle emits
+        _cycle(g, 1, g.decide([row]).width, [row])
+    x = g.decide([row]).width
+    assert x in (2, 3)
+    assert g.widths[8] >= 12 and sum(v for w, v in g.widths.items() if w < 8) > 0
+    o = g.leave(row)
+    assert o.p is not None and len(o.p) == 7 and o.p[0] > 0.9 and o.p[1] < 0.2
+    nxt = Guard(_model(_multi(c, d)), o)  # the next request starts where this one left off
+    assert nxt.decide([row]).width == x and nxt.state == "draft"
+
+
+def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_pays():
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6
+    d = {w: 0.0 if w == 1 else 0.6 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    cycles = 0
+    while g.decide([row]).width > 1 and cycles < 10:  # nothing accepted: no width pays
+        _cycle(g, 0, g.decide([row]).width, [row])
+        cycles += 1
+    assert cycles <= 4 and g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
+    assert g.reason(row).startswith("plain: DFlash") and g.reason(row).endswith("probe in 64")
+    dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
+    h = Guard(_model(_multi(c, dear)))
+    assert h.decide([row]).width == 1 and h.hopeless and "cannot pay" in h.reason(row)
+
+
+def test_guard_prices_positions_past_a_narrow_width_from_the_ones_it_tried():
+    """Drafting narrow, a row's later positions are never tried: they are priced
+    like the positions that were (the row's pooled rate), not held at a stale
+    value. A stretch of bad luck narrows the width; once the drafts are right
+    again the guard widens, and no position keeps its old low estimate."""
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify: wide blocks pay when drafts are right
+    d = {w: 0.0 if w == 1 else 0.2 for w in ws}
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    for _ in range(6):
+        _cycle(g, 7, g.decide([row]).width, [row])
+    assert g.state == "draft" and g.decide([row]).width == 8
+    for _ in range(40):  # every draft past the first wrong: it narrows
+        _cycle(g, 1, g.decide([row]).width, [row])
+    assert g.decide([row]).width <= 3
+    widths = []
+    for _ in range(30):  # every draft right again
+        w = g.decide([row]).width
+        widths.append(w)
+        _cycle(g, w - 1, w, [row])
+    assert widths[-1] == 8 and widths.index(8) < 20
+    est = g._p(g.rows[row.uid])
+    assert min(est) > 0.8  # no position left behind at its old low value
+
+
+def test_guard_does_not_keep_probing_a_drafter_right_half_the_time():
+    """Where plain decoding is best (each draft right one time in two: tau at
+    width 2 is 1.5, a cycle costs over 2 steps), a probe ends within a few cycles and
+    backs off, whichever width its optimistic start picks: drafting costs a few
+    percent of the tokens at most, never a steady loss."""
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1.5 + 0.15 * (w - 1) for w in ws}
+    d = {w: 0.0 if w == 1 else 0.5 for w in ws}
+    rng = random.Random(0)
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    cost = tokens = 0.0
+    while tokens < 2000:
+        w = g.decide([row]).width
+        if w == 1:
+            _plain(g, 1, [row])
+            cost, tokens = cost + 1, tokens + 1
+            continue
+        a = 0
+        while a < w - 1 and rng.random() < 0.5:
+            a += 1
+        _cycle(g, a, w, [row])
+        cost, tokens = cost + g.priced[0][w], tokens + a + 1
+    assert tokens / cost > 0.97  # plain: 1.0
+    assert g.fallbacks >= 3 and g.backoff > Guard.BACKOFF0
+
+
+def test_guard_prices_cycles_at_the_length_of_the_context():
+    """Two curves, measured over 128 and 4096 cached tokens: the cycle cost at any
+    length is linear between (and past) them, and the guard follows it as the
+    context grows (a verify's attention reads grow with the context, a plain step's too)."""
+    short = Costs(0.010, {1: 1.0, 5: 1.2}, {1: 0.0, 5: 0.3}, context=128, t_plain=0.010)
+    long = Costs(0.020, {1: 1.0, 5: 2.4}, {1: 0.0, 5: 0.3}, context=4096, t_plain=0.020)  # drafts dearer at length
+    m = _model(short, long)
+    assert m.k(1, 128)[5] == pytest.approx(1.5)
+    assert m.k(1, 4096)[5] == pytest.approx(2.7)
+    assert m.k(1, 2112)[5] == pytest.approx((0.5 * (0.015 + 0.054)) / 0.015, rel=0.05)  # seconds interpolated
+    g = Guard(m)
+    near = Row(context=128)
+    for _ in range(6):
+        g.decide([near])
+        _cycle(g, 1, rows=[near])  # 2 tokens a cycle: pays at 1.5, not at 2.7
+    assert g.state == "draft"
+    far = Row(context=4096)
+    g.decide([far])
+    _cycle(g, 1, rows=[far])
+    assert g.state == "plain" and "cycle = 2.70" in g.reason(far)
+
+
+def test_guard_decides_for_a_set_by_its_mean_and_the_batch_cost():
+    """Several rows: one width for the set, the one that pays best for their mean
+    tokens per cycle at k(w, B); a row with a fixed width keeps it inside the
+    same cycle; each row's lookup gate is its own."""
+    ws = (1, 2, 3, 5, 8)
+    single = _multi({w: 1 + 0.05 * (w - 1) for w in ws}, {w: 0.0 if w == 1 else 0.2 for w in ws})
+    batched = Costs(1.0, {w: 1 + 0.5 * (w - 1) for w in ws}, {w: 0.0 if w == 1 else 0.4 for w in ws})
+    m = CostModel(lambda at: single, list(ws), batch=lambda B: batched)
+    a, b, f = Row(cap=8, uid=1), Row(cap=8, uid=2), Row(cap=3, uid=3, fixed=True)
+    g = Guard(m)
+    d = g.decide([a, b, f])
+    assert d.widths[2] == 3 and d.sources == (DFLASH, DFLASH, DFLASH)
+    assert g.kd[8] == pytest.approx(1 + 0.5 * 7 + 0.4)  # the batch's cost at B = 3
+    for _ in range(6):  # row a accepts everything, row b nothing: the mean pays at a narrow width
+        g.observe([a, b, f], [CycleResult(d.widths[0], d.widths[0] - 1, d.widths[0], source=DFLASH),
+                              CycleResult(d.widths[1], 0, 1, source=DFLASH),
+                              CycleResult(3, 2, 3, source=DFLASH)])
+        d = g.decide([a, b, f])
+    assert d.widths[2] == 3 and (d.widths[0] < 8 or g.state == "plain")
+    gate = LookupGate()
+    assert gate.pays(4, {5: 1.0}) and not gate.pays(4, {5: 4.0})
+
+
+@pytest.mark.slow
+def test_default_mode_guard_in_the_loop(pairs):
+    """An always-wrong drafter: the default mode (no block size) ends up on plain
+    steps and says why; an explicit width, or guard=False, drafts every cycle.
+    All of them give mlx-lm's tokens."""
+    d = pairs("qwen3", version=1)
+    model, tok, _ = load(str(d / "target"))
+    prompt, n = PROMPTS[0], 60
+    ref = reference_tokens(model, tok, prompt, n)
+    p = len(tok.encode(prompt))
+    wrong = OracleDrafter(p, ref, model.args.vocab_size, noise=1.0)
+    # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
+    calibrate.remember(model, wrong, _costs(2.0))
+    r = generate(model, tok, prompt, wrong, max_tokens=n)
+    assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.max_width == wrong.block_size
+    assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.")
+    assert r.stats.to_dict()["policy"] == r.stats.policy and r.stats.adaptive["fallbacks"] >= 1
+    for kw in (dict(block_size=4), dict(guard=False)):
+        r = generate(model, tok, prompt, OracleDrafter(p, ref, model.args.vocab_size, noise=1.0), max_tokens=n, **kw)
+        # (only the last cycle may verify the anchor alone: no drafting past max_tokens)
+        assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
+    # a right drafter in the default mode keeps drafting
+    right = OracleDrafter(p, ref, model.args.vocab_size)
+    calibrate.remember(model, right, _costs(2.0))  # the same fixed costs: the decision is the guard's, not the load's
+    r = generate(model, tok, prompt, right, max_tokens=n)
+    assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.tau > 4
+
+
+@pytest.mark.slow
+def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
+    """The default mode measures the widths it chooses among (up to the drafter's
+    block size) once, then reads the cache."""
+    from mlx_dflash.policy.registry import GUARD_WIDTHS
+
+    d = pairs("qwen3", version=2)
+    model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
+    r = generate(model, tok, PROMPTS[1], drafter, max_tokens=8)
+    key = costs.cost_key(model, drafter)
+    curve = costs.load_cached(key, widths=(1, 5))
+    want = {1, drafter.block_size} | {w for w in GUARD_WIDTHS if w < drafter.block_size}
+    assert curve is not None and set(curve.c) == want and curve.t_plain > 0 and curve.d[5] > 0
+    assert r.stats.policy
+
+    def boom(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
+    monkeypatch.setattr(calibrate, "measure_costs", boom)
+    generate(model, tok, PROMPTS[2], drafter, max_tokens=8)
