@@ -5,7 +5,10 @@ the engine drives it) deciding every cycle. Reported per (curve, law): the
 guard's tokens per plain step's time over the best fixed width's expectation
 and over plain decoding, mean over seeds.
 
-    PYTHONPATH=. python bench/guard_sim/sim.py [--tokens 400] [--seeds 20]
+    PYTHONPATH=. python bench/guard_sim/sim.py [--tokens 400] [--seeds 20] [--overhead 1.0]
+
+--overhead H: every cycle truly costs k(w) + H plain steps (work per cycle the
+curves miss), as its step time tells the guard (prices as paid).
 """
 
 import argparse
@@ -74,8 +77,10 @@ def accept(law, w, t, rng):
     return a
 
 
-def run_guard(k, law, tokens, seed, cap=16, prior=None):
-    """One answer of `tokens` tokens decoded under the guard: (tokens per plain step's time, what it hands on)."""
+def run_guard(k, law, tokens, seed, cap=16, prior=None, overhead=0.0):
+    """One answer of `tokens` tokens decoded under the guard: (tokens per plain step's time, what it hands on).
+    Each cycle truly costs k(w) + `overhead` plain steps (host work the curves miss) and says so in
+    its t_step, as the engine's wall clock does (a plain step: 1.0)."""
     rng = random.Random(seed)
     g = Guard(model_of(k), prior)
     row = Row(cap, tokens)
@@ -84,17 +89,18 @@ def run_guard(k, law, tokens, seed, cap=16, prior=None):
         row.left = tokens - made
         w = g.decide([row]).widths[0]
         if w == 1:
-            res, c = CycleResult(1, 0, 1), 1.0
+            res, c = CycleResult(1, 0, 1, t_step=1.0), 1.0
         else:  # (its width is within what is left of the answer, plus the bonus row; a stop cuts the rest)
             a = accept(law, w, made, rng)
-            res, c = CycleResult(w, a, min(a + 1, row.left), source=DFLASH), interpolate(k, w)
+            c = interpolate(k, w) + overhead
+            res = CycleResult(w, a, min(a + 1, row.left), source=DFLASH, t_step=c)
         made += res.emitted
         cost += c
         g.observe([row], [res])
     return made / cost, g.leave(row)
 
 
-def fixed_rate(k, law, tokens, requests, seed, w):
+def fixed_rate(k, law, tokens, requests, seed, w, overhead=0.0):
     """A fixed width over `requests` answers of `tokens` each (the last block of an
     answer no wider than what is left of it, as the engine cuts it)."""
     rng = random.Random(seed)
@@ -105,7 +111,7 @@ def fixed_rate(k, law, tokens, requests, seed, w):
             x = min(w, tokens - got + 1)
             a = min(accept(law, x, got, rng), tokens - got - 1)
             got += a + 1
-            cost += interpolate(k, x) if x > 1 else 1.0
+            cost += interpolate(k, x) + overhead if x > 1 else 1.0
         made += got
     return made / cost
 
@@ -115,13 +121,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--requests", type=int, default=3, help="requests in a row, the guard's state carried")
+    ap.add_argument("--overhead", type=float, default=0.0,
+                    help="plain steps each cycle costs beyond its curve (what the guard learns as paid)")
     args = ap.parse_args()
     print(f"| curve | law | best fixed (x plain) | guard x plain | guard / best fixed |")
     print("|---|---|---|---|---|")
     worst = []
     for cname, k in CURVES.items():
         for lname, law in LAWS.items():
-            fixed = {w: statistics.mean(fixed_rate(k, law, args.tokens, args.requests, s, w) for s in range(args.seeds))
+            fixed = {w: statistics.mean(fixed_rate(k, law, args.tokens, args.requests, s, w, args.overhead) for s in range(args.seeds))
                      for w in range(2, 17)}
             bw = max(fixed, key=fixed.get)
             best = max(1.0, fixed[bw])
@@ -129,7 +137,8 @@ def main():
             for s in range(args.seeds):
                 prior, rates = None, []
                 for r in range(args.requests):
-                    x, prior = run_guard(k, law, args.tokens, 1000 * s + r, prior=prior)
+                    x, prior = run_guard(k, law, args.tokens, 1000 * s + r, prior=prior,
+                                             overhead=args.overhead)
                     rates.append(x)
                 got.append(statistics.mean(rates))
             m = statistics.mean(got)

@@ -96,8 +96,8 @@ class Observed:
     lookup_alpha: Optional[float] = None  # share of the guard's lookup drafts accepted
     p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)
     tries: Optional[List[float]] = None  # the evidence behind p, tries per position (None: a prior's weight)
-    # by (set size B, drafting): what the guard's cycles took over their price (observed seconds over the
-    # measured k(w) times an observed plain step): costs measured apart miss a set's host work and drafter updates
+    # by (set size B, drafting): what the guard's cycles took beyond their price, in plain steps (observed
+    # seconds over an observed plain step's, less the measured k(w)): costs measured apart miss work per cycle
     paid: Dict[tuple, float] = field(default_factory=dict)
 
 

@@ -43,9 +43,15 @@ times the DFlash rate it displaces: about 1/GAP of the time at any length).
 
 Prices as paid: the curves are measured apart from the requests (a set of
 one through the engine's own steps; several rows as bare forwards), so a set
-also times its own steps (CycleResult.t_step) and, where its cycles take more
-than SLACK times k(w) x its plain step, raises every price at that set size by
-the median ratio; what was paid carries to the next request (Observed.paid).
+also times its own steps (CycleResult.t_step) and, where its cycles take longer
+than k(w) x its plain step, adds the median excess (in plain steps) to every
+price at that set size; what was paid carries to the next request
+(Observed.paid). An excess, not a ratio: what the curves miss is work per
+cycle (host work, syncs, the drafter's context update), not a share of it
+(bench/guard_sim/README.md: on the realistic bench, cycles of widths 5 and 8
+took about the same 0.15-0.6 plain steps beyond their price, width 16 less,
+while the ratio fell with the width), and a ratio learned at a wide width
+prices a narrow one below what it costs.
 
 Unpriced (the engine defers measuring and a curve this set needs, at its
 length or its number of rows, is not measured yet): the guarded rows decode
@@ -196,12 +202,13 @@ class Guard(Policy):
     # cost at most 0.8 w plain steps (ceiling w / k >= 1.25) to be worth a probe
     CEILING_MIN = 1.25
     ALPHA = 0.05  # while drafting, evidence fades by 1 - ALPHA per cycle (about the last 1 / ALPHA cycles count)
-    # prices as paid: a set of B rows keeps the ratio of its cycles' seconds to their price (k(w) x its
-    # plain step's seconds; the median of the last PAID_SAMPLES cycles against that of the last
-    # PLAIN_SAMPLES plain steps), and where the cycles took more than SLACK times their price, every
-    # price at B is raised by that ratio (the costs measured apart miss host work per row and the
-    # drafter's context update: at 8 rows on a 2-core CPU, 1.3-1.8x)
-    PAID_SAMPLES, PLAIN_SAMPLES, SLACK = 8, 16, 1.15
+    # prices as paid: a set of B rows keeps what its cycles took beyond their price, in plain steps (its
+    # cycle's seconds over its plain step's, less k(w); the median of the last PAID_SAMPLES cycles, the
+    # plain step the median of the last PLAIN_SAMPLES), and where that is more than nothing it is added
+    # to every price at B (the costs measured apart miss work per cycle: host work per row, syncs, the
+    # drafter's context update)
+    PAID_SAMPLES, PLAIN_SAMPLES = 8, 16
+    UNTIMED = 3  # cycles drafted before a set with no plain step timed at its size steps plainly to time one
     PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
     POOL = 8  # pseudo-tries of the pooled rate's prior, p_mid
     CARRIED = 4  # tries a prior given without its evidence (Observed.tries) counts for at each position
@@ -218,10 +225,11 @@ class Guard(Policy):
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
         self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L (as paid)
         self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
-        self.paid = dict(self.prior.paid)  # (B, drafting) -> cycle seconds over their price (Observed.paid)
+        self.paid = dict(self.prior.paid)  # (B, drafting) -> plain steps a cycle takes beyond its price
         self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
-        self.ratios: Dict[tuple, List[float]] = {}  # (B, drafting) -> the last cycles' seconds over their price
-        self.unmatched: List[tuple] = []  # ((B, drafting), seconds over k): cycles before B's plain steps were timed
+        self.excess: Dict[tuple, List[float]] = {}  # (B, drafting) -> the last cycles' plain steps beyond their price
+        self.unmatched: List[tuple] = []  # ((B, drafting), seconds, k): cycles before B's plain steps were timed
+        self.timing = 0  # plain steps taken to time one (_untimed)
         self.last_step: Optional[tuple] = None  # the rows of the last step observed
         self.after_plain = True  # the last step observed was plain (the next draft catches the drafter up)
         self.hopeless = False
@@ -263,9 +271,8 @@ class Guard(Policy):
         self.unpriced = None
         raised = []
         for ks, drafting in zip(self.priced, (True, False)):
-            f = self.paid.get((B, drafting), 1.0)
-            f = f if f > self.SLACK else 1.0
-            raised.append({x: k * f if x > 1 else 1.0 for x, k in ks.items()})
+            h = max(0.0, self.paid.get((B, drafting), 0.0))  # (never below what was measured)
+            raised.append({x: k + h if x > 1 else 1.0 for x, k in ks.items()})
         self.kd, self.kv = raised
         self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
         return True
@@ -312,9 +319,11 @@ class Guard(Policy):
                     s.reset()
         if guarded and self.state != "plain":
             self.est = self.best([self._p(s) for s in guarded])
-        # (None: unpriced, the guarded rows step plainly)
+        # (None: unpriced, or timing the plain step prices as paid are in: the guarded rows step plainly)
         drafting = (guarded and self.state != "plain" and not self.hopeless and self._probe_pays(rows)) \
             if priced else None
+        if drafting and self._untimed(rows):
+            drafting, self.timing = None, self.timing + 1
         srcs, widths = [], []
         for r in rows:
             src, w = self._row(r, drafting)
@@ -341,6 +350,18 @@ class Guard(Policy):
         self.short = self.probe_w is None
         return not self.short
 
+    def _untimed(self, rows: Sequence[Row]) -> bool:
+        """Whether this set steps plainly to time a plain step at its size B: it
+        has drafted UNTIMED cycles that wait for one (prices as paid are in
+        plain steps) and nothing was paid at B before. Else a set whose cycles
+        cost more than priced, and so never falls back, would never learn it
+        (a 1.5-token cycle priced at 0.9 plain steps that costs 1.9: 0.78x plain,
+        bench/guard_sim). Once per B: what was paid carries on (and never more than
+        3 x UNTIMED plain steps in all, should the set's rows keep changing)."""
+        B = len(rows)
+        return (B, True) not in self.paid and len(self.plain_s.get(B, ())) < 3 and self.timing < 3 * self.UNTIMED \
+            and sum(u[0][0] == B for u in self.unmatched) >= self.UNTIMED and all(r.plan.guarded for r in rows)
+
     def _row(self, r: Row, drafting: Optional[bool]) -> tuple:
         """(source, verify width) of one row this cycle."""
         plan = r.plan
@@ -355,7 +376,7 @@ class Guard(Policy):
                 return (DFLASH, room) if plan.drafter else ("", 1)
             return DFLASH, room
         s = self.rows.get(r.uid) if drafting is not None else None
-        if s is None:  # unpriced: plain
+        if s is None:  # unpriced, or timing a plain step: plain
             return "", 1
         w = min(self.est[0], self.probe_w or self.est[0], room)
         if s.gate is not None:  # the context repeats itself: verify its continuation if it beats the
@@ -423,22 +444,22 @@ class Guard(Policy):
             plain = self.plain_s.setdefault(B, [])
             plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
             if len(plain) >= 3:
-                for key, x in [u for u in self.unmatched if u[0][0] == B]:
-                    self._paid(key, x)
+                for u in [u for u in self.unmatched if u[0][0] == B]:
+                    self._paid(*u)
                 self.unmatched = [u for u in self.unmatched if u[0][0] != B]
             return
         price = self.priced[0 if drafted else 1].get(w)
         if price:
-            self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs / price)]
+            self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs, price)]
             if len(self.plain_s.get(B, ())) >= 3:
                 self._paid(*self.unmatched.pop())
 
-    def _paid(self, key: tuple, x: float) -> None:
-        """One cycle's seconds over its k(w), against the median plain step at its B
-        (DFlash cycles and lookup-only ones apart: the drafter's share is priced apart)."""
-        ratios = self.ratios.setdefault(key, [])
-        ratios[:] = ratios[-(self.PAID_SAMPLES - 1):] + [x / median(self.plain_s[key[0]])]
-        self.paid[key] = median(ratios)
+    def _paid(self, key: tuple, secs: float, price: float) -> None:
+        """One cycle's plain steps beyond its k(w), against the median plain step at
+        its B (DFlash cycles and lookup-only ones apart: the drafter's share is priced apart)."""
+        excess = self.excess.setdefault(key, [])
+        excess[:] = excess[-(self.PAID_SAMPLES - 1):] + [secs / median(self.plain_s[key[0]]) - price]
+        self.paid[key] = median(excess)
 
     def _judge(self, rows: Sequence[Row]) -> None:
         guarded = self._guarded(rows)
@@ -530,7 +551,7 @@ class Guard(Policy):
             return f"plain: width {self.w} cannot pay here (a cycle costs {k:.2f} plain tokens)"
         x, tau, s = self.est
         # (rounded down: a prediction just below break-even never reads 1.00x)
-        as_paid = f", {self.kd[x] / self.priced[0][x]:.2f}x its measured price as paid" \
+        as_paid = f", {self.kd[x] - self.priced[0][x]:.2f} more than measured, as paid" \
             if x in self.priced[0] and self.kd[x] > self.priced[0][x] else ""
         why = (f"{int(s * 100) / 100:.2f}x predicted (width {x}, tau {tau:.2f}, cycle = {self.kd[x]:.2f} plain "
                f"tokens{as_paid})" if s is not None else "")
