@@ -135,7 +135,7 @@ def test_an_excess_learnt_at_one_width_prices_every_width_by_the_same_steps():
     """What the curves miss is work per cycle: an excess paid at width 5 raises
     width 2 by the same plain steps, not by width 5's ratio (which would price
     a narrow width below what it costs)."""
-    base = Costs(0.01, {1: 1.0, 2: 0.6, 5: 1.5}, {1: 0.0, 2: 0.3, 5: 0.5})
+    base = Costs(0.01, {1: 1.0, 2: 1.1, 5: 1.5}, {1: 0.0, 2: 0.3, 5: 0.5})
     g = Guard(_model(base))
     for _ in range(4):
         _step(g, 1, 0.010)

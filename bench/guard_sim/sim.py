@@ -19,7 +19,7 @@ from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
 from mlx_dflash.policy.costs import CostModel, Costs, interpolate
 from mlx_dflash.policy.guard import Guard, expected
 
-# k(w) = c(w) + d(w) in 1-token steps, measured (bench/long_context/realistic/results.json)
+# k(w) = c(w) + d(w) in 1-token steps, measured (bench/long_context/realistic/before_a8edb85/results.json)
 CURVES = {
     "qwen3-small 1k": {2: 2.24, 3: 2.63, 5: 2.67, 8: 3.22, 12: 3.93, 16: 4.82},
     "qwen3-small 32k": {2: 0.86, 3: 1.18, 5: 1.68, 8: 2.12, 12: 2.87, 16: 3.57},

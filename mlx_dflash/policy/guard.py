@@ -51,7 +51,9 @@ cycle (host work, syncs, the drafter's context update), not a share of it
 (bench/guard_sim/README.md: on the realistic bench, cycles of widths 5 and 8
 took about the same 0.15-0.6 plain steps beyond their price, width 16 less,
 while the ratio fell with the width), and a ratio learned at a wide width
-prices a narrow one below what it costs.
+prices a narrow one below what it costs. The unit is the set's own plain step:
+a set that drafts from its first cycle has none timed, so it steps plainly
+once (three steps, once per set size) to learn what its cycles pay.
 
 Unpriced (the engine defers measuring and a curve this set needs, at its
 length or its number of rows, is not measured yet): the guarded rows decode

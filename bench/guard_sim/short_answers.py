@@ -1,0 +1,34 @@
+"""Short answers, for rules the full grid cannot tell apart: 9 (curve, law)
+cases, 40 seeds x 6 answers of N tokens, after an optional warm-up answer of W
+tokens (its state carried, not counted); every cycle H plain steps dearer than
+its curve. Prints guard / best fixed width per case, then the mean and worst.
+
+    PYTHONPATH=. python bench/guard_sim/short_answers.py H W N   # e.g. 0.3 0 48, 0.3 8 64
+"""
+
+import statistics
+import sys
+
+import sim  # (bench/guard_sim, this script's folder)
+
+cases = [("hybrid-small 1k","geometric 0.86 (tau16 6.5)"),("hybrid-small 4k as priced","geometric 0.86 (tau16 6.5)"),
+         ("qwen3-small 1k","geometric 0.86 (tau16 6.5)"),("embedded short","geometric 0.7"),
+         ("hybrid-small 1k","geometric 0.7"),("hybrid-small 4k as priced","geometric 0.5"),("qwen3-small 1k","geometric 0.5"),
+         ("qwen3-small 32k","geometric 0.7"), ("hybrid-small 16k", "falling 0.8 -> 0.2")]
+o = float(sys.argv[1]); warm = int(sys.argv[2]); n = int(sys.argv[3])
+tot=[]
+for cname, lname in cases:
+    k=sim.CURVES[cname]; law=sim.LAWS[lname]
+    fixed = max(1.0, max(statistics.mean(sim.fixed_rate(k, law, n, 6, s, w, o) for s in range(40)) for w in range(2,17)))
+    rates=[]
+    for s in range(40):
+        prior=None; rr=[]
+        if warm:
+            _, prior = sim.run_guard(k, law, warm, 7777+s, prior=prior, overhead=o)
+        for r in range(6):
+            x, prior = sim.run_guard(k, law, n, 1000*s+r, prior=prior, overhead=o)
+            rr.append(x)
+        rates.append(statistics.mean(rr))
+    m = statistics.mean(rates)/fixed; tot.append(m)
+    print(f"  {cname:26s} {lname:28s} {m:.3f}")
+print(f"mean {statistics.mean(tot):.3f} min {min(tot):.3f}")
