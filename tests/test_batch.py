@@ -569,3 +569,31 @@ def test_a_row_that_joins_after_a_draft_was_decided_between_two_tokens(tok, join
     out, _ = run_engine(eng, [(p, DecodeConfig(max_tokens=m)) for p, m in zip(PROMPTS, MAXES)],
                         join_after=join_after)
     assert [out[i] for i in range(len(refs))] == refs
+
+
+def test_a_target_without_a_clock_gives_the_policy_no_step_times(tok):
+    """A split target's ranks must decide alike (distributed.ShardedTarget): its
+    steps report no wall-clock time, so no rank's clock raises a price (the
+    guard's prices as paid); a local target's steps report theirs."""
+    model = model_of("qwen3")
+    ref = reference_tokens(model, tok, PROMPTS[0], 12)
+
+    class Recording(FixedWidth):
+        def __init__(self):
+            super().__init__(5)
+            self.times = []
+
+        def observe(self, rows, results):
+            self.times += [r.t_step for r in results]
+            super().observe(rows, results)
+
+    class Unclocked(Target):
+        clocked = False
+
+    for target, clocked in ((Target(model), True), (Unclocked(model), False)):
+        pol = Recording()
+        oracle = RowOracles([(len(tok.encode(PROMPTS[0])), ref)], seed=1)
+        eng = BatchEngine(model, tok, oracle, max_batch=1, policy=pol, target=target)
+        out, _ = run_engine(eng, [(PROMPTS[0], DecodeConfig(max_tokens=12))], join_after=0)
+        assert out[0] == ref and len(pol.times) > 2
+        assert all(t > 0 for t in pol.times[1:]) if clocked else not any(pol.times)

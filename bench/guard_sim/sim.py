@@ -129,16 +129,15 @@ def main():
     worst = []
     for cname, k in CURVES.items():
         for lname, law in LAWS.items():
-            fixed = {w: statistics.mean(fixed_rate(k, law, args.tokens, args.requests, s, w, args.overhead) for s in range(args.seeds))
-                     for w in range(2, 17)}
+            fixed = {w: statistics.mean(fixed_rate(k, law, args.tokens, args.requests, s, w, args.overhead)
+                                        for s in range(args.seeds)) for w in range(2, 17)}
             bw = max(fixed, key=fixed.get)
             best = max(1.0, fixed[bw])
             got = []
             for s in range(args.seeds):
                 prior, rates = None, []
                 for r in range(args.requests):
-                    x, prior = run_guard(k, law, args.tokens, 1000 * s + r, prior=prior,
-                                             overhead=args.overhead)
+                    x, prior = run_guard(k, law, args.tokens, 1000 * s + r, prior=prior, overhead=args.overhead)
                     rates.append(x)
                 got.append(statistics.mean(rates))
             m = statistics.mean(got)

@@ -19,7 +19,10 @@ is taken identically everywhere without a collective of its own:
   rounds: a rank that stopped early would leave the others waiting) and rank
   0's numbers are broadcast; the collectives are inside the timed forwards, so
   the guard weighs communication like any other cost;
-- sampling: `Split` seeds every rank's generator with rank 0's seed once.
+- sampling: `Split` seeds every rank's generator with rank 0's seed once;
+- time: a step's wall-clock time differs by rank, so a split target's steps
+  report none (`ShardedTarget.clocked`): the guard's prices as paid stay as
+  measured, the same on every rank.
 Verify mode `adaptive` reads each rank's own wall-clock times every cycle, so
 it is refused here (the guard chooses from the shared costs instead).
 
@@ -232,7 +235,11 @@ class ShardedTarget(Target):
     """The target adapter on one rank of a split model: the drafter names the
     whole target's layers; under pipeline parallelism this rank captures the
     ones it holds and one all_sum hands every rank all of them. Counts the
-    collectives its forwards ran, for the stats."""
+    collectives its forwards ran, for the stats. Its steps report no time
+    (`clocked`): each rank's clock differs, and a price raised by one rank's
+    would part the ranks' decisions."""
+
+    clocked = False
 
     def __init__(self, model, split: Split, comm: Optional[CommCost] = None):
         super().__init__(model)

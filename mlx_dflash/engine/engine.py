@@ -698,7 +698,7 @@ class Engine:
         """After a cycle or plain step, before its tokens are handed out (every
         token of the cycle sees the stats): the stats, then the policy."""
         now = time.perf_counter()
-        step = now - self._accounted if self._accounted is not None else 0.0
+        step = now - self._accounted if self._accounted is not None and self.target.clocked else 0.0
         self._accounted = now
         for cyc in results:
             cyc.t_step = step

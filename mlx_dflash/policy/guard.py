@@ -357,7 +357,7 @@ class Guard(Policy):
         has drafted UNTIMED cycles that wait for one (prices as paid are in
         plain steps) and nothing was paid at B before. Else a set whose cycles
         cost more than priced, and so never falls back, would never learn it
-        (a 1.5-token cycle priced at 0.9 plain steps that costs 1.9: 0.78x plain,
+        (a 1.5-token cycle priced at 0.86 plain steps that costs 1.86: 0.80x plain,
         bench/guard_sim). Once per B: what was paid carries on (and never more than
         3 x UNTIMED plain steps in all, should the set's rows keep changing)."""
         B = len(rows)

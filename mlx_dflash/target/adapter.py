@@ -313,6 +313,10 @@ class Target:
     model's weights (update, load_weights, quantize) build a new Target (each
     Decoder session builds its own)."""
 
+    # its steps' wall-clock times may steer decisions (the guard's prices as paid); not on a split
+    # target, whose ranks must decide alike from the same numbers (distributed.ShardedTarget)
+    clocked = True
+
     def __init__(self, model: nn.Module):
         self.model = model
         self.layers = _layers(model)
