@@ -29,7 +29,7 @@ from mlx_dflash.engine import batch_costs
 from mlx_dflash.engine.batch import BatchEngine, BatchError
 from mlx_dflash.engine.batch_costs import AUTO_B, auto_max_batch, pick_max_batch
 from mlx_dflash.engine.calibrate import Calibration
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
 from mlx_dflash.policy.guard import Guard
 from mlx_dflash.policy.base import DFLASH, Decision, Policy

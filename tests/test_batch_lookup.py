@@ -22,10 +22,10 @@ from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 from mlx_dflash.drafting.lookup import NgramIndex
 from mlx_dflash.policy.base import DFLASH, LOOKUP
-from mlx_dflash.policy.guard import LookupGate
+from mlx_dflash.policy.lookup_gate import LookupGate
 from mlx_dflash.cache.prompt_cache import PromptCache
 
 REPEATED = [

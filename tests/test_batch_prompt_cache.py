@@ -11,7 +11,7 @@ from test_batch import PROMPTS, RowOracles, model_of
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 from mlx_dflash.cache.prompt_cache import PromptCache
 from mlx_dflash.target.adapter import Target
 

@@ -12,7 +12,7 @@ from app.bench import batch_realistic as bbr
 from app.bench import realistic as br
 from app.bench.runs import run_mlx_lm
 from mlx_dflash import DecodeConfig
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 from tiers import fast_first
 
 TINY = dict(br._QWEN3_06B, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,

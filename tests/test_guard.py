@@ -12,7 +12,8 @@ from mlx_dflash.engine import calibrate
 from mlx_dflash.policy import costs
 from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
-from mlx_dflash.policy.guard import Guard, LookupGate
+from mlx_dflash.policy.guard import Guard
+from mlx_dflash.policy.lookup_gate import LookupGate
 from rows import Row
 
 pytestmark = pytest.mark.usefixtures("fresh_costs")

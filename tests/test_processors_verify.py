@@ -21,7 +21,7 @@ from app.server.structured import Constrained, parse_format
 from mlx_dflash import DecodeConfig, load
 from mlx_dflash import generate
 from mlx_dflash.engine.batch import BatchEngine
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 
 PROMPTS = ["def fibonacci(n):", "The answer is", "import os\nimport sys\nimport os\nimport"]
 MAX = 20

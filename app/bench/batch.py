@@ -37,7 +37,7 @@ from app.errors import UserError
 from mlx_dflash import DecodeConfig, load, stream_generate
 from mlx_dflash.engine.batch import BatchEngine
 from mlx_dflash.models.discovery import default_pair
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 
 MAX_TOKENS = 64  # per stream, when --max-tokens is not given
 

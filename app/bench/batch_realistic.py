@@ -51,7 +51,7 @@ from mlx_dflash.engine.batch import BatchEngine
 from mlx_dflash.engine.batch_costs import MEASURED_B, BatchCosts, measure
 from mlx_dflash.engine.calibrate import Calibration
 from mlx_dflash.policy.base import DFLASH
-from mlx_dflash.policy.guard import FixedWidth
+from mlx_dflash.policy.fixed import FixedWidth
 from mlx_dflash.policy.costs import Costs, interpolate
 
 MAX_TOKENS = 32  # per stream, when --max-tokens is not given

@@ -71,6 +71,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .base import DFLASH, LOOKUP, CycleResult, Decision, Plan, Policy, Row
 from .costs import CostModel, Observed, Unpriced, median
+from .lookup_gate import LookupGate
 
 
 def expected(p: Sequence[float], w: int) -> float:
@@ -91,71 +92,6 @@ def p_mid(k: float, w: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected([mid] * (w - 1), w) < want else (lo, mid)
     return (lo + hi) / 2
-
-
-class LookupGate:
-    """One row's prompt-lookup gate. A lookup proposal of n drafts costs a verify
-    of n + 1 rows and nothing to draft; it pays when the expected tokens
-    1 + alpha * n reach that cost in plain steps, by MARGIN, plus SWITCH (the
-    plain run it cuts short drains its pipeline and starts a new one). alpha
-    starts at ALPHA0 (or the last request's) and follows the live acceptance;
-    while lookup does not pay, every GAP-th match is verified anyway, so a text
-    that starts repeating itself is noticed."""
-
-    ALPHA0, RATE, GAP = 0.5, 0.2, 16
-    MARGIN, SWITCH = 1.1, 0.5  # measured: bf16 on mlx-cpu, where a verify of 5 costs ~2.6 plain
-    # tokens, lookup at 40% acceptance cost 3-5% without them
-
-    def __init__(self, alpha: Optional[float] = None):
-        self.skipped = self.cycles = 0
-        self.alpha = self.ALPHA0 if alpha is None else alpha
-
-    def tokens(self, n: int) -> float:
-        """Expected tokens of a cycle verifying n lookup drafts (the bonus included)."""
-        return 1 + self.alpha * n
-
-    @classmethod
-    def cycle_pays(cls, tokens: float, rows: int, cost: float) -> bool:
-        """Whether a cycle of `rows` rows that yields `tokens` (each row's own token
-        included) and costs `cost` plain steps of those rows pays (a plain step
-        yields one token a row)."""
-        return tokens >= rows * (cls.MARGIN * cost + cls.SWITCH)
-
-    def pays(self, n: int, kv: Dict[int, float], rate: Optional[float] = None) -> bool:
-        """Whether verifying n lookup drafts (one row alone) beats what the row
-        would do instead: plain steps (rate None), or a DFlash cycle yielding
-        `rate` tokens per plain step's time (its tau / k_drafting(w))."""
-        if n < 1:
-            return False
-        if rate is None:
-            return self.cycle_pays(self.tokens(n), 1, kv[n + 1])
-        return self.tokens(n) > rate * kv[n + 1]
-
-    def explore(self, rows: int = 1, cost: float = 1.0) -> bool:
-        """A proposal skipped: True on every (GAP x rows x cost)-th skip, so a text
-        that starts repeating itself is noticed, at about 1/GAP of the time at
-        any length and batch size: `cost` is the exploring verify's price in plain
-        steps (it grows with the context), and each of `rows` rows explores at
-        1/rows of the pace (a cycle made for one row's lookup costs every row a verify)."""
-        self.skipped += 1
-        if self.skipped >= self.GAP * rows * max(1.0, cost):
-            self.skipped = 0
-            return True
-        return False
-
-    def take(self, n: int, kv: Dict[int, float], rate: Optional[float] = None) -> bool:
-        """Verify this n-draft proposal (one row alone)? (Counts the skips of a gate
-        that does not pay; an explore in place of a DFlash cycle loses up to `rate`
-        tokens per plain step's time, so it comes that much more rarely.)"""
-        return n >= 1 and (self.pays(n, kv, rate) or self.explore(cost=kv[n + 1] * max(1.0, rate or 1.0)))
-
-    def observe(self, accepted: int, n: int) -> None:
-        self.cycles += 1
-        self.alpha += self.RATE * (accepted / n - self.alpha)
-
-    def tail(self) -> str:
-        """Its part of a row's reason."""
-        return f"; lookup: {self.cycles} cycles, {self.alpha:.0%} accepted" if self.cycles else ""
 
 
 class _RowState:
@@ -209,7 +145,7 @@ class Guard(Policy):
     # plain step the median of the last PLAIN_SAMPLES), and where that is more than nothing it is added
     # to every price at B (the costs measured apart miss work per cycle: host work per row, syncs, the
     # drafter's context update)
-    PAID_SAMPLES, PLAIN_SAMPLES = 8, 16
+    PAID_SAMPLES, PLAIN_SAMPLES, PLAIN_MIN = 8, 16, 3  # (PLAIN_MIN: plain steps timed before they are the unit)
     UNTIMED = 3  # cycles drafted before a set with no plain step timed at its size steps plainly to time one
     PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
     POOL = 8  # pseudo-tries of the pooled rate's prior, p_mid
@@ -361,7 +297,7 @@ class Guard(Policy):
         bench/guard_sim). Once per B: what was paid carries on (and never more than
         3 x UNTIMED plain steps in all, should the set's rows keep changing)."""
         B = len(rows)
-        return (B, True) not in self.paid and len(self.plain_s.get(B, ())) < 3 and self.timing < 3 * self.UNTIMED \
+        return (B, True) not in self.paid and not self._timed(B) and self.timing < 3 * self.UNTIMED \
             and sum(u[0][0] == B for u in self.unmatched) >= self.UNTIMED and all(r.plan.guarded for r in rows)
 
     def _row(self, r: Row, drafting: Optional[bool]) -> tuple:
@@ -445,7 +381,7 @@ class Guard(Policy):
         if w == 1:
             plain = self.plain_s.setdefault(B, [])
             plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
-            if len(plain) >= 3:
+            if self._timed(B):
                 for u in [u for u in self.unmatched if u[0][0] == B]:
                     self._paid(*u)
                 self.unmatched = [u for u in self.unmatched if u[0][0] != B]
@@ -453,8 +389,12 @@ class Guard(Policy):
         price = self.priced[0 if drafted else 1].get(w)
         if price:
             self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs, price)]
-            if len(self.plain_s.get(B, ())) >= 3:
+            if self._timed(B):
                 self._paid(*self.unmatched.pop())
+
+    def _timed(self, B: int) -> bool:
+        """Whether enough plain steps at B are timed (PLAIN_MIN) to be the unit of its prices as paid."""
+        return len(self.plain_s.get(B, ())) >= self.PLAIN_MIN
 
     def _paid(self, key: tuple, secs: float, price: float) -> None:
         """One cycle's plain steps beyond its k(w), against the median plain step at
@@ -571,43 +511,3 @@ class Guard(Policy):
         x, tau, s = self.est
         return {"state": "unpriced" if self.unpriced else self.state, "fallbacks": self.fallbacks, "probes": self.probes, "speedup": s,
                 "cycle_cost": self.kd.get(x), "tau": tau, "width": x, "widths": dict(self.widths)}
-
-
-class FixedWidth(Policy):
-    """Every row that drafts verifies `width` rows each cycle (at most its own
-    widest), from prompt lookup where the row may look up and its context
-    offers a full block, else from the drafter: whatever it costs. A
-    benchmark's fixed width (the side-by-side runs at width w), and the
-    reference a guard is measured against."""
-
-    def __init__(self, width: int):
-        self.width = width
-        self.gates: Dict[int, LookupGate] = {}  # uid -> its lookup counts (for the reason)
-
-    def decide(self, rows: Sequence[Row]) -> Decision:
-        widths, sources = [], []
-        for r in rows:
-            w = min(self.width, r.plan.cap, r.left + 1) if r.plan.drafts else 1
-            src = ""
-            if w > 1 and r.plan.lookup and r.offers(LOOKUP, w - 1) == w - 1:
-                src = LOOKUP
-            elif w > 1 and r.plan.drafter:
-                src = DFLASH
-            widths.append(w if src else 1)
-            sources.append(src)
-        return Decision(tuple(widths), tuple(sources))
-
-    def observe(self, rows: Sequence[Row], results: List[CycleResult]) -> None:
-        for r, res in zip(rows, results):
-            if res.source == LOOKUP:
-                self.gates.setdefault(r.uid, LookupGate()).observe(res.accepted, res.width - 1)
-
-    def leave(self, row: Row) -> Optional[Observed]:
-        self.gates.pop(row.uid, None)
-        return None
-
-    def reason(self, row: Row) -> str:
-        if not row.plan.drafts:
-            return f"plain: {row.plan.fallback or 'verify mode off'}"
-        g = self.gates.get(row.uid)
-        return f"fixed width {min(self.width, row.plan.cap)}" + (g.tail() if g is not None else "")
