@@ -59,10 +59,20 @@ def model_of(family):
 
 def batch_guard(costs, prior=None, verify=None):
     """The guard over a fixed cost curve: a cycle of width w costs costs[w] plain
-    steps at any batch size (verify[w] without the drafter's forward)."""
+    steps at any batch size (verify[w] without the drafter's forward). An engine
+    that runs it takes an Unclocked target: the curve is made up, so what this
+    machine's clock says the cycles paid must not raise it."""
     v = verify or costs
     curve = Costs(1.0, dict(v), {w: costs[w] - v[w] for w in costs})
     return Guard(CostModel(lambda at: curve, sorted(costs)), Observed(p=list(prior)) if prior else None)
+
+
+class Unclocked(Target):
+    """A target whose steps report no wall-clock time, as a split target's
+    (Target.clocked): a guard then decides from its curve alone, whatever the
+    machine's load (prices as paid would otherwise move a test's decisions)."""
+
+    clocked = False
 
 
 class _Cfg:
@@ -322,7 +332,7 @@ def test_guard_decodes_plain_where_drafts_do_not_pay(tok):
 
     drafter = WrongDrafter([])
     guard = batch_guard({1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2})
-    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
+    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard, target=Unclocked(model))
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=20)) for p in PROMPTS[:3]], join_after=0)
     assert [out[i] for i in range(3)] == refs
     assert drafter.tried > 0  # it probed, then stopped drafting
@@ -451,7 +461,7 @@ def test_guard_drafts_where_drafts_pay(tok):
             return Proposal(out, None, [1.0] * len(out))
 
     guard = batch_guard({1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}, prior=[0.3] * 4)
-    eng = BatchEngine(model, tok, Right(plans), max_batch=3, policy=guard)
+    eng = BatchEngine(model, tok, Right(plans), max_batch=3, policy=guard, target=Unclocked(model))
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=30)) for p in PROMPTS[:3]], join_after=0)
     assert [out[i] for i in range(3)] == refs
     for i in last:
@@ -586,9 +596,6 @@ def test_a_target_without_a_clock_gives_the_policy_no_step_times(tok):
         def observe(self, rows, results):
             self.times += [r.t_step for r in results]
             super().observe(rows, results)
-
-    class Unclocked(Target):
-        clocked = False
 
     for target, clocked in ((Target(model), True), (Unclocked(model), False)):
         pol = Recording()

@@ -17,7 +17,8 @@ import math
 import mlx.core as mx
 import pytest
 from drafters import reference_tokens
-from test_batch import batch_guard, PROMPTS, RowOracles, WrongDrafter, like_plain_sampling, model_of, run_engine
+from test_batch import (batch_guard, PROMPTS, RowOracles, Unclocked, WrongDrafter, like_plain_sampling, model_of,
+                        run_engine)
 from test_batch_prompt_cache import SeqOracles, run_rows
 
 from mlx_dflash import DecodeConfig
@@ -135,7 +136,7 @@ def test_lookup_alone_runs_no_drafter_forward_where_the_drafter_does_not_pay(tok
     drafter = WrongDrafter([])
     costs = {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2}
     guard = batch_guard(costs, verify={w: 1.0 + 0.1 * (w - 1) for w in costs})
-    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard)
+    eng = BatchEngine(model, tok, drafter, max_batch=3, policy=guard, target=Unclocked(model))
     out, last = run_engine(eng, [(p, DecodeConfig(max_tokens=40)) for p in prompts], join_after=0)
     assert [out[i] for i in range(3)] == refs
     looked = lookup_totals(last)

@@ -2,7 +2,7 @@
 from run to run as a server carries it) and with verify mode off; wall time, the time until every stream
 has its first token, and the decode phase's tok/s.
 
-    MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/batch_diag/batch_diag.py 8
+    MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/batch_diag/batch_diag.py 8 [DTYPE] [ROUNDS]
 """
 import sys
 import time
@@ -17,6 +17,7 @@ from mlx_dflash.models.discovery import default_pair
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 T = 64
+ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 t, d = default_pair()
 model, tok, drafter = load(str(t), str(d), dtype=sys.argv[2] if len(sys.argv) > 2 else "float32")
 ps = [p["prompt"] if isinstance(p["prompt"], list) else tok.encode(p["prompt"]) for p in load_prompts("gsm8k-dev", tok, N)]
@@ -39,7 +40,7 @@ def split(times, t0, wall):
     ntok = sum(len(ts) for ts in times)
     return f"wall {wall:.2f}s  all-first {first:.2f}s  agg {ntok/wall:.1f} tok/s  decode-phase {(ntok-len(times))/(wall-first):.1f} tok/s"
 
-for rep in range(4):
+for rep in range(ROUNDS):
     tm, ids, t0, wall = run_plain_batched(model, tok, ps, T)
     print("mlx-lm BatchGenerator:", split(tm, t0, wall), flush=True)
     for name, dr, mode in [("ours default", drafter, "dflash"), ("ours off+drafter", drafter, "off")]:

@@ -1,0 +1,48 @@
+"""Any `mlx-dflash` command with the guard's state logged at each decision,
+each fallback and each request's start and end (to GUARD_TRACE, default
+/tmp/guard_trace.log): how tried.md's hybrid 4k answer was traced.
+
+    MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/guard_sim/trace.py \
+        bench --realistic --contexts 1024,4096 --targets hybrid-small --num-prompts 6 --max-tokens 48 --out /tmp/tr
+"""
+
+import os
+import sys
+
+import mlx_dflash  # noqa: F401  (first: it loads the fast BLAS, which must precede any import of mlx)
+from app.cli import main
+from mlx_dflash.policy.guard import Guard
+
+LOG = open(os.environ.get("GUARD_TRACE", "/tmp/guard_trace.log"), "w")
+init, decide, leave, fall_back = Guard.__init__, Guard.decide, Guard.leave, Guard._fall_back
+
+
+def _init(self, costs, prior=None):
+    init(self, costs, prior)
+    print(f"NEW prior wait={getattr(prior, 'wait', None)} backoff={getattr(prior, 'backoff', None)} "
+          f"paid={getattr(prior, 'paid', None)} state={self.state}", file=LOG, flush=True)
+
+
+def _decide(self, rows):
+    d = decide(self, rows)
+    r, (w, _, s) = rows[0], self.est
+    print(f"  left={r.left} ctx={r.context} state={self.state} wait={self.wait} trial={self.trial} "
+          f"short={self.short} probe_w={self.probe_w} est=({w}, {s and round(s, 3)}) widths={d.widths}",
+          file=LOG, flush=True)
+    return d
+
+
+def _leave(self, row):
+    o = leave(self, row)
+    print(f"LEAVE wait={o and o.wait} backoff={o and o.backoff} fallbacks={self.fallbacks}", file=LOG, flush=True)
+    return o
+
+
+def _fall_back(self):
+    print(f"  FALLBACK est={self.est} backoff={self.backoff}", file=LOG, flush=True)
+    fall_back(self)
+
+
+Guard.__init__, Guard.decide, Guard.leave, Guard._fall_back = _init, _decide, _leave, _fall_back
+sys.argv = ["mlx-dflash"] + sys.argv[1:]
+main()

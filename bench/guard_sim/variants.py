@@ -1,0 +1,86 @@
+"""Runs one of this folder's scripts on the guard with one rule changed, for
+tried.md (none of these is in the product):
+
+    ALPHA=a  evidence fades by 1 - a per drafted cycle (the guard's: 0.05)
+    KEEP=f   a probe keeps f of each row's evidence, where the guard starts it afresh
+    PW=w     a probe drafts at most w wide (ONLY1=1: in its first cycle only)
+    RAMP=r   the width chosen is at most r x the positions tried so far (a probe's own width at least)
+    RAMPW=r  as RAMP, for the width drafted only (the decision to draft still prices every width)
+    DEPTH=d  a fallback waits backoff x min(1, (1 - s) / d) plain steps (s: the speedup it fell back at)
+
+    ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
+"""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from mlx_dflash.policy.guard import Guard
+
+HERE = Path(__file__).parent  # (on sys.path as the script's folder: the scripts it runs import sim from it)
+
+if "ALPHA" in os.environ:
+    Guard.ALPHA = float(os.environ["ALPHA"])
+
+if "KEEP" in os.environ:
+    keep = float(os.environ["KEEP"])
+
+    def _start_probe(self):
+        self.state, self.trial = "probe", 0
+        for s in self.rows.values():
+            s.forget(keep)
+    Guard._start_probe = _start_probe
+
+if "PW" in os.environ:
+    pw, only1, probe_pays = int(os.environ["PW"]), os.environ.get("ONLY1") == "1", Guard._probe_pays
+
+    def _probe_pays(self, rows):
+        ok = probe_pays(self, rows)
+        if ok and self.state == "probe" and self.trial == 0 and self.probe_w is not None:
+            self._pw0, self.probe_w = self.probe_w, min(self.probe_w, pw)
+        elif only1 and self.state == "probe" and self.trial == 1 and getattr(self, "_pw0", None):
+            self.probe_w, self._pw0 = self._pw0, None
+        return ok
+    Guard._probe_pays = _probe_pays
+
+if "DEPTH" in os.environ:
+    depth = float(os.environ["DEPTH"])
+
+    def _fall_back(self):
+        self.fallbacks += 1
+        s = self.est[2] if self.est[2] is not None else 0.0
+        self._to_plain(max(1, round(self.backoff * min(1.0, (1.0 - s) / depth))))
+        self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
+    Guard._fall_back = _fall_back
+
+if "RAMP" in os.environ:
+    ramp, best = float(os.environ["RAMP"]), Guard.best
+
+    def best_ramped(self, ps):
+        reach = max((1 + sum(n > 0.5 for n in s.tries) for s in self.rows.values()), default=1)
+        cap = max(self.probe_w or 2, ramp * reach)
+        ws, self._ws = self._ws, [x for x in self.ws if x <= cap] or [min(self.ws)]
+        try:
+            return best(self, ps)
+        finally:
+            self._ws = ws
+    Guard.best = best_ramped
+
+if "RAMPW" in os.environ:
+    rampw, row = float(os.environ["RAMPW"]), Guard._row
+
+    def row_ramped(self, r, drafting):
+        reach = max((1 + sum(n > 0.5 for n in s.tries) for s in self.rows.values()), default=1)
+        cap = max(self.probe_w or 2, rampw * reach)
+        est = self.est
+        if est[0] and est[0] > cap:
+            self.est = (max([x for x in self.ws if x <= cap] or [min(self.ws)]),) + tuple(est[1:])
+        try:
+            return row(self, r, drafting)
+        finally:
+            self.est = est
+    Guard._row = row_ramped
+
+script, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_path(str(HERE / script), run_name="__main__")
