@@ -27,7 +27,8 @@ def _decide(self, rows):
     d = decide(self, rows)
     r, (w, _, s) = rows[0], self.est
     print(f"  left={r.left} ctx={r.context} state={self.state} wait={self.wait} trial={self.trial} "
-          f"short={self.short} probe_w={self.probe_w} est=({w}, {s and round(s, 3)}) widths={d.widths}",
+          f"short={self.short} probe_w={self.probe_w} est=({w}, {s and round(s, 3)}) widths={d.widths}"
+          + (f" unpriced: {self.unpriced}" if self.unpriced else ""),
           file=LOG, flush=True)
     return d
 

@@ -6,6 +6,7 @@ tried.md (none of these is in the product):
     PW=w     a probe drafts at most w wide (ONLY1=1: in its first cycle only)
     RAMP=r   the width chosen is at most r x the positions tried so far (a probe's own width at least)
     RAMPW=r  as RAMP, for the width drafted only (the decision to draft still prices every width)
+    GRACE=n  a draft does not fall back in its first n cycles after a probe
     DEPTH=d  a fallback waits backoff x min(1, (1 - s) / d) plain steps (s: the speedup it fell back at)
 
     ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
@@ -81,6 +82,21 @@ if "RAMPW" in os.environ:
         finally:
             self.est = est
     Guard._row = row_ramped
+
+if "GRACE" in os.environ:
+    grace, judge = int(os.environ["GRACE"]), Guard._judge
+
+    def _judge(self, rows):
+        if self.state == "draft":
+            self._since = getattr(self, "_since", 0) + 1
+            if self._since <= grace and self._guarded(rows):
+                self.est = self.best([self._p(g) for g in self._guarded(rows)])
+                return  # (its first cycles after a probe: no fallback yet)
+        was = self.state
+        judge(self, rows)
+        if self.state == "draft" and was != "draft":
+            self._since = 0
+    Guard._judge = _judge
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(str(HERE / script), run_name="__main__")
