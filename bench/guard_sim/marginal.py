@@ -24,15 +24,9 @@ def main():
         k = sim.CURVES[cname]
         for a in RATES:
             law = sim.geometric(a)
-            fixed = {w: statistics.mean(sim.fixed_rate(k, law, n, 6, s, w, o) for s in range(40)) for w in range(2, 17)}
+            fixed = sim.fixed_rates(k, law, n, 6, 40, o)
             bw = max(fixed, key=fixed.get)
-            rates = []
-            for s in range(40):
-                prior = None
-                for r in range(6):
-                    x, prior = sim.run_guard(k, law, n, 1000 * s + r, prior=prior, overhead=o)
-                    rates.append(x)
-            m = statistics.mean(rates)
+            m = sim.guard_rate(k, law, n, 6, 40, o)
             out.append(m / max(1.0, fixed[bw]))
             print(f"  {cname:27s} geometric {a:.2f}  best fixed w{bw} {fixed[bw]:.3f}x  guard {m:.3f}x  "
                   f"guard / best {out[-1]:.3f}", flush=True)

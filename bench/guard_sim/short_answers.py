@@ -19,16 +19,7 @@ o = float(sys.argv[1]); warm = int(sys.argv[2]); n = int(sys.argv[3])
 tot=[]
 for cname, lname in cases:
     k=sim.CURVES[cname]; law=sim.LAWS[lname]
-    fixed = max(1.0, max(statistics.mean(sim.fixed_rate(k, law, n, 6, s, w, o) for s in range(40)) for w in range(2,17)))
-    rates=[]
-    for s in range(40):
-        prior=None; rr=[]
-        if warm:
-            _, prior = sim.run_guard(k, law, warm, 7777+s, prior=prior, overhead=o)
-        for r in range(6):
-            x, prior = sim.run_guard(k, law, n, 1000*s+r, prior=prior, overhead=o)
-            rr.append(x)
-        rates.append(statistics.mean(rr))
-    m = statistics.mean(rates)/fixed; tot.append(m)
+    fixed = max(1.0, max(sim.fixed_rates(k, law, n, 6, 40, o).values()))
+    m = sim.guard_rate(k, law, n, 6, 40, o, warm) / fixed; tot.append(m)
     print(f"  {cname:26s} {lname:28s} {m:.3f}")
 print(f"mean {statistics.mean(tot):.3f} min {min(tot):.3f}")
