@@ -55,12 +55,17 @@ if "DEPTH" in os.environ:
         self.backoff = min(2 * self.backoff, self.BACKOFF_MAX)
     Guard._fall_back = _fall_back
 
+def ramp_cap(g, r: float) -> float:
+    """RAMP's and RAMPW's bound: r x (1 + the positions with evidence), a probe's own width at least."""
+    reach = max((1 + sum(n > 0.5 for n in s.tries) for s in g.rows.values()), default=1)
+    return max(g.probe_w or 2, r * reach)
+
+
 if "RAMP" in os.environ:
     ramp, best = float(os.environ["RAMP"]), Guard.best
 
     def best_ramped(self, ps):
-        reach = max((1 + sum(n > 0.5 for n in s.tries) for s in self.rows.values()), default=1)
-        cap = max(self.probe_w or 2, ramp * reach)
+        cap = ramp_cap(self, ramp)
         ws, self._ws = self._ws, [x for x in self.ws if x <= cap] or [min(self.ws)]
         try:
             return best(self, ps)
@@ -72,8 +77,7 @@ if "RAMPW" in os.environ:
     rampw, row = float(os.environ["RAMPW"]), Guard._row
 
     def row_ramped(self, r, drafting):
-        reach = max((1 + sum(n > 0.5 for n in s.tries) for s in self.rows.values()), default=1)
-        cap = max(self.probe_w or 2, rampw * reach)
+        cap = ramp_cap(self, rampw)
         est = self.est
         if est[0] and est[0] > cap:
             self.est = (max([x for x in self.ws if x <= cap] or [min(self.ws)]),) + tuple(est[1:])
