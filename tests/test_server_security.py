@@ -224,14 +224,17 @@ def test_one_log_line_per_request(srv):
     n = 5
     r = _completion(srv, n=n)
     assert r.status_code == 200
-    tau = r.json()["dflash"]["tau"]
+    want = (str(r.json()["usage"]["completion_tokens"]), f'{r.json()["dflash"]["tau"]:.2f}')
+    assert want[0] == str(n)
+    # the log line is written after the response is sent, and earlier tests' lines are
+    # already there: wait for this request's own line, not for any line
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         lines = re.findall(r"POST /v1/completions 200 tokens=(\d+) tau=([\d.]+) (\d+) ms", srv.log.read_text())
-        if lines:
+        if want in [ln[:2] for ln in lines]:
             break
         time.sleep(0.1)
-    assert (str(n), f"{tau:.2f}") in [ln[:2] for ln in lines]
+    assert want in [ln[:2] for ln in lines]
     assert re.search(r"GET /health 200 \d+ ms", srv.log.read_text())
 
 
