@@ -8,6 +8,9 @@ tried.md (none of these is in the product):
     RAMPW=r  as RAMP, for the width drafted only (the decision to draft still prices every width)
     GRACE=n  a draft does not fall back in its first n cycles after a probe
     DEPTH=d  a fallback waits backoff x min(1, (1 - s) / d) plain steps (s: the speedup it fell back at)
+    UCB=z    a fallback only where the speedup at each position's estimate plus z standard errors
+             is below 1 (the evidence's spread, not its mean alone); a probe still needs MARGIN
+    EVID=e   a draft's fallback waits at most e plain steps per cycle drafted since its probe
 
     ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
 """
@@ -101,6 +104,45 @@ if "GRACE" in os.environ:
         if self.state == "draft" and was != "draft":
             self._since = 0
     Guard._judge = _judge
+
+if "EVID" in os.environ:
+    evid, judge, fall = float(os.environ["EVID"]), Guard._judge, Guard._fall_back
+
+    def _judge(self, rows):
+        was = self.state
+        if was == "draft":
+            self._drafted = getattr(self, "_drafted", 0) + 1
+        judge(self, rows)
+        if self.state == "draft" and was != "draft":
+            self._drafted = 0
+
+    def _fall_back(self):
+        was = self.state
+        fall(self)
+        if was == "draft":
+            self.wait = max(1, min(self.wait, round(evid * getattr(self, "_drafted", 0))))
+    Guard._judge, Guard._fall_back = _judge, _fall_back
+
+if "UCB" in os.environ:
+    z, judge_u = float(os.environ["UCB"]), Guard._judge
+
+    def _judge_ucb(self, rows):
+        g = self._guarded(rows)
+        if g and self.state in ("draft", "probe"):
+            up = [[min(1.0, x + z * (x * (1 - x) / (self.PSEUDO + n)) ** 0.5) for x, n in zip(self._p(st), st.tries)]
+                  for st in g]
+            if self.best(up)[2] >= 1.0:
+                self.est = self.best([self._p(st) for st in g])
+                if self.state == "probe":
+                    self.trial += 1
+                    if self.trial >= self.PROBE and self.est[2] >= self.MARGIN:
+                        self.state, self.trial, self.probe_w, self.backoff = "draft", 0, None, self.BACKOFF0
+                    elif self.trial >= self.PROBE:
+                        self._fall_back()
+                        self.probe_w = None
+                return  # (the spread still allows a gain: no fallback before the probe's end)
+        judge_u(self, rows)
+    Guard._judge = _judge_ucb
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(str(HERE / script), run_name="__main__")
