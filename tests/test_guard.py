@@ -187,6 +187,7 @@ def test_a_probe_starts_only_where_the_room_left_repays_it():
     row = Row()
     row.left = 8 * 3 - 1  # (PAYBACK x that, less one)
     assert _due(g, (row,)) == -1 and g.reason(row).startswith("plain: too few tokens left to repay a probe")
+    assert "predicted" not in g.reason(row)  # (nothing tried: the probe's prior is no prediction to quote)
     row.left = 8 * 3
     assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
 

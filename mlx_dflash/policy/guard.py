@@ -499,8 +499,9 @@ class Guard(Policy):
                f"tokens{as_paid})" if s is not None else "")
         if self.state == "plain":
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
-        if self.state == "probe" and self.short:
-            return f"plain: too few tokens left to repay a probe; DFlash {why}"
+        if self.state == "probe" and self.short:  # (a probe due starts afresh: est is its prior, no evidence)
+            n = min(self.ws)
+            return f"plain: too few tokens left to repay a probe (a width-{n} cycle costs {self.kd[n]:.2f} plain tokens)"
         if self.state == "probe":
             return f"dflash: probing, {why}" if why else f"dflash: probing (cycle = {k:.2f} plain tokens)"
         return f"dflash: {why}"
