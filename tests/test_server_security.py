@@ -222,19 +222,22 @@ def test_corrupt_model_gives_openai_error_without_paths(srv, setup):
 @pytest.mark.slow
 def test_one_log_line_per_request(srv):
     n = 5
+
+    def logged():
+        return [ln[:2] for ln in re.findall(r"POST /v1/completions 200 tokens=(\d+) tau=([\d.]+) (\d+) ms",
+                                            srv.log.read_text())]
+    before = logged()
     r = _completion(srv, n=n)
     assert r.status_code == 200
     want = (str(r.json()["usage"]["completion_tokens"]), f'{r.json()["dflash"]["tau"]:.2f}')
     assert want[0] == str(n)
-    # the log line is written after the response is sent, and earlier tests' lines are
-    # already there: wait for this request's own line, not for any line
+    # the line is written after the response is sent (an earlier test's last line may still
+    # arrive too): wait for this request's own line among the new ones, then see it once
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = re.findall(r"POST /v1/completions 200 tokens=(\d+) tau=([\d.]+) (\d+) ms", srv.log.read_text())
-        if want in [ln[:2] for ln in lines]:
-            break
+    while want not in logged()[len(before):] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert want in [ln[:2] for ln in lines]
+    time.sleep(0.2)
+    assert logged()[len(before):].count(want) == 1
     assert re.search(r"GET /health 200 \d+ ms", srv.log.read_text())
 
 
