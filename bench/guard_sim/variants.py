@@ -124,25 +124,19 @@ if "EVID" in os.environ:
     Guard._judge, Guard._fall_back = _judge, _fall_back
 
 if "UCB" in os.environ:
-    z, judge_u = float(os.environ["UCB"]), Guard._judge
+    z, judge_u, fall_u = float(os.environ["UCB"]), Guard._judge, Guard._fall_back
 
     def _judge_ucb(self, rows):
-        g = self._guarded(rows)
-        if g and self.state in ("draft", "probe"):
-            up = [[min(1.0, x + z * (x * (1 - x) / (self.PSEUDO + n)) ** 0.5) for x, n in zip(self._p(st), st.tries)]
-                  for st in g]
-            if self.best(up)[2] >= 1.0:
-                self.est = self.best([self._p(st) for st in g])
-                if self.state == "probe":
-                    self.trial += 1
-                    if self.trial >= self.PROBE and self.est[2] >= self.MARGIN:
-                        self.state, self.trial, self.probe_w, self.backoff = "draft", 0, None, self.BACKOFF0
-                    elif self.trial >= self.PROBE:
-                        self._fall_back()
-                        self.probe_w = None
-                return  # (the spread still allows a gain: no fallback before the probe's end)
+        up = [[min(1.0, x + z * (x * (1 - x) / (self.PSEUDO + n)) ** 0.5) for x, n in zip(self._p(st), st.tries)]
+              for st in self._guarded(rows)]
+        self._spread_pays = bool(up) and self.best(up)[2] >= 1.0
         judge_u(self, rows)
-    Guard._judge = _judge_ucb
+
+    def _fall_back_ucb(self):
+        # (the spread still allows a gain: no fallback, but at a probe's end it still needs MARGIN)
+        if not self._spread_pays or (self.state == "probe" and self.trial >= self.PROBE):
+            fall_u(self)
+    Guard._judge, Guard._fall_back = _judge_ucb, _fall_back_ucb
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(str(HERE / script), run_name="__main__")
