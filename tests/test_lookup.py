@@ -265,6 +265,11 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
     fresh = _guard(_curve(2.0))
     fresh.decide([row])
     assert fresh.rows[1].gate.pays(4, fresh.kv)  # a fresh start: the prior
+    # a request without lookup between two with it hands the rate on as it came
+    off = _guard(_curve(2.0), Observed(lookup_alpha=o.lookup_alpha))
+    plain_row = _Row(lookup=False)
+    off.decide([plain_row])
+    assert off.leave(plain_row).lookup_alpha == pytest.approx(o.lookup_alpha)
 
 
 def test_guard_where_dflash_cannot_pay_keeps_the_prompt_cache_reusable(pairs):

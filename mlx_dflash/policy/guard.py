@@ -457,14 +457,16 @@ class Guard(Policy):
         if s is None:
             return None
         # the rates seen (estimates where a position was never tried) and the tries behind them; a row
-        # with no evidence hands on the prior as it came (never its estimates, which would pass for evidence)
+        # with no evidence hands on the prior as it came (never its estimates, which would pass for evidence),
+        # and so does a row without lookup its lookup rate (else one such request resets the next one's)
         p, tries = self.prior.p, self.prior.tries
         if s.tried:
             p = [h / n if n else e for h, n, e in zip(s.hits, s.tries, self._p(s))]
             tries = list(s.tries)
         o = Observed(backoff=self.backoff, p=list(p) if p is not None else None, tries=tries,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
-                     lookup_alpha=s.gate.alpha if s.gate is not None else None, paid=dict(self.paid))
+                     lookup_alpha=s.gate.alpha if s.gate is not None else self.prior.lookup_alpha,
+                     paid=dict(self.paid))
         if row.plan.carry:
             self.prior = o  # rows that join later start from it
         return o if row.plan.carry else None
