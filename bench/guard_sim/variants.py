@@ -11,6 +11,7 @@ tried.md (none of these is in the product):
     UCB=z    a fallback only where the speedup at each position's estimate plus z standard errors
              is below 1 (the evidence's spread, not its mean alone); a probe still needs MARGIN
     EVID=e   a draft's fallback waits at most e plain steps per cycle drafted since its probe
+    PSEUDO=n, POOL=n  the guard's constants of those names (its estimates' pseudo-tries)
 
     ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
 """
@@ -26,6 +27,10 @@ HERE = Path(__file__).parent  # (on sys.path as the script's folder: the scripts
 
 if "ALPHA" in os.environ:
     Guard.ALPHA = float(os.environ["ALPHA"])
+
+for name in ("PSEUDO", "POOL"):
+    if name in os.environ:
+        setattr(Guard, name, float(os.environ[name]))
 
 if "KEEP" in os.environ:
     keep = float(os.environ["KEEP"])
