@@ -1,6 +1,7 @@
 """Issue 36: the embedded pair at long context. For each length n, one prompt of
 n tokens (this repository's own Python source, then a question: a coding
-agent's kind of prompt, which repeats itself) is prefilled once; every decode
+agent's kind of prompt, which repeats itself; `--text docs`: its markdown,
+then a question, which repeats itself far less) is prefilled once; every decode
 run starts from a copy of that cache: plain decoding (verify mode off), the
 default (the guard), and fixed widths, interleaved over `--rounds` rounds.
 Reported per length: tok/s (median) and x plain, each method's output equal to
@@ -30,7 +31,8 @@ from mlx_dflash.policy.costs import Costs
 from mlx_dflash.policy.registry import priced_at
 import mlx.core as mx
 
-QUESTION = "\n\n# Question: what does the last function above do, and how would you test it?\n"
+QUESTIONS = {"source": "\n\n# Question: what does the last function above do, and how would you test it?\n",
+             "docs": "\n\nQuestion: in two sentences, what is the section above about?\n"}
 
 
 def source_text() -> str:
@@ -38,9 +40,17 @@ def source_text() -> str:
     return "".join(f"\n# file: {p}\n{p.read_text()}" for p in files)
 
 
-def prompt_of(tok, n: int) -> list:
-    ids = tok.encode(source_text())
-    q = tok.encode(QUESTION)
+def docs_text() -> str:
+    """This repository's prose (its markdown, bench outputs left out): a long
+    document and a question, which repeats itself far less than source does."""
+    files = [p for p in sorted(Path(".").rglob("*.md"))
+             if not any(x in ("node_modules", "bench") or x.startswith(".") for x in p.parts)]
+    return "".join(f"\n\n{p.read_text()}" for p in files)
+
+
+def prompt_of(tok, n: int, text: str = "source") -> list:
+    ids = tok.encode(source_text() if text == "source" else docs_text())
+    q = tok.encode(QUESTIONS[text])
     if len(ids) + len(q) < n:
         ids = ids * (n // len(ids) + 1)
     return ids[: n - len(q)] + q
@@ -57,6 +67,8 @@ def main():
     ap.add_argument("--widths", default="3,5,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--text", choices=sorted(QUESTIONS), default="source",
+                    help="the prompt: this repository's source, or its prose (docs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lm = load_model(None, settings_store())
@@ -71,7 +83,7 @@ def main():
     methods = [("plain", dict(mode="off", width=None, guard=None)), ("default", dict(mode="dflash", width=None, guard=None))]
     methods += [(f"w{w}", dict(mode="dflash", width=w, guard=False)) for w in widths]
     for n in contexts:
-        ids = prompt_of(tok, n)
+        ids = prompt_of(tok, n, args.text)
         pc, pre_s, _ = prefill(model, tok, ids, drafter)
         runs = {name: [] for name, _ in methods}
         for r in range(args.rounds):
