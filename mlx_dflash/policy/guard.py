@@ -503,7 +503,8 @@ class Guard(Policy):
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
         if self.state == "probe" and self.short:  # (a probe due starts afresh: est is its prior, no evidence)
             n = min(self.ws)
-            return f"plain: too few tokens left to repay a probe (a width-{n} cycle costs {self.kd[n]:.2f} plain tokens)"
+            return f"plain: too few tokens left to repay a probe (a width-{n} cycle costs {self.kd[n]:.2f} " \
+                   f"plain tokens)"
         if self.state == "probe":
             return f"dflash: probing, {why}" if why else f"dflash: probing (cycle = {k:.2f} plain tokens)"
         return f"dflash: {why}"
