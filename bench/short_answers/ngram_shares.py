@@ -3,7 +3,9 @@ that proposed them: the embedded target's plain (greedy) answer to each
 prompt, replayed through an NgramIndex of the prompt and the answer so far
 (min_n 1), each proposal (up to 7 drafts) scored by the drafts a verify would
 accept. Per prompt and over all: proposals, drafts accepted per proposal, and
-their share of the drafts proposed. The prompts: short_answers/bench.py's six,
+their share of the drafts proposed; then the same scored inside the prompt
+itself (its own text replayed through an index that starts empty), which an
+index could measure before the answer begins. The prompts: short_answers/bench.py's six,
 long_context_embedded's source and docs prompts at 4k, and three chat prompts.
 
     MLX_DFLASH_DTYPE=float32 PYTHONPATH=. python bench/short_answers/ngram_shares.py
@@ -61,11 +63,13 @@ def main():
     total = {}
     for name, ids in cases.items():
         answer = generate(model, tok, ids, None, max_tokens=ANSWER, verify_mode="off").token_ids
-        mine = {}
+        mine, inside = {}, {}
         shares(NgramIndex(ids, min_n=1), answer, mine)
+        shares(NgramIndex([], min_n=1), list(ids), inside)
         for n, row in mine.items():
             total[n] = [a + b for a, b in zip(total.get(n, [0, 0, 0]), row)]
         print(f"{name:20s} {len(answer):3d} tokens  {line(mine)}", flush=True)
+        print(f"{'  inside the prompt':20s} {len(ids):5d}  {line(inside)}", flush=True)
     print(f"{'all':20s}             {line(total)}")
 
 
