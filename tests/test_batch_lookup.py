@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 import pytest
 from drafters import reference_tokens
-from test_batch import (batch_guard, PROMPTS, RowOracles, Unclocked, WrongDrafter, like_plain_sampling, model_of,
+from batch_rows import (batch_guard, PROMPTS, RowOracles, Unclocked, WrongDrafter, like_plain_sampling, model_of,
                         run_engine)
 from test_batch_prompt_cache import SeqOracles, run_rows
 

@@ -7,7 +7,7 @@ cache the single-stream Decoder left serves a batched turn."""
 
 import pytest
 from drafters import reference_tokens
-from test_batch import PROMPTS, RowOracles, model_of
+from batch_rows import PROMPTS, RowOracles, model_of
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.engine.batch import BatchEngine
