@@ -12,15 +12,22 @@ tried.md (none of these is in the product):
              is below 1 (the evidence's spread, not its mean alone); a probe still needs MARGIN
     EVID=e   a draft's fallback waits at most e plain steps per cycle drafted since its probe
     PSEUDO=n, POOL=n  the guard's constants of those names (its estimates' pseudo-tries)
+    CAPC=c   a request's carried evidence counts at most c tries at each position (switch.py)
+    CHANGE=o a row's carried evidence is dropped once its own cycles favour a new text by odds o: each
+             cycle's chance under Laplace's rule on its own evidence over its chance under the row's
+             estimates (carried and own) it was drafted on (switch.py)
 
     ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
 """
 
+import math
 import os
 import runpy
 import sys
 from pathlib import Path
 
+from mlx_dflash.policy import guard as guard_module
+from mlx_dflash.policy.base import DFLASH
 from mlx_dflash.policy.guard import Guard
 
 HERE = Path(__file__).parent  # (on sys.path as the script's folder: the scripts it runs import sim from it)
@@ -142,6 +149,48 @@ if "UCB" in os.environ:
         if not self._spread_pays or (self.state == "probe" and self.trial >= self.PROBE):
             fall_u(self)
     Guard._judge, Guard._fall_back = _judge_ucb, _fall_back_ucb
+
+if "CAPC" in os.environ:
+    capc, row_init = float(os.environ["CAPC"]), guard_module._RowState.__init__
+
+    def _capped(self, widest, prior, lookup, weight):
+        row_init(self, widest, prior, lookup, weight)
+        for i, n in enumerate(self.tries):
+            if n > capc:
+                self.hits[i], self.tries[i] = self.hits[i] * capc / n, capc
+    guard_module._RowState.__init__ = _capped
+
+if "CHANGE" in os.environ:
+    odds, row_init2, observe = math.log(float(os.environ["CHANGE"])), guard_module._RowState.__init__, Guard.observe
+
+    def _chance(p, n, a):  # exactly a of n drafts accepted, position i right with chance p[i]
+        out = math.prod(p[:a])
+        return max(out * (1 - p[a]) if a < n else out, 1e-9)
+
+    def _with_own(self, widest, prior, lookup, weight):
+        row_init2(self, widest, prior, lookup, weight)
+        self.own = ([0.0] * (widest - 1), [0.0] * (widest - 1))
+        self.log_bf = 0.0 if self.carried else None
+
+    def observe_change(self, rows, results):
+        seen = []
+        for r, res in zip(rows, results):
+            s = self.rows.get(r.uid)
+            if s is not None and res.width > 1 and res.source == DFLASH:
+                seen.append((s, res.width - 1, res.accepted, self._p(s)))
+        observe(self, rows, results)
+        for s, n, a, p in seen:
+            h, t = s.own
+            if s.log_bf is not None and any(s.tries):  # (None: nothing carried, or a probe reset it)
+                fresh = [(x + 1) / (y + 2) for x, y in zip(h, t)]
+                s.log_bf += math.log(_chance(fresh, n, a)) - math.log(_chance(p, n, a))
+            for i in range(min(a + 1, n)):
+                h[i] += i < a
+                t[i] += 1
+            if s.log_bf is not None and s.log_bf >= odds:
+                s.hits, s.tries, s.log_bf = list(h), list(t), None
+                self._judge(rows)
+    guard_module._RowState.__init__, Guard.observe = _with_own, observe_change
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(str(HERE / script), run_name="__main__")
