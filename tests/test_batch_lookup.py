@@ -161,6 +161,9 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
         def offers(self, source, n):
             return n if source == DFLASH else min(n, self.offer)
 
+        def grade(self, source):
+            return 4 if source == LOOKUP and self.offer else 0
+
     rows = [R(1, 4), R(2, 0)]
     costs = {1: 1.0, 2: 1.5, 3: 2.0, 5: 3.0}  # DFlash at the prior (0.1 per position) never pays
     g = batch_guard(costs, prior=[0.1] * 4, verify={w: 1.0 + 0.05 * w for w in costs})
@@ -171,12 +174,12 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
     assert d.sources == (LOOKUP, "") and d.widths == (5, 1)
     for _ in range(30):  # row 1's lookup drafts all rejected: its alpha falls, and lookup stops paying
         g.observe(rows, [CycleResult(5, 0, 1, source=LOOKUP), CycleResult(1, 0, 1)])
-    assert g.rows[1].gate.alpha < 0.01 and g.rows[2].gate.cycles == 0
+    assert g.rows[1].gate.rate(4) < 0.01 and g.rows[2].gate.tally.cycles == 0
     g.rows[1].gate.skipped = 0
     every = math.ceil(LookupGate.GAP * len(rows) * g.kv[5])  # (the verify's price: exploring costs ~1/GAP)
     taken = [g.decide(rows).sources[0] == LOOKUP for _ in range(every)]
     assert taken.count(True) == 1 and taken[-1]  # one row's exploring costs both: at half the pace
-    g.rows[1].gate.alpha = 0.3  # 1 + 0.3 x 4 tokens would pay alone (2.2 >= 1.1 x 1.25 + 0.5), not for two rows
+    g.rows[1].gate.alpha[4] = 0.3  # 1 + 0.3 x 4 tokens would pay alone (2.2 >= 1.1 x 1.25 + 0.5), not for two rows
     assert LookupGate.cycle_pays(1 + 0.3 * 4, 1, 1.25) and g.decide(rows).widths == (1, 1)
 
 

@@ -432,7 +432,7 @@ def test_guard_decides_for_a_set_by_its_mean_and_the_batch_cost():
         d = g.decide([a, b, f])
     assert d.widths[2] == 3 and (d.widths[0] < 8 or g.state == "plain")
     gate = LookupGate()
-    assert gate.pays(4, {5: 1.0}) and not gate.pays(4, {5: 4.0})
+    assert gate.pays(4, 4, {5: 1.0}) and not gate.pays(4, 4, {5: 4.0})
 
 
 @pytest.mark.slow

@@ -123,14 +123,17 @@ def _curve(c5, d5=0.0):
 class _Row:
     """A guarded row whose context offers `offer` lookup drafts (policy.base.Row)."""
 
-    def __init__(self, offer=4, lookup=True):
+    def __init__(self, offer=4, lookup=True, match=4):
         from mlx_dflash.policy.base import Plan
 
-        self.uid, self.context, self.left, self.offer = 1, 0, 10**6, offer
+        self.uid, self.context, self.left, self.offer, self.match = 1, 0, 10**6, offer, match
         self.plan = Plan("dflash", 5, False, True, lookup)
 
     def offers(self, source, n):
         return n if source == "dflash" else min(n, self.offer)
+
+    def grade(self, source):
+        return self.match if source == "lookup" and self.offer else 0
 
 
 def _guard(curve, prior=None):
@@ -151,12 +154,12 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     g.decide([row])
     lk = g.rows[1].gate
     assert [round(g.kv[w], 6) for w in (2, 3, 4, 5)] == [1.35, 1.7, 2.05, 2.4]  # linear between measured widths
-    assert not lk.pays(0, g.kv) and not lk.take(0, g.kv)
+    assert not lk.pays(0, 4, g.kv) and not lk.take(0, 4, g.kv)
     # pays when 1 + alpha n >= 1.1 c(n + 1) + 0.5: not at the prior acceptance 0.5 (3.0 < 3.14)
-    assert not lk.pays(1, g.kv) and not lk.pays(4, g.kv)
+    assert not lk.pays(1, 4, g.kv) and not lk.pays(4, 4, g.kv)
     g.observe([row], [CycleResult(5, 4, 5, source=LOOKUP)])  # every draft right: alpha 0.5 -> 0.6
-    assert lk.alpha == pytest.approx(0.6) and lk.pays(4, g.kv)  # 1 + 0.6 * 4 = 3.4 >= 3.14
-    assert "lookup: 1 cycles, 60% accepted" in g.reason(row) and g.reason(row).startswith("dflash: probing")
+    assert lk.rate(4) == pytest.approx(0.6) and lk.pays(4, 4, g.kv)  # 1 + 0.6 * 4 = 3.4 >= 3.14
+    assert "lookup: 1 cycles, 100% accepted" in g.reason(row) and g.reason(row).startswith("dflash: probing")
     # but while drafting it replaces a DFlash cycle: the probe's prior predicts tau (2.4 + 5) / 2 = 3.7 at
     # width 5 for the same verify (no drafter cost here), so lookup's 3.4 loses; at alpha 0.68 (3.72) it wins
     assert g.decide([row]).sources == (DFLASH,)
@@ -164,17 +167,60 @@ def test_guard_lookup_gate_prices_proposals_by_the_cost_curve():
     assert g.decide([row]).sources == (LOOKUP,) and g.decide([row]).widths == (5,)
     for _ in range(3):
         g.observe([row], [CycleResult(5, 0, 1, source=LOOKUP)])
-    assert not lk.pays(4, g.kv)
+    assert not lk.pays(4, 4, g.kv)
     # while it does not pay, every (GAP x c(5))-th match is verified anyway (a text may start repeating):
     # exploring costs about 1/GAP of the time whatever a verify costs
     lk.skipped = 0  # (the decisions above counted theirs)
     every = math.ceil(lk.GAP * g.kv[5])
-    taken = [lk.take(4, g.kv) for _ in range(2 * every)]
+    taken = [lk.take(4, 4, g.kv) for _ in range(2 * every)]
     assert taken.count(True) == 2 and taken[every - 1] and taken[-1]
     cheap = _guard(_curve(1.2))  # cheap verifies: lookup pays against plain at the prior (3.0 >= 1.82)...
-    assert cheap.decide([row]).sources == (DFLASH,) and cheap.rows[1].gate.pays(4, cheap.kv)
-    assert cheap.rows[1].gate.pays(4, cheap.kv, rate=2.45) and not cheap.rows[1].gate.pays(4, cheap.kv, rate=2.55)
+    assert cheap.decide([row]).sources == (DFLASH,) and cheap.rows[1].gate.pays(4, 4, cheap.kv)
+    assert cheap.rows[1].gate.pays(4, 4, cheap.kv, rate=2.45) and not cheap.rows[1].gate.pays(4, 4, cheap.kv, rate=2.55)
     # ...not against the probe's DFlash cycle (tau 3.1 for 1.2: 2.58 tokens per plain step to lookup's 2.5)
+
+
+def test_guard_prices_lookup_by_the_length_of_its_match():
+    """A 2-token n-gram match is mostly chance, a 4-token one mostly a copy: the
+    gate keeps a share per match length, so chance matches that fail stop being
+    verified while long ones still are, and the next request starts from both."""
+    from mlx_dflash.policy.base import LOOKUP, CycleResult
+    from mlx_dflash.policy.costs import Observed
+
+    short, long_ = _Row(match=2), _Row(match=4)  # (one row: its context ends in a short match, then a long one)
+    g = _guard(_curve(1.2))  # cheap verifies: at the prior 0.5 a proposal pays beside plain steps
+    g.state, g.wait = "plain", 10**6  # the drafter does not pay here: lookup or plain
+    taken = 0
+    for _ in range(6):  # the short matches' drafts all rejected
+        if g.decide([short]).sources == (LOOKUP,):
+            g.observe([short], [CycleResult(5, 0, 1, source=LOOKUP)])
+            taken += 1
+    gate = g.rows[1].gate
+    # 1 + 4 alpha >= 1.1 x 1.2 + 0.5 holds down to alpha 0.205: four tries, then no more
+    assert taken == 4 and gate.rate(2) == pytest.approx(0.5 * 0.8 ** 4) and gate.rate(4) == 0.5
+    gate.skipped = 0  # (the skips above count toward an explore)
+    assert g.decide([short]).sources == ("",) and g.decide([long_]).sources == (LOOKUP,)
+    o = g.leave(long_)
+    nxt = _guard(_curve(1.2), Observed(lookup_alpha=o.lookup_alpha))
+    nxt.state, nxt.wait = "plain", 10**6
+    assert nxt.decide([short]).sources == ("",) and nxt.decide([long_]).sources == (LOOKUP,)
+
+
+def test_lookup_proposer_grades_by_the_match_length():
+    from types import SimpleNamespace
+
+    from mlx_dflash.drafting.lookup import NgramIndex
+    from mlx_dflash.drafting.proposers import DFlashProposer, LookupProposer
+
+    def seq(tokens):
+        return SimpleNamespace(pc=SimpleNamespace(index=NgramIndex(tokens) if tokens is not None else None))
+
+    lp = LookupProposer()
+    assert lp.grade(seq([1, 2, 3, 9, 2, 3])) == 2 and lp.offers(seq([1, 2, 3, 9, 2, 3]), 4) == 3
+    assert lp.grade(seq([5, 6, 7, 1, 5, 6, 7])) == 3
+    assert lp.grade(seq([4, 5, 6, 7, 8, 5, 6, 7])) == 3 and lp.grade(seq([4, 5, 6, 7, 8, 4, 5, 6, 7])) == 4
+    assert lp.grade(seq([1, 2, 3, 4])) == 0 and lp.grade(seq(None)) == 0  # no match; no index
+    assert DFlashProposer(None).grade(seq([1, 2, 1, 2])) == 0
 
 
 @pytest.mark.slow
@@ -258,13 +304,14 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
     for _ in range(4):
         g.observe([row], [CycleResult(5, 0, 1, source=LOOKUP)])
     o = g.leave(row)
-    assert o.lookup_alpha == pytest.approx(0.5 * 0.8 ** 4)
+    assert o.lookup_alpha == pytest.approx({4: 0.5 * 0.8 ** 4})
     nxt = _guard(_curve(2.0), Observed(lookup_alpha=o.lookup_alpha))
     nxt.decide([row])
-    assert nxt.rows[1].gate.alpha == pytest.approx(o.lookup_alpha) and not nxt.rows[1].gate.pays(4, nxt.kv)
+    assert nxt.rows[1].gate.rate(4) == pytest.approx(0.5 * 0.8 ** 4) and not nxt.rows[1].gate.pays(4, 4, nxt.kv)
+    assert nxt.rows[1].gate.pays(4, 3, nxt.kv)  # a grade it has not seen: the prior
     fresh = _guard(_curve(2.0))
     fresh.decide([row])
-    assert fresh.rows[1].gate.pays(4, fresh.kv)  # a fresh start: the prior
+    assert fresh.rows[1].gate.pays(4, 4, fresh.kv)  # a fresh start: the prior
     # a request without lookup between two with it hands the rate on as it came
     off = _guard(_curve(2.0), Observed(lookup_alpha=o.lookup_alpha))
     plain_row = _Row(lookup=False)

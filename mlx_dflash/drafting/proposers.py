@@ -1,7 +1,9 @@
 """Draft sources behind one interface, for a set of one sequence or many:
 `offers(seq, n)` says how many of n drafts a source can propose for a row now,
-`propose(target, seqs, widths)` proposes each row's drafts (row b: widths[b] -
-1 of them) for the verify that follows, lazily. A new source (an MTP head, a
+`grade(seq)` what that offer rests on (a source whose drafts are right more or
+less often by kind says which kind: lookup, the length of its n-gram match; 0
+where all are alike), `propose(target, seqs, widths)` proposes each row's
+drafts (row b: widths[b] - 1 of them) for the verify that follows, lazily. A new source (an MTP head, a
 draft tree) is one class here and one `PROPOSERS` line; the policy picks a
 source per row by its name (policy.base: DFLASH, LOOKUP)."""
 
@@ -42,6 +44,9 @@ class DFlashProposer:
     def offers(self, seq, n: int) -> int:
         return n
 
+    def grade(self, seq) -> int:
+        return 0
+
     def propose(self, target, seqs, widths: List[int]) -> Proposals:
         W = max(widths)
         if len(seqs) == 1:  # alone: the drafter's own one-row forward (its confidences too)
@@ -67,6 +72,9 @@ class LookupProposer:
 
     def offers(self, seq, n: int) -> int:
         return len(seq.pc.index.propose(n)) if seq.pc.index is not None else 0
+
+    def grade(self, seq) -> int:
+        return seq.pc.index.match()[0] if seq.pc.index is not None else 0
 
     def propose(self, target, seqs, widths: List[int]) -> Proposals:
         W = max(widths)

@@ -164,8 +164,7 @@ class Engine:
             pc.pending = None
         if cfg.logits_processors:
             seq.hist = mx.array(ids, mx.int32)
-        seq.sources = {name: (lambda n, f=pr.offers: f(seq, n)) for name, pr in self.proposers.items()
-                       if name != DFLASH or seq.capture}
+        seq.sources = {name: pr for name, pr in self.proposers.items() if name != DFLASH or seq.capture}
         self.waiting.append(seq)
         return seq.uid
 

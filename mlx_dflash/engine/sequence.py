@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
@@ -43,7 +43,7 @@ class Sequence:
     anchor: int = -1  # the last token emitted (its K/V not cached yet)
     hist: Optional[mx.array] = None  # with logits processors: the prompt + the ids before the anchor
     policy: object = None  # the policy deciding its cycles (the engine's guard, or its own: adaptive)
-    sources: Dict[str, Callable[[int], int]] = field(default_factory=dict)  # source -> offers(n)
+    sources: Dict[str, object] = field(default_factory=dict)  # name -> the draft source it may use (proposers.py)
     cancelled: bool = False
     t_start: float = field(default_factory=time.perf_counter)
     t_gen: float = 0.0
@@ -58,8 +58,12 @@ class Sequence:
         return len(self.pc.tokens)
 
     def offers(self, source: str, n: int) -> int:
-        f = self.sources.get(source)
-        return f(n) if f is not None and n > 0 else 0
+        pr = self.sources.get(source)
+        return pr.offers(self, n) if pr is not None and n > 0 else 0
+
+    def grade(self, source: str) -> int:
+        pr = self.sources.get(source)
+        return pr.grade(self) if pr is not None else 0
 
     # -----------------------------------------------------------------------------------
     @property

@@ -5,8 +5,8 @@ results)`, one `CycleResult` per row). A single stream is a set of one.
 
 What a policy may read of a row (the engine's Sequence) is `Row`: its plan
 (what it may draft with and how wide: registry.plan), tokens left, context
-length and what a draft source offers it now. Policies are pure: numbers in,
-decisions out; no model in here."""
+length, and what a draft source offers it now and of what grade. Policies are
+pure: numbers in, decisions out; no model in here."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ class Row(Protocol):
         ...
 
     def offers(self, source: str, n: int) -> int:  # how many of n drafts `source` can propose now
+        ...
+
+    def grade(self, source: str) -> int:  # what its offer rests on now (lookup: the n-gram match's length)
         ...
 
 

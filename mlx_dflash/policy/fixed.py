@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .base import DFLASH, LOOKUP, CycleResult, Decision, Policy, Row
 from .costs import Observed
-from .lookup_gate import LookupGate
+from .lookup_gate import LookupTally
 
 
 class FixedWidth(Policy):
@@ -20,7 +20,7 @@ class FixedWidth(Policy):
 
     def __init__(self, width: int):
         self.width = width
-        self.gates: Dict[int, LookupGate] = {}  # uid -> its lookup counts (for the reason)
+        self.tallies: Dict[int, LookupTally] = {}  # uid -> its lookup cycles (for the reason)
 
     def decide(self, rows: Sequence[Row]) -> Decision:
         widths, sources = [], []
@@ -38,14 +38,14 @@ class FixedWidth(Policy):
     def observe(self, rows: Sequence[Row], results: List[CycleResult]) -> None:
         for r, res in zip(rows, results):
             if res.source == LOOKUP:
-                self.gates.setdefault(r.uid, LookupGate()).observe(res.accepted, res.width - 1)
+                self.tallies.setdefault(r.uid, LookupTally()).add(res.accepted, res.width - 1)
 
     def leave(self, row: Row) -> Optional[Observed]:
-        self.gates.pop(row.uid, None)
+        self.tallies.pop(row.uid, None)
         return None
 
     def reason(self, row: Row) -> str:
         if not row.plan.drafts:
             return f"plain: {row.plan.fallback or 'verify mode off'}"
-        g = self.gates.get(row.uid)
-        return f"fixed width {min(self.width, row.plan.cap)}" + (g.tail() if g is not None else "")
+        t = self.tallies.get(row.uid)
+        return f"fixed width {min(self.width, row.plan.cap)}" + (t.tail() if t is not None else "")

@@ -35,11 +35,12 @@ against the best fixed one, under many acceptance laws and cost curves).
 Prompt lookup (drafting/lookup.py), per row: whenever a row's context ends in
 an n-gram seen before, its continuation is verified as free drafts if
 1 + alpha * n >= MARGIN * k_verify(n + 1) + SWITCH (alpha: the row's live share
-of lookup drafts accepted; k_verify: the verify alone) while the set steps
-plainly, and while it drafts if it yields more per unit of time than the DFlash
-cycle it replaces: (1 + alpha * n) / k_verify(n + 1) > tau_b(w) / k(w). While it
-does not pay, a match is verified anyway now and then (every GAP x k_verify-th,
-times the DFlash rate it displaces: about 1/GAP of the time at any length).
+of lookup drafts accepted after a match of that length, lookup_gate.py; k_verify:
+the verify alone) while the set steps plainly, and while it drafts if it yields
+more per unit of time than the DFlash cycle it replaces: (1 + alpha * n) /
+k_verify(n + 1) > tau_b(w) / k(w). While it does not pay, a match is verified
+anyway now and then (every GAP x k_verify-th, times the DFlash rate it
+displaces: about 1/GAP of the time at any length).
 
 Prices as paid: the curves are measured apart from the requests (a set of
 one through the engine's own steps; several rows as bare forwards), so a set
@@ -109,6 +110,7 @@ class _RowState:
         else:
             self.hits, self.tries = [0.0] * m, [0.0] * m
         self.gate = LookupGate(prior.lookup_alpha) if lookup else None
+        self.grade = 0  # the grade of its lookup proposal this cycle (LookupGate)
 
     def forget(self, keep: float) -> None:
         self.hits = [h * keep for h in self.hits]
@@ -319,7 +321,9 @@ class Guard(Policy):
         w = min(self.est[0], self.probe_w or self.est[0], room)
         if s.gate is not None:  # the context repeats itself: verify its continuation if it beats the
             m = r.offers(LOOKUP, min(self.w, room) - 1)  # DFlash cycle it would replace
-            if m and (not drafting or s.gate.take(m, self.kv, expected(self._p(s), w) / self.kd[w])):
+            s.grade = r.grade(LOOKUP) if m else 0
+            if m and (not drafting or s.gate.take(m, s.grade, self.kv,
+                                                  expected(self._p(s), w) / self.kd[w])):
                 return LOOKUP, m + 1  # (not drafting: a proposal, judged with the set's in _judge_lookups)
         return (DFLASH, w) if drafting else ("", 1)
 
@@ -331,8 +335,9 @@ class Guard(Policy):
         idx = [i for i, src in enumerate(srcs) if src == LOOKUP and not rows[i].plan.fixed]  # (fixed: its mode's)
         if not idx:
             return
-        gates = [self.rows[rows[i].uid].gate for i in idx]
-        tokens = len(rows) + sum(g.alpha * (widths[i] - 1) for g, i in zip(gates, idx))
+        states = [self.rows[rows[i].uid] for i in idx]
+        gates = [s.gate for s in states]
+        tokens = len(rows) + sum(s.gate.rate(s.grade) * (widths[i] - 1) for s, i in zip(states, idx))
         if LookupGate.cycle_pays(tokens, len(rows), self.kv[max(widths[i] for i in idx)]):
             return
         cost = self.kv[max(widths[i] for i in idx)]
@@ -348,7 +353,7 @@ class Guard(Policy):
             if s is None or res.width == 1:
                 continue
             if res.source == LOOKUP:  # DFlash's own acceptance and state are untouched
-                s.gate.observe(res.accepted, res.width - 1)
+                s.gate.observe(res.accepted, res.width - 1, s.grade)
                 continue
             cycle = True
             n, a = res.width - 1, res.accepted
@@ -465,7 +470,7 @@ class Guard(Policy):
             tries = list(s.tries)
         o = Observed(backoff=self.backoff, p=list(p) if p is not None else None, tries=tries,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
-                     lookup_alpha=s.gate.alpha if s.gate is not None else self.prior.lookup_alpha,
+                     lookup_alpha=dict(s.gate.alpha) if s.gate is not None else self.prior.lookup_alpha,
                      paid=dict(self.paid))
         if row.plan.carry:
             self.prior = o  # rows that join later start from it
