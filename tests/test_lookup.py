@@ -206,6 +206,18 @@ def test_guard_prices_lookup_by_the_length_of_its_match():
     assert nxt.decide([short]).sources == ("",) and nxt.decide([long_]).sources == (LOOKUP,)
 
 
+def test_lookup_gate_trusts_a_short_match_no_more_than_a_longer_one():
+    from mlx_dflash.policy.lookup_gate import LookupGate
+
+    gate = LookupGate({4: 0.1})  # even 4-token matches fail (random ids): shorter ones are not tried at 0.5
+    assert gate.rate(4) == gate.rate(3) == gate.rate(2) == 0.1
+    gate = LookupGate({2: 0.1, 3: 0.3})  # chance short matches say nothing of longer ones
+    assert (gate.rate(2), gate.rate(3), gate.rate(4)) == (0.1, 0.3, LookupGate.ALPHA0)
+    gate.observe(4, 4, 3)  # a grade learns from its base, the rate it was priced at
+    assert gate.rate(3) == pytest.approx(0.3 + LookupGate.RATE * 0.7) and gate.rate(2) == 0.1
+    assert gate.tally.cycles == 1 and gate.tail() == "; lookup: 1 cycles, 100% accepted"
+
+
 def test_lookup_proposer_grades_by_the_match_length():
     from types import SimpleNamespace
 
@@ -308,7 +320,7 @@ def test_guard_carries_lookup_acceptance_to_the_next_request():
     nxt = _guard(_curve(2.0), Observed(lookup_alpha=o.lookup_alpha))
     nxt.decide([row])
     assert nxt.rows[1].gate.rate(4) == pytest.approx(0.5 * 0.8 ** 4) and not nxt.rows[1].gate.pays(4, 4, nxt.kv)
-    assert nxt.rows[1].gate.pays(4, 3, nxt.kv)  # a grade it has not seen: the prior
+    assert not nxt.rows[1].gate.pays(4, 3, nxt.kv)  # a shorter match than those that failed: no likelier
     fresh = _guard(_curve(2.0))
     fresh.decide([row])
     assert fresh.rows[1].gate.pays(4, 4, fresh.kv)  # a fresh start: the prior

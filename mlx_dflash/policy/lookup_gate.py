@@ -53,8 +53,12 @@ class LookupGate:
         self.tally = LookupTally()
 
     def rate(self, grade: int) -> float:
-        """The share of drafts accepted expected of a proposal of this grade."""
-        return self.alpha.get(grade, self.ALPHA0)
+        """The share of drafts accepted expected of a proposal of this grade: its
+        own, never above a longer match's (a longer match is the likelier copy),
+        so text where even long matches fail (random ids, hashes) stops short
+        ones too, and the prior (ALPHA0) where a grade has none yet."""
+        longer = [a for g, a in self.alpha.items() if g > grade]
+        return min([self.alpha.get(grade, self.ALPHA0)] + longer)
 
     def tokens(self, n: int, grade: int) -> float:
         """Expected tokens of a cycle verifying n lookup drafts of this grade (the bonus included)."""
