@@ -3,9 +3,9 @@
 `grade(seq)` what that offer rests on (a source whose drafts are right more or
 less often by kind says which kind: lookup, the length of its n-gram match; 0
 where all are alike), `propose(target, seqs, widths)` proposes each row's
-drafts (row b: widths[b] - 1 of them) for the verify that follows, lazily. A new source (an MTP head, a
-draft tree) is one class here and one `PROPOSERS` line; the policy picks a
-source per row by its name (policy.base: DFLASH, LOOKUP)."""
+drafts (row b: widths[b] - 1 of them) for the verify that follows, lazily. A
+new source (an MTP head, a draft tree) is one class here and one `PROPOSERS`
+line; the policy picks a source per row by its name (policy.base: DFLASH, LOOKUP)."""
 
 from __future__ import annotations
 
