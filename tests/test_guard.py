@@ -132,6 +132,30 @@ def test_prices_are_raised_to_what_the_cycles_paid():
     assert q.paid[(2, True)] == pytest.approx(-0.5) and q.kd[5] == pytest.approx(k5)
 
 
+def test_what_was_paid_is_a_median_over_requests():
+    """The excess is the median of the last PAID_SAMPLES cycles, this request's
+    and those before it: one request times few cycles, and one slow cycle in
+    the next (a busy moment) must not set the prices of every request after it."""
+    g = Guard(_model(_costs(2.0)))
+    for _ in range(4):
+        _step(g, 1, 0.010)
+    k5 = g.priced[0][5]
+    _step(g, 5, 1.0, accepted=4)  # (the catch-up, left out)
+    for excess in (0.4, 0.5, 0.45):
+        _step(g, 5, 0.010 * (k5 + excess), accepted=4)
+    o = g.leave(ROW)
+    assert o.paid[(1, True)] == pytest.approx(0.45) and o.excess[(1, True)] == pytest.approx([0.4, 0.5, 0.45])
+    h = Guard(_model(_costs(2.0)), o)
+    for _ in range(4):
+        _step(h, 1, 0.010)
+    _step(h, 5, 1.0, accepted=4)
+    _step(h, 5, 0.010 * (k5 + 3.0), accepted=4)  # one slow cycle
+    assert h.paid[(1, True)] == pytest.approx(0.5)  # the median of 0.4, 0.5, 0.45 and 3.0 (the upper middle)
+    for _ in range(Guard.PAID_SAMPLES):  # the oldest samples give way to the newest
+        _step(h, 5, 0.010 * (k5 + 1.0), accepted=4)
+    assert h.paid[(1, True)] == pytest.approx(1.0) and len(h.excess[(1, True)]) == Guard.PAID_SAMPLES
+
+
 def test_an_excess_learnt_at_one_width_prices_every_width_by_the_same_steps():
     """What the curves miss is work per cycle: an excess paid at width 5 raises
     width 2 by the same plain steps, not by width 5's ratio (which would price

@@ -100,6 +100,7 @@ class Observed:
     # by (set size B, drafting): what the guard's cycles took beyond their price, in plain steps (observed
     # seconds over an observed plain step's, less the measured k(w)): costs measured apart miss work per cycle
     paid: Dict[tuple, float] = field(default_factory=dict)
+    excess: Dict[tuple, List[float]] = field(default_factory=dict)  # the last cycles behind paid, by the same key
 
 
 def median(xs: Sequence[float]) -> float:

@@ -143,7 +143,8 @@ class Guard(Policy):
     CEILING_MIN = 1.25
     ALPHA = 0.05  # while drafting, evidence fades by 1 - ALPHA per cycle (about the last 1 / ALPHA cycles count)
     # prices as paid: a set of B rows keeps what its cycles took beyond their price, in plain steps (its
-    # cycle's seconds over its plain step's, less k(w); the median of the last PAID_SAMPLES cycles, the
+    # cycle's seconds over its plain step's, less k(w); the median of the last PAID_SAMPLES cycles, this
+    # request's and those before it (one request times few cycles, and one noisy cycle must not set it), the
     # plain step the median of the last PLAIN_SAMPLES), and where that is more than nothing it is added
     # to every price at B (the costs measured apart miss work per cycle: host work per row, syncs, the
     # drafter's context update)
@@ -167,7 +168,8 @@ class Guard(Policy):
         self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
         self.paid = dict(self.prior.paid)  # (B, drafting) -> plain steps a cycle takes beyond its price
         self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
-        self.excess: Dict[tuple, List[float]] = {}  # (B, drafting) -> the last cycles' plain steps beyond their price
+        # (B, drafting) -> the last cycles' plain steps beyond their price (the samples behind paid)
+        self.excess: Dict[tuple, List[float]] = {k: list(v) for k, v in self.prior.excess.items()}
         self.unmatched: List[tuple] = []  # ((B, drafting), seconds, k): cycles before B's plain steps were timed
         self.timing = 0  # plain steps taken to time one (_untimed)
         self.last_step: Optional[tuple] = None  # the rows of the last step observed
@@ -471,7 +473,7 @@ class Guard(Policy):
         o = Observed(backoff=self.backoff, p=list(p) if p is not None else None, tries=tries,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
                      lookup_alpha=dict(s.gate.alpha) if s.gate is not None else self.prior.lookup_alpha,
-                     paid=dict(self.paid))
+                     paid=dict(self.paid), excess={k: list(v) for k, v in self.excess.items()})
         if row.plan.carry:
             self.prior = o  # rows that join later start from it
         return o if row.plan.carry else None
