@@ -1,19 +1,21 @@
 """What the batch engine's tests share (test_batch, test_batch_lookup,
-test_batch_prompt_cache, test_processors_verify): the prompts, tiny models by
-family, per-row oracle drafters, a guard over a made-up cost curve and the
-target that keeps the clock out of it, a driver that joins and cancels rows,
-and the checks of sampled rows against plain sampling."""
+test_batch_prompt_cache, test_processors_verify): the prompts (and prompts that
+repeat themselves, for lookup), tiny models by family, per-row oracle drafters
+(by position, or by whole sequence for rows from cached prefixes), a guard over
+a made-up cost curve and the target that keeps the clock out of it, drivers
+that join and cancel rows, and the checks of sampled rows against plain sampling."""
 
 import random
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
-from drafters import DrafterDouble
+from drafters import DrafterDouble, reference_tokens
 from mlx_lm.models.cache import KVCache
 from tiny_families import build
 
 from mlx_dflash import DecodeConfig, generate
+from mlx_dflash.cache.prompt_cache import PromptCache
 from mlx_dflash.drafting.drafter import Proposal
 from mlx_dflash.engine.batch import BatchEngine
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
@@ -180,3 +182,57 @@ def sampled_rows(model, tok, prompt, block, n, seed, **options):
         if r.finish_reason:
             accepted += r.stats.accepted
     return list(got.values()), drafter.tried, accepted
+
+
+class SeqOracles(RowOracles):
+    """Plans are whole sequences (prompt + continuation), positions the drafter
+    context's length: a row that continues a cached drafter context is bound to
+    its new sequence with `bind`."""
+
+    def bind(self, pc: PromptCache, seq):
+        self.of[id(pc.drafter[0])] = (0, list(seq))
+
+
+def run_rows(eng, first, later, steps_before=2):
+    """Submit `first` [(prompt, max_tokens, prompt cache or None)], step
+    `steps_before` times, submit `later` (joining the running batch); run to
+    the end. Returns ({uid: token ids}, {uid: last response}, [uids in order])."""
+    eos = set(eng.tokenizer.eos_token_ids)
+    uids = [eng.submit(p, DecodeConfig(max_tokens=m), prompt_cache=pc) for p, m, pc in first]
+    out, last, steps = {}, {}, 0
+    while len(eng) or steps <= steps_before:
+        if steps == steps_before:
+            uids += [eng.submit(p, DecodeConfig(max_tokens=m), prompt_cache=pc) for p, m, pc in later]
+        for u, r in eng.step():
+            if not (r.finish_reason == "stop" and r.token in eos):
+                out.setdefault(u, []).append(r.token)
+            last[u] = r
+        steps += 1
+    return out, last, uids
+
+
+REPEATED = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    PROMPTS[1],
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+    PROMPTS[4],
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
+]
+ORDINARY = (1, 4)  # the others repeat a passage
+MAXES = [28, 14, 30, 9, 22, 18]  # rows leave at different cycles
+_prompts = {}
+
+
+def prompts_for(family, tok):
+    """Token-id prompts: the ordinary ones, and each repetitive one followed by
+    the model's own continuation and the passage again, so its next tokens
+    repeat what the context holds (a random tiny model copies little else)."""
+    if family not in _prompts:
+        model = model_of(family)
+        out = []
+        for i, p in enumerate(REPEATED):
+            ids = tok.encode(p)
+            out.append(ids if i in ORDINARY else ids + reference_tokens(model, tok, ids, 24) + ids)
+        _prompts[family] = out
+    return _prompts[family]

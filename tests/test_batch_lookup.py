@@ -17,9 +17,8 @@ import math
 import mlx.core as mx
 import pytest
 from drafters import reference_tokens
-from batch_rows import (batch_guard, PROMPTS, RowOracles, Unclocked, WrongDrafter, like_plain_sampling, model_of,
-                        run_engine)
-from test_batch_prompt_cache import SeqOracles, run_rows
+from batch_rows import (batch_guard, MAXES, PROMPTS, REPEATED, RowOracles, SeqOracles, Unclocked, WrongDrafter,
+                        like_plain_sampling, model_of, prompts_for, run_engine, run_rows)
 
 from mlx_dflash import DecodeConfig
 from mlx_dflash.engine.batch import BatchEngine
@@ -29,33 +28,8 @@ from mlx_dflash.policy.base import DFLASH, LOOKUP
 from mlx_dflash.policy.lookup_gate import LookupGate
 from mlx_dflash.cache.prompt_cache import PromptCache
 
-REPEATED = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
-    PROMPTS[1],
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
-    PROMPTS[4],
-    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,",
-]
-ORDINARY = (1, 4)  # the others repeat a passage
-MAXES = [28, 14, 30, 9, 22, 18]  # rows leave at different cycles
 # KV; KV + sliding windows; recurrent: Mamba2, gated-delta, short-conv
 FAMILIES = ["qwen3", "gemma3_text", "nemotron_h", "qwen3_next", "lfm2"]
-_prompts = {}
-
-
-def prompts_for(family, tok):
-    """Token-id prompts: the ordinary ones, and each repetitive one followed by
-    the model's own continuation and the passage again, so its next tokens
-    repeat what the context holds (a random tiny model copies little else)."""
-    if family not in _prompts:
-        model = model_of(family)
-        out = []
-        for i, p in enumerate(REPEATED):
-            ids = tok.encode(p)
-            out.append(ids if i in ORDINARY else ids + reference_tokens(model, tok, ids, 24) + ids)
-        _prompts[family] = out
-    return _prompts[family]
 
 
 def lookup_totals(last):

@@ -7,7 +7,7 @@ cache the single-stream Decoder left serves a batched turn."""
 
 import pytest
 from drafters import reference_tokens
-from batch_rows import PROMPTS, RowOracles, model_of
+from batch_rows import PROMPTS, SeqOracles, model_of, run_rows
 
 from mlx_dflash import DecodeConfig, stream_generate
 from mlx_dflash.engine.batch import BatchEngine
@@ -19,33 +19,6 @@ from mlx_dflash.target.adapter import Target
 FAMILIES = ["qwen3", "gemma3_text", "qwen3_next", "lfm2"]
 EXTRA = [[5, 6, 7], [40, 41, 42, 43, 44]]  # the user's next messages (token ids)
 OTHERS = [(PROMPTS[1], 14), (PROMPTS[2], 9), (PROMPTS[4], 20)]
-
-
-class SeqOracles(RowOracles):
-    """Plans are whole sequences (prompt + continuation), positions the drafter
-    context's length: a row that continues a cached drafter context is bound to
-    its new sequence with `bind`."""
-
-    def bind(self, pc: PromptCache, seq):
-        self.of[id(pc.drafter[0])] = (0, list(seq))
-
-
-def run_rows(eng, first, later, steps_before=2):
-    """Submit `first` [(prompt, max_tokens, prompt cache or None)], step
-    `steps_before` times, submit `later` (joining the running batch); run to
-    the end. Returns ({uid: token ids}, {uid: last response}, [uids in order])."""
-    eos = set(eng.tokenizer.eos_token_ids)
-    uids = [eng.submit(p, DecodeConfig(max_tokens=m), prompt_cache=pc) for p, m, pc in first]
-    out, last, steps = {}, {}, 0
-    while len(eng) or steps <= steps_before:
-        if steps == steps_before:
-            uids += [eng.submit(p, DecodeConfig(max_tokens=m), prompt_cache=pc) for p, m, pc in later]
-        for u, r in eng.step():
-            if not (r.finish_reason == "stop" and r.token in eos):
-                out.setdefault(u, []).append(r.token)
-            last[u] = r
-        steps += 1
-    return out, last, uids
 
 
 @pytest.mark.slow

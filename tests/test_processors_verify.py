@@ -14,8 +14,7 @@ import pytest
 from drafters import FixedDrafter, OracleDrafter
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
-from batch_rows import RowOracles, like_plain_sampling, model_of, run_engine, sampled_rows
-from test_batch_lookup import MAXES, prompts_for
+from batch_rows import MAXES, RowOracles, like_plain_sampling, model_of, prompts_for, run_engine, sampled_rows
 
 from app.server.structured import Constrained, parse_format
 from mlx_dflash import DecodeConfig, load
