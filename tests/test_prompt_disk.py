@@ -86,6 +86,28 @@ def test_a_restart_serves_the_prompt_from_disk(pair, tmp_path):
     assert s["hits"] == 1 and s["loaded_tokens"] == len(a) - 1 and s["bytes_read"] > 0 and s["load_time"] > 0
 
 
+def test_the_server_engine_is_out_of_mlx_before_the_process_exits(pair, tmp_path):
+    """Shutting down, the server waits until no thread is inside MLX (Python's
+    exit with one there aborts the process, rc -6): the engine's thread has
+    handed back a row its client left and ended, and the prompt store has
+    written that row's prefix to disk, where a new process finds it."""
+    from types import SimpleNamespace
+
+    from app.server.engines import LocalEngine
+    from mlx_dflash import DecodeConfig
+
+    model, tok, drafter = pair
+    eng = LocalEngine(SimpleNamespace(model=model, tokenizer=tok, drafter=drafter, id="tiny"), max_batch=2,
+                      store=store_of(*pair, tmp_path))
+    a = prompt(tok, "How do I list files?")
+    stream = eng.stream(a, DecodeConfig(max_tokens=200))
+    next(stream), next(stream)
+    stream.close()  # the client left: its row is cancelled, handed back and stored
+    assert eng.quiesce(120) and not eng.thread.is_alive()
+    _, n, origin = run(store_of(*pair, tmp_path), *pair, a, block_size=W)  # a new process
+    assert origin["tier"] == "disk" and n >= len(a) - BLOCK
+
+
 @pytest.mark.slow
 def test_a_new_session_finds_its_instructions_in_shared_blocks(pair, tmp_path):
     """Two conversations with one system prompt: its blocks are stored once, and

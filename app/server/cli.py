@@ -213,9 +213,9 @@ def _serve(app, host, port, args) -> int:
     server = Server(config)
     server.run()
     rc = 130 if server.stopped_by == signal.SIGINT else 0
-    worker.flush(args.grace)  # the last requests' prompts, still being written to disk
-    worker.stop()
-    if not worker.parked.wait(5):  # still inside MLX (a model load): Python's exit would abort there
+    # (the engine may still be handing back the last cancelled rows, and the prompt store writing them
+    # to disk: both inside MLX, where Python's exit would abort the process)
+    if not worker.quiesce(args.grace + 5):
         sys.stderr.flush()
         os._exit(rc)
     return rc

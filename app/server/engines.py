@@ -146,10 +146,17 @@ class LocalEngine:
         with self.piece:
             pass
 
-    def flush(self, timeout: float) -> None:
-        """Wait for the prompt store's writes to disk (shutting down)."""
-        if self.store is not None:
-            self.store.close(timeout)
+    def quiesce(self, timeout: float) -> bool:
+        """Shutting down: close, and wait until no thread of this engine is inside
+        MLX: its thread ended (once idle: the last cancelled rows handed back and
+        stored) and then the prompt store's writes to disk done. False if
+        `timeout` seconds pass first."""
+        end, store = time.monotonic() + timeout, self.store  # (the thread drops its store as it ends)
+        self.close()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            return False
+        return store is None or store.close(max(0.0, end - time.monotonic()))
 
     def summary(self) -> dict:
         """Occupancy for /metrics."""
@@ -335,6 +342,7 @@ class SplitEngine:
     def close(self) -> None:
         """(the split server closes with the process)"""
 
-    def flush(self, timeout: float) -> None:
-        """(no prompt store)"""
+    def quiesce(self, timeout: float) -> bool:
+        """(the split server closes with the process; no prompt store)"""
+        return True
 

@@ -218,10 +218,18 @@ class Worker:
         need = self.memory.project(prompt, max_tokens, window=window, sink=getattr(settings, "drafter_sink", 0))
         self.memory.admit(id(job), need, f" ({prompt} prompt tokens + max_tokens {max_tokens})")
 
-    def flush(self, timeout: float) -> None:
-        """Wait for the prompt store's writes to disk (shutting down)."""
-        if self.engine is not None:
-            self.engine.flush(timeout)
+    def quiesce(self, timeout: float) -> bool:
+        """Last step of a shutdown, once the server answers no more: cancel what
+        still runs, and wait until no thread is inside MLX (this one parked, the
+        engine's thread ended, the prompt store's writes done), within `timeout`
+        seconds. Python's exit with a thread inside MLX aborts the process (rc -6):
+        False tells the caller to exit without it."""
+        end = time.monotonic() + timeout
+        self.halt()
+        self.stop()
+        if not self.parked.wait(timeout):  # (still inside MLX: a model load)
+            return False
+        return self.engine is None or self.engine.quiesce(max(0.0, end - time.monotonic()))
 
     def _drain(self):
         with self.slots:
