@@ -89,8 +89,9 @@ def test_a_restart_serves_the_prompt_from_disk(pair, tmp_path):
 def test_the_server_engine_is_out_of_mlx_before_the_process_exits(pair, tmp_path):
     """Shutting down, the server waits until no thread is inside MLX (Python's
     exit with one there aborts the process, rc -6): the engine's thread has
-    handed back a row its client left and ended, and the prompt store has
-    written that row's prefix to disk, where a new process finds it."""
+    handed back a row its client left and parked (it never ends: an MLX thread
+    ending at exit aborts too), and the prompt store has written that row's
+    prefix to disk, where a new process finds it."""
     from types import SimpleNamespace
 
     from app.server.engines import LocalEngine
@@ -103,7 +104,7 @@ def test_the_server_engine_is_out_of_mlx_before_the_process_exits(pair, tmp_path
     stream = eng.stream(a, DecodeConfig(max_tokens=200))
     next(stream), next(stream)
     stream.close()  # the client left: its row is cancelled, handed back and stored
-    assert eng.quiesce(120) and not eng.thread.is_alive()
+    assert eng.quiesce(120) and eng.parked.is_set()
     _, n, origin = run(store_of(*pair, tmp_path), *pair, a, block_size=W)  # a new process
     assert origin["tier"] == "disk" and n >= len(a) - BLOCK
 

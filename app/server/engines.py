@@ -85,6 +85,8 @@ class LocalEngine:
         self.last: List[tuple] = []  # (queue, final response): delivered once its cache is stored
         self.reused: Dict[int, tuple] = {}  # uid -> (tokens, seconds) its branch checkpoint prefilled
         self.closed = False  # replaced (another model): the thread ends once idle, dropping the model
+        self.exiting = False  # the process is exiting: once idle the thread parks instead of ending
+        self.parked = threading.Event()  # set once the thread parked
         self.peak = 0  # most rows decoding together
         self.thread = threading.Thread(target=self._loop, name="mlx-dflash-engine", daemon=True)
         self.thread.start()
@@ -147,14 +149,15 @@ class LocalEngine:
             pass
 
     def quiesce(self, timeout: float) -> bool:
-        """Shutting down: close, and wait until no thread of this engine is inside
-        MLX: its thread ended (once idle: the last cancelled rows handed back and
-        stored) and then the prompt store's writes to disk done. False if
+        """The process is exiting: wait until no thread of this engine is inside
+        MLX: its thread parked (once idle: the last cancelled rows handed back
+        and stored), then the prompt store's writes to disk done. False if
         `timeout` seconds pass first."""
-        end, store = time.monotonic() + timeout, self.store  # (the thread drops its store as it ends)
+        end, store = time.monotonic() + timeout, self.store
+        with self.cv:
+            self.exiting = True
         self.close()
-        self.thread.join(timeout)
-        if self.thread.is_alive():
+        if not self.parked.wait(timeout):
             return False
         return store is None or store.close(max(0.0, end - time.monotonic()))
 
@@ -177,6 +180,11 @@ class LocalEngine:
         while True:
             with self.cv:
                 while not (self.inbox or self.cancels or len(self.engine)):
+                    if self.closed and self.exiting:
+                        # park, never return: when this thread ends, MLX frees its thread-local compile
+                        # cache, which needs the GIL; at the interpreter's exit that aborts (rc -6)
+                        self.parked.set()
+                        threading.Event().wait()
                     if self.closed:
                         self.engine = self.lm = self.store = None
                         return
