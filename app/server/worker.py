@@ -220,8 +220,8 @@ class Worker:
 
     def quiesce(self, timeout: float) -> bool:
         """Last step of a shutdown, once the server answers no more: cancel what
-        still runs, and wait until no thread is inside MLX (this one parked, the
-        engine's thread ended, the prompt store's writes done), within `timeout`
+        still runs, and wait until no thread is inside MLX (this one and the
+        engine's parked, the prompt store's writes done), within `timeout`
         seconds. Python's exit with a thread inside MLX aborts the process (rc -6):
         False tells the caller to exit without it."""
         end = time.monotonic() + timeout
