@@ -2,9 +2,9 @@
 threads that serve them. Each loaded model has one engine (engines.py: the
 catalog makes it; LocalEngine, or a split target's SplitEngine) that owns its
 decoding and its prompt store; the worker turns a request into prompt ids and
-a decode config, reads the engine's responses and shapes them into the API's
-events: tool calls split from the text here (tools.ToolStream), so every API
-gets the same ("token" | "call" | "end") events. Jobs, counters and the model
+a decode config, and hands the engine's responses to the request's Reply
+(reply.py), which shapes them into the events every API gets ("think" |
+"token" | "call"); the "end" event is sent here. Jobs, counters and the model
 catalog are in catalog.py."""
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from mlx_dflash.target.adapter import Target
 
 from .catalog import Counters, Job, context_limit
 from .errors import APIError, bad_request, error_line
-from .processors import fallback_reason, logits_processors, logprob_entry
+from .processors import fallback_reason, logits_processors
 from .prompt_ids import max_new_tokens, prompt_ids, text_chars, too_long, user_cap
-from .reasoning import ThinkStream, opens_thinking
+from .reply import Reply
 from .tool_grammar import call_grammar
-from .tools import ToolStream, template_tools
 
 OFF_WORKER_CHARS = 256 << 10  # a request with more text than this is tokenized on its own thread
 # ModelSettings fields that manager.load_model applies (the others apply per request), and verify_mode off or not
@@ -369,48 +368,24 @@ class Worker:
 
     # -- one request ---------------------------------------------------------------------
     def _serve(self, job: Job, engine):
+        """Prompt ids (a long prompt's on the tokenizer thread), room, config;
+        then the engine's stream through the request's Reply, and how it ended."""
         lm = engine.lm
-        tok, req = lm.tokenizer, job.req
         t_start = time.perf_counter()
         settings = self._settings(lm)
-        if job.prepared is None and text_chars(req) > OFF_WORKER_CHARS:
+        if job.prepared is None and text_chars(job.req) > OFF_WORKER_CHARS:
             self.long_prompts.put((job, lm, settings))  # measured and tokenized there, then queued again
             return
         ids, prefix = job.prepared or prompt_ids(job, lm, settings)
         if job.kind == "count":
             job.send("count", len(ids))
             return
-        ctx = context_limit(lm.model)
-        if ctx is not None and len(ids) >= ctx:
-            raise too_long(len(ids), ctx, job)
-        max_tokens = max_new_tokens(req.limit(), len(ids), ctx, user_cap(self.catalog, lm.id),
-                                    settings.max_tokens)
-        self._reserve(job, lm, len(ids), max_tokens, settings)
-        fallback = fallback_reason(req)
-        n_lp = req.n_logprobs()
-
-        def progress(done: int, total: int) -> None:  # after each prefill chunk (the engine's thread)
-            if total > cfg.prefill_step_size and not job.cancel.is_set():  # a long prompt: streams show it
-                job.send("progress", done, total)
-
-        n_vocab = Target(lm.model).vocab_size
-        procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens)
-        if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and engine.processors:
-            calls = call_grammar(req, tok, n_vocab, ids)
-            if calls is not None:
-                procs.append(calls)
-        cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
-                                         top_k=req.top_k, min_p=req.min_p, max_tokens=max_tokens, seed=req.seed,
-                                         stop=req.stops() or None, logits_processors=procs,
-                                         logprobs=n_lp is not None, plain_reason=fallback, prefill_progress=progress)
+        max_tokens = self._room(job, lm, ids, settings)
+        cfg = self._config(job, engine, settings, ids, max_tokens)
         job.send("start", {"prompt_tokens": len(ids)})
+        reply = Reply(job, lm.tokenizer, ids, prefix, cfg.stop)
         gen = engine.stream(ids, cfg, job.cancel.is_set)
-        tools = ToolStream(tok, template_tools(req), prefix) if job.kind == "chat" and req.uses_tools() else None
-        think = ThinkStream(tok, opens_thinking(tok, ids, prefix)) if job.kind == "chat" and \
-            getattr(tok, "has_thinking", False) and req.response_format is None else None  # (constrained: all answer)
-        eos = set(tok.eos_token_ids)
-        r, first, cancelled, cut = None, None, False, False
-        raw, gen_ids = [], []
+        r, first, cancelled = None, None, False
         try:
             for r in gen:
                 if first is None:
@@ -418,60 +393,66 @@ class Worker:
                 if job.cancel.is_set():
                     cancelled = True
                     break
-                is_eos = r.finish_reason == "stop" and r.token in eos
-                raw.append(r.text)
-                if not is_eos:
-                    gen_ids.append(r.token)
-                text, calls, reasoning = r.text, [], ""
-                if think is not None:  # reasoning first: a call inside it is part of the thought
-                    reasoning, text = think.feed(r.text)
-                    if r.finish_reason:
-                        done = think.finish()
-                        reasoning, text = reasoning + done[0], text + done[1]
-                if tools is not None:
-                    evs = tools.feed(text) + (tools.finish() if r.finish_reason else [])
-                    text = "".join(e[1] for e in evs if e[0] == "text")
-                    calls = [e[1] for e in evs if e[0] == "call"]
-                lp = logprob_entry(tok, r.token, r.logprobs, n_lp) if n_lp is not None and not is_eos else None
-                if reasoning:
-                    job.send("think", reasoning)
-                job.send("token", text, None if is_eos else r.token, lp)
-                for c in calls:
-                    job.send("call", c)
-                if calls and not req.parallel_tool_calls and not r.finish_reason:
-                    cut = True  # one call asked for: the rest would be dropped, so stop here
+                if not reply.feed(r):
                     break
         finally:
             gen.close()
-        if r is not None and r.finish_reason is None and not cut and job.cancel.is_set():
+        if r is not None and r.finish_reason is None and not reply.cut and job.cancel.is_set():
             cancelled = True  # the engine saw the client leave first (its gone() check) and ended the stream
-        if r is None:  # cancelled during the prefill
-            with self.lock:
-                self.counters(job.model_id).cancelled += 1
-            if self.closing:
-                job.send("error", _closing("the server is shutting down; the generation was stopped"))
-            return
-        s = r.stats
-        with self.lock:
-            c = self.counters(job.model_id)
-            c.requests += 1
-            c.cancelled += cancelled
-            c.add(s)
-        if cancelled:
+        self._count(job, r, cancelled)
+        if r is None or cancelled:  # (r None: cancelled during the prefill)
             if self.closing:  # stopped by the shutdown, not by the client: say so
                 job.send("error", _closing("the server is shutting down; the generation was stopped"))
             return
-        finish = r.finish_reason
-        if cut or (finish == "stop" and tools is not None and tools.calls):
-            finish = "tool_calls"
-        stop_seq = None
-        if r.finish_reason == "stop" and r.token not in eos and cfg.stop:  # which stop string ended it
-            full, n = tok.decode(gen_ids), len("".join(raw))  # the text was cut where the stop began
-            hits = sorted((i, x) for x in cfg.stop if (i := full.find(x, max(0, n - len(x)))) >= 0)
-            stop_seq = hits[0][1] if hits else None
-        job.send("end", {"finish_reason": finish, "stats": s, "stop_sequence": stop_seq,
-                         "reasoning_tokens": think.tokens if think is not None else 0,
+        finish, stop_seq = reply.ending(r)
+        job.send("end", {"finish_reason": finish, "stats": r.stats, "stop_sequence": stop_seq,
+                         "reasoning_tokens": reply.reasoning_tokens,
                          "ttft_ms": (first - t_start) * 1000, "queue_ms": (t_start - job.received) * 1000})
+
+    def _room(self, job: Job, lm, ids, settings) -> int:
+        """The request's max_tokens within the model's context (too_long past
+        it), once its projected memory is admitted (may wait; Refused if it cannot fit)."""
+        ctx = context_limit(lm.model)
+        if ctx is not None and len(ids) >= ctx:
+            raise too_long(len(ids), ctx, job)
+        max_tokens = max_new_tokens(job.req.limit(), len(ids), ctx, user_cap(self.catalog, lm.id),
+                                    settings.max_tokens)
+        self._reserve(job, lm, len(ids), max_tokens, settings)
+        return max_tokens
+
+    def _config(self, job: Job, engine, settings, ids, max_tokens: int) -> DecodeConfig:
+        """The request's decode config: the model's settings, its sampling, stops
+        and processors (a tool call's grammar among them), and the prefill's
+        progress streamed for a long prompt."""
+        req, lm = job.req, engine.lm
+        tok, n_vocab = lm.tokenizer, Target(lm.model).vocab_size
+        procs = logits_processors(req, tok, n_vocab, len(ids), max_tokens)
+        if job.kind == "chat" and req.uses_tools() and getattr(settings, "tool_grammar", True) and engine.processors:
+            calls = call_grammar(req, tok, n_vocab, ids)
+            if calls is not None:
+                procs.append(calls)
+
+        def progress(done: int, total: int) -> None:  # after each prefill chunk (the engine's thread)
+            if total > cfg.prefill_step_size and not job.cancel.is_set():  # a long prompt: streams show it
+                job.send("progress", done, total)
+
+        cfg = DecodeConfig.from_settings(settings, lm.drafter, temperature=req.temperature, top_p=req.top_p,
+                                         top_k=req.top_k, min_p=req.min_p, max_tokens=max_tokens, seed=req.seed,
+                                         stop=req.stops() or None, logits_processors=procs,
+                                         logprobs=req.n_logprobs() is not None, plain_reason=fallback_reason(req),
+                                         prefill_progress=progress)
+        return cfg
+
+    def _count(self, job: Job, r, cancelled: bool) -> None:
+        """The request in the model's counters (r None: cancelled during the prefill)."""
+        with self.lock:
+            c = self.counters(job.model_id)
+            if r is None:
+                c.cancelled += 1
+                return
+            c.requests += 1
+            c.cancelled += cancelled
+            c.add(r.stats)
 
     def _settings(self, lm):
         """The model's settings, read per request so edits apply at once; those
