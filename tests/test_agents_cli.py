@@ -11,20 +11,16 @@ cache folder on first use); skipped with the reason otherwise.
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
+from recorded_server import api_calls, report, serve_app
 from scripted import EmbeddedCatalog, Script, ScriptCatalog, tool_tokenizer
 
-from app.server import create_app
-from app.server.security import STATS_KEY
 from mlx_dflash.settings.schema import ModelSettings
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.server, pytest.mark.npm]
@@ -78,39 +74,6 @@ class AgentCatalog(ScriptCatalog):
         return lm
 
 
-class Recorder:
-    """An ASGI wrapper that records every request: method, path, status, wall time,
-    and the generation's stats (prompt / cached tokens, tau, policy, ttft)."""
-
-    def __init__(self, app):
-        self.app, self.seen = app, []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        rec = {"method": scope["method"], "path": scope["path"], "status": None, "t0": time.perf_counter()}
-        body = []
-
-        async def send_(msg):
-            if msg["type"] == "http.response.start":
-                rec["status"] = msg["status"]
-            elif msg["type"] == "http.response.body":
-                body.append(msg.get("body", b""))
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, send_)
-        finally:
-            rec["ms"] = (time.perf_counter() - rec.pop("t0")) * 1000
-            s = scope.get("state", {}).get(STATS_KEY)
-            if s is not None:
-                ttft = re.findall(rb'"ttft_ms": ([0-9.]+)', b"".join(body))
-                rec.update(prompt=s.prompt_tokens, cached=s.reused_tokens, out=s.generation_tokens,
-                           tau=round(s.tau, 2), policy=s.policy, mode=s.mode,
-                           ttft_ms=round(float(ttft[-1])) if ttft else None)
-            self.seen.append(rec)
-
-
 @pytest.fixture(scope="module")
 def clis():
     npm = shutil.which("npm")
@@ -137,25 +100,10 @@ def clis():
     return bins
 
 
-def _serve(catalog, model):
-    """create_app(catalog) behind a Recorder on a free loopback port: (recorder, url, server, its thread)."""
-    app = Recorder(create_app(catalog, model=model, api_key=KEY))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "test server did not start"
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    return app, f"http://127.0.0.1:{port}", srv, thread
-
-
 @pytest.fixture(scope="module")
 def server(pairs, tmp_path_factory):
     tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("agent-tok"))
-    app, url, srv, thread = _serve(AgentCatalog(tok), "script")
+    app, url, srv, thread = serve_app(AgentCatalog(tok), "script", KEY)
     yield app, url
     srv.should_exit = True
     thread.join(10)
@@ -164,7 +112,7 @@ def server(pairs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def embedded_server():
     """The embedded model with the default settings."""
-    app, url, srv, thread = _serve(EmbeddedCatalog(ModelSettings()), "embedded/target")
+    app, url, srv, thread = serve_app(EmbeddedCatalog(ModelSettings()), "embedded/target", KEY)
     yield app, url
     srv.should_exit = True
     thread.join(10)
@@ -190,20 +138,6 @@ def _work(tmp_path):
     return home, work
 
 
-def _report(name, seen):
-    print(f"\n{name}: method path status wall_ms | prompt cached out ttft_ms tau mode policy")
-    for r in seen:
-        print(f"  {r['method']} {r['path']} {r['status']} {r['ms']:.0f}"
-              + (f" | {r['prompt']} {r['cached']} {r['out']} {r['ttft_ms']} {r['tau']} {r['mode']} {r['policy']}"
-                 if "prompt" in r else ""))
-
-
-def _api_calls(seen, path):
-    calls = [r for r in seen if r["path"].startswith(path)]
-    assert calls and all(r["status"] == 200 for r in calls), [(r["path"], r["status"]) for r in seen]
-    return calls
-
-
 @pytest.mark.slow
 def test_claude_code_tool_round_trip(clis, server, tmp_path):
     app, url = server
@@ -215,12 +149,12 @@ def test_claude_code_tool_round_trip(clis, server, tmp_path):
                         "--output-format", "json", "--allowedTools", "Read"],
                        cwd=work, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("claude -p", seen)
+    report("claude -p", seen)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     out = json.loads(r.stdout)
     assert out["is_error"] is False and out["num_turns"] == 2
     assert out["result"].startswith("Answer: ") and NOTE in out["result"]  # the model read the tool's output
-    calls = _api_calls(seen, "/v1/messages")
+    calls = api_calls(seen, "/v1/messages")
     assert len(calls) >= 2 and calls[-1]["cached"] > 0  # the second turn continued from the cached first
     assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)
 
@@ -243,7 +177,7 @@ def test_claude_code_runs_the_embedded_models_own_tool_call(clis, embedded_serve
                         "json", "--allowedTools", "Read", "--tools", "Read", "--system-prompt", SMALL_SYSTEM],
                        cwd=work, env=env, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("claude -p (embedded model)", seen)
+    report("claude -p (embedded model)", seen)
     out = json.loads(r.stdout)
     assert out["subtype"] in ("success", "error_max_turns"), (r.stdout[-2000:], r.stderr[-2000:])
     blocks = [b for f in (home / ".claude" / "projects").glob("*/*.jsonl") for line in f.read_text().splitlines()
@@ -253,7 +187,7 @@ def test_claude_code_runs_the_embedded_models_own_tool_call(clis, embedded_serve
     assert uses and all(u["name"] == "Read" and "file_path" in u["input"] for u in uses), uses
     assert len(results) == len(uses)  # each call was run and its result sent back
     assert not any("InputValidationError" in json.dumps(x.get("content")) for x in results)  # inputs fit the schema
-    calls = _api_calls(seen, "/v1/messages")
+    calls = api_calls(seen, "/v1/messages")
     # the next request carries the result, from the cached conversation
     assert len(calls) >= 2 and all(c["cached"] > 0 for c in calls[1:])
     assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)
@@ -283,9 +217,9 @@ def test_codex_exec_tool_round_trip(clis, server, tmp_path):
                          "RAW:Second turn done."],
                         cwd=work, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("codex exec (+ resume)", seen)
+    report("codex exec (+ resume)", seen)
     assert r2.returncode == 0 and r2.stdout.strip() == "Second turn done.", (r2.stdout[-2000:], r2.stderr[-2000:])
-    calls = _api_calls(seen, "/v1/responses")
+    calls = api_calls(seen, "/v1/responses")
     assert len(calls) == 3 and calls[1]["cached"] > 0 and calls[2]["prompt"] > calls[1]["prompt"]
     assert all(r["status"] < 400 for r in seen)
 
@@ -337,7 +271,7 @@ def test_claude_code_interactive_session_in_tmux(clis, server, tmp_path):
     finally:
         subprocess.run([tmux, "-L", sock, "kill-server"], capture_output=True)
     seen = app.seen[start:]
-    _report("claude (interactive, tmux)", seen)
-    calls = _api_calls(seen, "/v1/messages")
+    report("claude (interactive, tmux)", seen)
+    calls = api_calls(seen, "/v1/messages")
     assert len(calls) >= 3  # the tool call, the answer from its output, the second turn (+ a title)
     assert all(r["status"] < 400 or (r["method"], r["path"]) == ("HEAD", "/") for r in seen)

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from recorded_server import api_calls, report, serve_app
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -114,10 +115,8 @@ def _defaults_catalog():
 
 @pytest.fixture(scope="module")
 def embedded_server():
-    """The server on the embedded model with default settings, behind test_agents_cli's request recorder."""
-    from test_agents_cli import _serve
-
-    app, url, srv, thread = _serve(_defaults_catalog(), MODEL)
+    """The server on the embedded model with default settings, behind the request recorder."""
+    app, url, srv, thread = serve_app(_defaults_catalog(), MODEL, KEY)
     yield app, url
     srv.should_exit = True
     thread.join(10)
@@ -132,9 +131,7 @@ def _work(tmp_path):
 
 
 def _all_answered(seen, path):
-    from test_agents_cli import _api_calls
-
-    return _api_calls(seen, path)  # every request to `path` answered 200 (asserted there)
+    return api_calls(seen, path)  # every request to `path` answered 200 (asserted there)
 
 
 @pytest.mark.npm
@@ -143,12 +140,10 @@ def test_opencode_small_agent_runs_the_models_tool_call(embedded_server, tmp_pat
     """The README's opencode.json (a provider block, and the small-model agent): the
     embedded model's own call to `read`, held to opencode's schema (filePath required)
     by the grammar, is one opencode accepts and runs."""
-    from test_agents_cli import _report
-
     exe = npm_client(*OPENCODE, "opencode")
     app, url = embedded_server
     home, work = _work(tmp_path)
-    (home / "opencode.json").write_text(json.dumps(opencode_config(url, "sk-local-agents")))
+    (home / "opencode.json").write_text(json.dumps(opencode_config(url, KEY)))
     env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
            "XDG_DATA_HOME": str(home / ".data"), "OPENCODE_CONFIG": str(home / "opencode.json")}
     start = len(app.seen)
@@ -156,7 +151,7 @@ def test_opencode_small_agent_runs_the_models_tool_call(embedded_server, tmp_pat
                         "What is in hello.txt?"], cwd=work, env=env, capture_output=True, text=True, timeout=900,
                        stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("opencode run --agent small", seen)
+    report("opencode run --agent small", seen)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     uses = [e["part"] for e in events if e.get("type") == "tool_use"]
@@ -190,18 +185,16 @@ def test_llm_runs_the_models_tool_call_and_answers_unbounded(embedded_server, tm
     function refuses the ones the 11M model adds, which llm reports back to the model);
     llm runs it and sends the result back. `llm` sends no max_tokens, and no answer is
     cut at the old default of 512."""
-    from test_agents_cli import _report
-
     bins = py_client("llm")
     app, url = embedded_server
     home, work = _work(tmp_path)
-    env = llm_config(home, url, "sk-local-agents")
+    env = llm_config(home, url, KEY)
     start = len(app.seen)
     r = subprocess.run([str(bins / "llm"), "-m", "mlx-dflash", "--functions", LLM_FUNCTIONS, "--td",
                         "What is in hello.txt?"], cwd=work, env=env, capture_output=True, text=True, timeout=900,
                        stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("llm --functions", seen)
+    report("llm --functions", seen)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     sent = [ast.literal_eval(m) for m in re.findall(r"Tool call: read_file\((\{.*\})\)", out)]
@@ -245,14 +238,12 @@ def test_litellm_calls_hold_to_the_schema_on_both_routes(embedded_server):
     """LiteLLM (the SDK) with the server as an OpenAI provider and as an Anthropic one:
     a forced call validates against the tool's schema (its required keys and enum), and
     a plain answer comes back."""
-    from test_agents_cli import _report
-
     bins = py_client("litellm")
     app, url = embedded_server
     start = len(app.seen)
-    r = subprocess.run([str(bins / "python"), "-c", LITELLM_SCRIPT, url, "sk-local-agents", MODEL],
+    r = subprocess.run([str(bins / "python"), "-c", LITELLM_SCRIPT, url, KEY, MODEL],
                        capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    _report("litellm", app.seen[start:])
+    report("litellm", app.seen[start:])
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert [x["provider"] for x in res["runs"]] == ["openai", "anthropic"]
@@ -269,12 +260,10 @@ def test_aider_answers_without_hitting_a_token_limit(embedded_server, tmp_path):
     """aider (the README's flags) against the server: it sends no max_tokens, and its
     answer is no longer cut at the setting's default of 512 (aider said "hit a token
     limit"): it ends where the model ends it, or at the end of the context."""
-    from test_agents_cli import _report
-
     bins = py_client("aider-chat")
     app, url = embedded_server
     home, work = _work(tmp_path)
-    env = {**os.environ, "HOME": str(home), "OPENAI_API_BASE": f"{url}/v1", "OPENAI_API_KEY": "sk-local-agents"}
+    env = {**os.environ, "HOME": str(home), "OPENAI_API_BASE": f"{url}/v1", "OPENAI_API_KEY": KEY}
     start = len(app.seen)
     r = subprocess.run([str(bins / "aider"), "--model", f"openai/{MODEL}", "--message", "What is 3 times 2?",
                         "--yes-always", "--no-git", "--no-check-update", "--no-show-model-warnings",
@@ -282,7 +271,7 @@ def test_aider_answers_without_hitting_a_token_limit(embedded_server, tmp_path):
                         "whole"], cwd=work, env=env, capture_output=True, text=True, timeout=900,
                        stdin=subprocess.DEVNULL)
     seen = app.seen[start:]
-    _report("aider --message", seen)
+    report("aider --message", seen)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "Traceback" not in out, out[-3000:]
     calls = _all_answered(seen, "/v1/chat/completions")

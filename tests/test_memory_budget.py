@@ -6,6 +6,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from pair_server import DiskCatalog
 
 from mlx_dflash import generate, load
 from mlx_dflash.cache import memory
@@ -118,7 +119,6 @@ def test_a_finished_request_that_overfills_the_store_spills_it():
 def test_the_server_refuses_what_cannot_fit_in_one_line(pairs, tmp_path, monkeypatch):
     import httpx
     from scripted import LocalServer
-    from test_prompt_disk import DiskCatalog
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(memory, "rss", lambda: 100 * MB)  # this test process's other memory is not the server's

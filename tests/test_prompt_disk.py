@@ -23,14 +23,11 @@ from mlx_dflash.cache.disk_folder import folders
 from mlx_dflash.cache.identity import digest, identity
 from mlx_dflash.cache.prompt_store import PromptStore
 from mlx_dflash.target.adapter import Target
-from test_prompt_store import SYSTEM, prompt
-from app.server.catalog import Catalog
+from pair_server import N, SYSTEM, W, DiskCatalog, prompt
 from tiers import fast_first
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
-N = 10
-W = 4  # a fixed width: every cycle drafts, so the drafter context follows the target
 BLOCK = 32  # small blocks: short prompts span several
 
 
@@ -373,7 +370,8 @@ KILLED_WRITER = textwrap.dedent("""
     sys.path[:0] = [{tests!r}]
     from mlx_dflash import load, generate
     from mlx_dflash.cache import disk
-    from test_prompt_disk import prompt, store_of, run
+    from pair_server import prompt
+    from test_prompt_disk import store_of, run
     model, tok, drafter = load({folder!r} + "/target", {folder!r} + "/drafter")
     real = os.replace
     def replace(src, dst):
@@ -407,7 +405,8 @@ CONCURRENT = textwrap.dedent("""
     import sys
     sys.path[:0] = [{tests!r}]
     from mlx_dflash import load
-    from test_prompt_disk import prompt, store_of, run
+    from pair_server import prompt
+    from test_prompt_disk import store_of, run
     model, tok, drafter = load({folder!r} + "/target", {folder!r} + "/drafter")
     for q in {questions!r}:
         run(store_of(model, tok, drafter, {root!r}), model, tok, drafter, prompt(tok, q), block_size=4)
@@ -466,38 +465,6 @@ def test_the_chat_status_says_disk():
          "prompt_cache": {"tier": "disk", "load_ms": 120.0, "tokens": 99}}
     assert "cached 99/100 from disk in 0.12 s" in summary_line(s)
     assert "from disk" not in summary_line(dict(s, prompt_cache={"tier": "memory"}))
-
-
-class DiskCatalog(Catalog):
-    """The test pair behind a server, its prompt store over a disk tier."""
-
-    def __init__(self, folder, mem=1 << 30, disk_gb=1.0):
-        from mlx_dflash.settings.schema import GlobalSettings, ModelSettings
-
-        self.folder, self.mem = folder, mem
-        self.settings_ = ModelSettings(max_tokens=N, block_size=W)
-        self.g = GlobalSettings(prompt_cache_disk_gb=disk_gb)
-
-    def targets(self):
-        return [{"id": "pair", "owned_by": "tests", "drafters": []}]
-
-    def default(self):
-        return "pair"
-
-    def settings(self, model_id):
-        return self.settings_
-
-    def prompt_cache_bytes(self):
-        return self.mem
-
-    def globals(self):
-        return self.g
-
-    def load(self, model_id):  # on the worker's thread
-        from types import SimpleNamespace
-
-        model, tok, drafter = load(str(self.folder / "target"), str(self.folder / "drafter"))
-        return SimpleNamespace(id="pair", model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ A warm run must give exactly the tokens of a cold one; the budget only costs spe
 
 import mlx.core as mx
 import pytest
-from scripted import OneModelCatalog
+from pair_server import N, SYSTEM, W, PairCatalog, prompt
 
 from mlx_dflash import generate
 from mlx_dflash import load
@@ -12,9 +12,6 @@ from mlx_dflash.cache.prompt_store import PromptStore, cache_bytes, tokens_of
 from mlx_dflash.target.adapter import Target
 
 pytestmark = pytest.mark.timeout(300)
-N = 10
-W = 4  # a fixed width: every cycle drafts, so the drafter context follows the target (see README)
-SYSTEM = "You are a helpful assistant for a small software project. Answer briefly. " * 3
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +19,6 @@ def pair(pairs):
     d = pairs()
     model, tok, drafter = load(str(d / "target"), str(d / "drafter"))
     return model, tok, drafter
-
-
-def prompt(tok, *turns, system=SYSTEM):
-    msgs = [{"role": "system", "content": system}] + [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-    return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)
 
 
 def run(store, pair, ids):
@@ -166,22 +156,6 @@ def test_hybrid_target_reuses_only_full_prefixes(pair, family):
     cont = list(ent.tokens) + [5, 6, 7]  # the whole entry starts this one
     r, c = go(cont)
     assert r.stats.reused_tokens == len(cont) - 3 and r.token_ids == c.token_ids
-
-
-class PairCatalog(OneModelCatalog):
-    """The test pair behind a server, with a prompt-cache budget in bytes."""
-
-    def __init__(self, folder, budget):
-        from mlx_dflash.settings.schema import ModelSettings
-
-        super().__init__("pair", ModelSettings(max_tokens=N, block_size=W), budget)
-        self.folder = folder
-
-    def load(self, model_id):  # on the worker's thread (MLX streams are per thread)
-        from types import SimpleNamespace
-
-        model, tok, drafter = load(str(self.folder / "target"), str(self.folder / "drafter"))
-        return SimpleNamespace(id="pair", model=model, tokenizer=tok, drafter=drafter, settings=self.settings_)
 
 
 def ask_server(catalog, questions):

@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import pytest
+from pair_server import PairCatalog
 from serve_process import ROOT, Server
 from test_server import (  # noqa: F401  (collected here, against the batching server below)
     ref,
@@ -134,7 +135,6 @@ def test_auto_serves_alone_with_the_prompt_cache_and_batches_overlaps(pairs, mon
     own (greedy, as served alone with max_batch 1)."""
     import openai
     from scripted import LocalServer
-    from test_prompt_store import PairCatalog
 
     from app.server import worker as worker_module
 
@@ -197,7 +197,6 @@ def _conversation(url, before=None):
 
 def _alone_reference(pairs):
     from scripted import LocalServer
-    from test_prompt_store import PairCatalog
 
     with LocalServer(PairCatalog(pairs(), 1 << 30), model="pair", max_batch=1) as srv:
         return _conversation(srv.url), srv.worker.store.stats.hits
@@ -211,7 +210,6 @@ def test_batched_turns_reuse_cached_prefixes_and_equal_alone(pairs):
     (usage, dflash stats) and the store's hits equal those of a server that
     serves one request at a time (max_batch 1, the single-stream prompt cache)."""
     from scripted import LocalServer
-    from test_prompt_store import PairCatalog
 
     want, hits = _alone_reference(pairs)
     assert 0 < want[1][1] < want[2][1] < want[3][1]  # the single-stream turns hit the store
@@ -250,7 +248,6 @@ def test_auto_turns_share_the_prompt_store(pairs, monkeypatch):
     one on the model's one engine, take and store their caches as a
     one-at-a-time server does: its answers and cached counts."""
     from scripted import LocalServer
-    from test_prompt_store import PairCatalog
 
     from app.server import worker as worker_module
 
@@ -269,7 +266,6 @@ def test_logprobs_requests_use_the_prompt_store(pairs):
     prompt store's longest cached prefix, their caches stored back for the next
     turn; their answers and log-probabilities are those of a one-at-a-time server."""
     from scripted import LocalServer
-    from test_prompt_store import PairCatalog
 
     def turns(url):
         msgs, out = [], []

@@ -16,8 +16,7 @@ import time
 
 import httpx
 import pytest
-
-from test_server import ROOT, Server
+from serve_process import ROOT, Server
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.server]
 
