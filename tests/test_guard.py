@@ -344,6 +344,36 @@ def test_guard_chooses_the_width_that_pays_best():
     assert nxt.decide([row]).width == x and nxt.state == "draft"
 
 
+def test_the_last_block_is_cut_to_the_answer_and_drafts_only_where_that_pays():
+    """A cycle yields at most the tokens left of the answer: the guard drafts no
+    wider than that (a fixed width verifies one row more, as the published
+    loops do), and where the width it is cut to cannot pay (a 2-row cycle
+    priced above 2 plain tokens) it steps plainly; the last token is plain."""
+    ws = (1, 2, 3, 5, 8)
+    c = {w: 1 + 0.15 * (w - 1) for w in ws}
+    d = {w: 0.0 if w == 1 else 1.0 for w in ws}  # k(2) = 2.15 > 2: a 2-row cycle never pays; k(3) = 2.3
+    row = Row(cap=8)
+    g = Guard(_model(_multi(c, d)))
+    for _ in range(12):  # every draft accepted: drafting at the widest width
+        _cycle(g, 7, g.decide([row]).width, [row])
+    assert g.state == "draft" and g.decide([row]).widths == (8,) and g.kd[2] > 2 > g.kd[3] - 1
+    for left, want in ((8, 8), (7, 7), (6, 6), (3, 3), (2, 1), (1, 1)):
+        row.left = left
+        assert g.decide([row]).widths == (want,), left
+    fixed = Row(cap=8, fixed=True)
+    fixed.left = 3
+    assert g.decide([fixed]).widths == (4,)
+    # drafts right 80% of the time, a dearer drafter: 8 rows pay (4.2 tokens for 3.55), 5 barely
+    # (3.4 for 3.1), 3 do not (2.4 for 2.8)
+    h = Guard(_model(_multi(c, {w: 0.0 if w == 1 else 1.5 for w in ws})), Observed(p=[0.8] * 7, tries=[50.0] * 7))
+    row.left = 10**6
+    assert h.decide([row]).widths == (8,) and h.state == "draft"
+    row.left = 5
+    assert h.decide([row]).widths == (5,)
+    row.left = 3
+    assert h.decide([row]).width == 1
+
+
 def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_pays():
     ws = (1, 2, 3, 5, 8)
     c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6

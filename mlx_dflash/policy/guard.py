@@ -21,6 +21,9 @@ that maximises it. States (of the set):
 - plain: `wait` plain steps (64, 128, ... 1024, doubling per failed probe),
   then probe. Where even a drafter right 90% of the time could not pay (the
   ceiling w / k(w) below CEILING_MIN at this B and L) DFlash is not tried.
+- an answer's last block, in any state: no wider than the tokens left of the
+  answer (a row past them yields nothing), and drafted only where the width it
+  is cut to still pays; else plain, as its last token always is.
 
 A row's estimate at a position is its hits over its tries there, shrunk
 (PSEUDO pseudo-tries) toward the row's pooled rate over every position tried,
@@ -320,14 +323,21 @@ class Guard(Policy):
         s = self.rows.get(r.uid) if drafting is not None else None
         if s is None:  # unpriced, or timing a plain step: plain
             return "", 1
-        w = min(self.est[0], self.probe_w or self.est[0], room)
-        if s.gate is not None:  # the context repeats itself: verify its continuation if it beats the
-            m = r.offers(LOOKUP, min(self.w, room) - 1)  # DFlash cycle it would replace
+        # the answer's last block: a cycle yields at most what is left of it (the row past it that
+        # fixed widths verify, as the published loops do, yields nothing), so it is no wider, and
+        # drafts only where it still pays at the width it is cut to (else plain, the last token too)
+        room = min(plan.cap, r.left)
+        want = min(self.est[0], self.probe_w or self.est[0])
+        w = max(1, min(want, room))
+        if 1 < w < want and expected(self._p(s), w) < self.kd[w]:
+            w = 1
+        if s.gate is not None and room > 1:  # the context repeats itself: verify its continuation if it
+            m = r.offers(LOOKUP, min(self.w, room) - 1)  # beats what the row would do instead
             s.grade = r.grade(LOOKUP) if m else 0
-            if m and (not drafting or s.gate.take(m, s.grade, self.kv,
-                                                  expected(self._p(s), w) / self.kd[w])):
+            rate = expected(self._p(s), w) / self.kd[w] if w > 1 else None  # (None: plain steps)
+            if m and (not drafting or s.gate.take(m, s.grade, self.kv, rate)):
                 return LOOKUP, m + 1  # (not drafting: a proposal, judged with the set's in _judge_lookups)
-        return (DFLASH, w) if drafting else ("", 1)
+        return (DFLASH, w) if drafting and w > 1 else ("", 1)
 
     def _judge_lookups(self, rows: Sequence[Row], srcs: list, widths: list) -> None:
         """Between DFlash cycles, a cycle is made for the rows' lookup proposals
