@@ -116,6 +116,20 @@ def test_prepare_at_load_measures_once_per_machine(pair):
     assert prepare_at_load(model, None, Calibration()) is None  # no drafter: nothing to price
 
 
+def test_a_curve_measured_for_other_widths_never_narrows_the_cached_one(pair):
+    """Verify mode adaptive needs widths 1..5 where the guard's curve has 1, 2,
+    3, 5, 8: its measurement covers 8 too, so the guard, reading the curve
+    cached after it, still chooses among widths up to 8."""
+    model, tok, drafter = pair
+    quick = dict(budget_s=0.1, min_rounds=2, max_rounds=2)
+    guard_widths = (1, 2, 3, 5, 8)
+    Calibration().costs(model, drafter, widths=guard_widths, enough=(1, 5), **quick)
+    adaptive = Calibration().costs(model, drafter, max_width=5, **quick)  # (4 is missing: measured again)
+    assert set(adaptive.c) == {1, 2, 3, 4, 5, 8}
+    later = Calibration().book.curve(model, drafter, 0, (1, 5))  # what the next process reads
+    assert set(guard_widths) <= set(later.c) and len(curves_on_disk()) == 1
+
+
 class _Row:
     def __init__(self, context, uid=1):
         self.uid, self.context, self.left = uid, context, 10**6

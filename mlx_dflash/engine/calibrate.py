@@ -188,8 +188,11 @@ class Calibration:
         curve measured over that many cached tokens, kept apart from the default one."""
         got = None if refresh else self.book.curve(model, drafter, max_width, enough or widths, at)
         if got is None:
-            got = measure_costs(model, drafter, max(need(max_width, widths)), widths=sorted(need(max_width, widths)),
-                                **measure)
+            # never narrower than the curve it replaces: verify mode adaptive's widths 1..5 measured over
+            # the guard's 1, 2, 3, 5, 8 would leave the guard choosing among 5 and below from then on
+            had = self.book.curve(model, drafter, 0, (), at)
+            ws = need(max_width, widths) | (set(had.c) if had is not None else set())
+            got = measure_costs(model, drafter, max(ws), widths=sorted(ws), **measure)
             self.book.keep(model, drafter, got, context=at)
         return got
 
