@@ -10,7 +10,7 @@ from drafters import PROMPTS, OracleDrafter, reference_tokens
 from mlx_dflash import generate, load
 from mlx_dflash.engine import calibrate
 from mlx_dflash.policy import costs
-from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
+from mlx_dflash.policy.base import DFLASH, LOOKUP, CycleResult, Plan
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
 from mlx_dflash.policy.guard import Guard
 from mlx_dflash.policy.lookup_gate import LookupGate
@@ -150,10 +150,48 @@ def test_what_was_paid_is_a_median_over_requests():
         _step(h, 1, 0.010)
     _step(h, 5, 1.0, accepted=4)
     _step(h, 5, 0.010 * (k5 + 3.0), accepted=4)  # one slow cycle
-    assert h.paid[(1, True)] == pytest.approx(0.5)  # the median of 0.4, 0.5, 0.45 and 3.0 (the upper middle)
+    assert h.paid[(1, True)] == pytest.approx(0.475)  # the median of 0.4, 0.5, 0.45 and 3.0 (the middle two's mean)
     for _ in range(Guard.PAID_SAMPLES):  # the oldest samples give way to the newest
         _step(h, 5, 0.010 * (k5 + 1.0), accepted=4)
     assert h.paid[(1, True)] == pytest.approx(1.0) and len(h.excess[(1, True)]) == Guard.PAID_SAMPLES
+
+
+def test_the_drafters_catch_up_after_a_lookup_cycle_is_not_what_a_cycle_pays():
+    """The drafter's context follows the target only in DFlash cycles: the one
+    after a lookup cycle catches up the tokens that cycle made (as the one after
+    plain steps does), so its time is no sample of what a cycle pays."""
+    g = Guard(_model(_costs(2.0)))
+    rows = (Row(lookup=True),)
+    for _ in range(4):
+        _step(g, 1, 0.010, rows)
+    k5 = g.priced[0][5]
+    _step(g, 5, 1.0, rows, accepted=4)  # (the catch-up after plain steps)
+    _step(g, 5, 0.010 * (k5 + 0.2), rows, accepted=4)
+    g.decide(list(rows))
+    g.observe(list(rows), [CycleResult(5, 4, 5, source=LOOKUP, t_step=0.010 * g.priced[1][5])])
+    _step(g, 5, 0.010 * (k5 + 6.0), rows, accepted=4)  # the catch-up after the lookup cycle: left out
+    assert g.excess[(1, True)] == pytest.approx([0.2])
+    _step(g, 5, 0.010 * (k5 + 0.4), rows, accepted=4)
+    assert g.excess[(1, True)] == pytest.approx([0.2, 0.4])
+
+
+def test_one_slow_cycle_paid_does_not_stop_drafting_for_good():
+    """Never trying DFlash (even a drafter right 90% of the time could not pay)
+    is judged on the price measured: an outlier excess carried from the last
+    request raises the prices, the guard falls back, and the cycles of its
+    next probe, timed at their price, bring what was paid back down."""
+    c = Costs(0.01, {1: 1.0, 5: 1.4}, {1: 0.0, 5: 0.6}, t_plain=0.01)  # k(5) = 2: a ceiling of 2.5
+    g = Guard(_model(c), Observed(paid={(1, True): 3.0}, excess={(1, True): [3.0]}))
+    g.decide([ROW])
+    assert g.kd[5] == pytest.approx(5.0) and not g.hopeless  # (as paid, 5 / 5 is below the ceiling)
+    seen = []
+    for _ in range(300):
+        d = g.decide([ROW])
+        w = d.width
+        g.observe([ROW], [CycleResult(w, w - 1, w, source=DFLASH if w > 1 else "", t_step=0.01 * (2.0 if w > 1 else 1))])
+        seen.append(w)
+    assert g.paid[(1, True)] == pytest.approx(0.0) and g.state == "draft" and seen[-50:] == [5] * 50
+    assert g.fallbacks >= 1  # (it did fall back at first: 5 plain steps a cycle priced no better than plain)
 
 
 def test_an_excess_learnt_at_one_width_prices_every_width_by_the_same_steps():

@@ -104,8 +104,10 @@ class Observed:
 
 
 def median(xs: Sequence[float]) -> float:
-    """The middle of xs (the upper one of an even count): a timing's spikes fall out."""
-    return sorted(xs)[len(xs) // 2]
+    """The middle of xs (of an even count, the mean of the two middle ones: of
+    two samples, one spike counts half): a timing's spikes fall out."""
+    ys, n = sorted(xs), len(xs)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
 
 
 def monotone(ys: List[float]) -> List[float]:

@@ -152,6 +152,7 @@ class Guard(Policy):
     # to every price at B (the costs measured apart miss work per cycle: host work per row, syncs, the
     # drafter's context update)
     PAID_SAMPLES, PLAIN_SAMPLES, PLAIN_MIN = 8, 16, 3  # (PLAIN_MIN: plain steps timed before they are the unit)
+    PAID_TRUSTED = 3  # samples behind what was paid before it may end a probe at its first (untimed) cycle
     UNTIMED = 3  # cycles drafted before a set with no plain step timed at its size steps plainly to time one
     PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
     POOL = 8  # pseudo-tries of the pooled rate's prior, p_mid
@@ -176,7 +177,7 @@ class Guard(Policy):
         self.unmatched: List[tuple] = []  # ((B, drafting), seconds, k): cycles before B's plain steps were timed
         self.timing = 0  # plain steps taken to time one (_untimed)
         self.last_step: Optional[tuple] = None  # the rows of the last step observed
-        self.after_plain = True  # the last step observed was plain (the next draft catches the drafter up)
+        self.after_plain = True  # the last step observed was no DFlash cycle (the next one catches the drafter up)
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
@@ -219,7 +220,10 @@ class Guard(Policy):
             h = max(0.0, self.paid.get((B, drafting), 0.0))  # (never below what was measured)
             raised.append({x: k + h if x > 1 else 1.0 for x, k in ks.items()})
         self.kd, self.kv = raised
-        self.hopeless = not self.ws or max(x / self.kd[x] for x in self.ws) < self.CEILING_MIN
+        # by the price measured, not as paid: what was paid is learnt only while drafting, and
+        # one slow cycle's excess must not stop drafting for good (the probes after a fallback
+        # bring what is paid back down, where it was an outlier)
+        self.hopeless = not self.ws or max(x / self.priced[0][x] for x in self.ws) < self.CEILING_MIN
         return True
 
     def _p(self, s: _RowState) -> List[float]:
@@ -230,14 +234,14 @@ class Guard(Policy):
         pool = (self.POOL * pm + sum(s.hits)) / (self.POOL + sum(s.tries))
         return [(self.PSEUDO * pool + h) / (self.PSEUDO + n) for h, n in zip(s.hits, s.tries)]
 
-    def best(self, ps: List[List[float]]):
-        """(width, mean tau, predicted speedup) that maximises mean tau(w) / k(w)."""
-        out = (self.w, None, None)
+    def best(self, ps: List[List[float]], k: Optional[Dict[int, float]] = None):
+        """(width, mean tau, predicted speedup) that maximises mean tau(w) / k(w) (k: kd, as paid)."""
+        out, k = (self.w, None, None), k or self.kd
         if not ps:
             return out
         for x in self.ws:
             tau = sum(expected(p, x) for p in ps) / len(ps)
-            s = tau / self.kd[x]
+            s = tau / k[x]
             if out[2] is None or s > out[2]:
                 out = (x, tau, s)
         return out
@@ -388,11 +392,12 @@ class Guard(Policy):
         step costs, its tokens' handing out included), when that step had the
         same rows. Medians over the last few: a pipelined plain step before a
         cycle is short (its compute was done) and the one after long (two
-        steps' compute). A DFlash cycle right after a plain step is left out:
-        it also brings the drafter's context up to date, once."""
+        steps' compute). A DFlash cycle right after a plain step or a lookup
+        cycle is left out: it also brings the drafter's context up to date with
+        the tokens those made, once."""
         uids, B, secs, w = tuple(r.uid for r in rows), len(rows), results[0].t_step, max(r.width for r in results)
         last, self.last_step = self.last_step, uids
-        after_plain, self.after_plain = self.after_plain, not drafted and w == 1
+        after_plain, self.after_plain = self.after_plain, not drafted  # (a plain step, or a lookup cycle)
         if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
             return
         if w == 1:
@@ -428,6 +433,10 @@ class Guard(Policy):
         s = self.est[2]
         if self.state == "probe":
             self.trial += 1
+            if self.trial == 1 and len(self.excess.get((len(rows), True), ())) < self.PAID_TRUSTED:
+                # its one cycle so far caught the drafter up and was not timed, and what was paid rests on
+                # too few cycles to tell an outlier: judged at the price measured, so the probe times one
+                s = self.best([self._p(g) for g in guarded], self.priced[0])[2]
             if s < 1.0 or (self.trial >= self.PROBE and s < self.MARGIN):
                 self._fall_back()
                 self.probe_w = None
@@ -509,7 +518,8 @@ class Guard(Policy):
     def _dflash_reason(self) -> str:
         k = self.kd.get(self.w, 0.0)
         if self.hopeless:
-            return f"plain: width {self.w} cannot pay here (a cycle costs {k:.2f} plain tokens)"
+            return f"plain: width {self.w} cannot pay here (a cycle costs {self.priced[0].get(self.w, 0.0):.2f} " \
+                   "plain tokens)"
         x, tau, s = self.est
         # (rounded down: a prediction just below break-even never reads 1.00x)
         as_paid = f", {self.kd[x] - self.priced[0][x]:.2f} more than measured, as paid" \
