@@ -1,9 +1,11 @@
 """The guard's own timing of each cycle against its price, for one default answer at 1k (the
 embedded pair, the source prompt): how the outlier excess of the first DFlash cycle after a
-lookup cycle was found (trace_catch_up.log)."""
-import sys
-sys.path.insert(0, "bench/long_context_embedded")
-import mlx_dflash  # noqa
+lookup cycle was found (narrowed_curve/trace_catch_up.log).
+
+    MLX_DFLASH_DTYPE=float32 MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. \\
+        python bench/long_context_embedded/trace_catch_up.py
+"""
+import mlx_dflash  # noqa: F401  (first: it loads the fast BLAS, which must precede any import of mlx)
 from bench import prompt_of
 from mlx_dflash.engine.generate import generate
 from mlx_dflash.models.manager import load_model
