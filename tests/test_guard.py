@@ -175,23 +175,6 @@ def test_the_drafters_catch_up_after_a_lookup_cycle_is_not_what_a_cycle_pays():
     assert g.excess[(1, True)] == pytest.approx([0.2, 0.4])
 
 
-def test_the_plain_step_right_after_a_cycle_is_not_the_unit():
-    """A plain step right after a cycle is not pipelined (it carries the cycle's
-    tail): where an answer's only plain steps are its last ones, after its
-    cycles, they must not become the unit its cycles are paid in."""
-    g = Guard(_model(_costs(2.0)))
-    for _ in range(4):
-        _step(g, 1, 0.010)
-    timed = list(g.plain_s[1])
-    k5 = g.priced[0][5]
-    _step(g, 5, 1.0, accepted=4)  # (the catch-up)
-    _step(g, 5, 0.010 * (k5 + 0.3), accepted=4)
-    _step(g, 1, 0.025)  # the cycle's tail: left out
-    assert g.plain_s[1] == timed
-    _step(g, 1, 0.010)
-    assert g.plain_s[1] == timed + [0.010] and g.excess[(1, True)] == pytest.approx([0.3])
-
-
 def test_one_slow_cycle_paid_does_not_stop_drafting_for_good():
     """Never trying DFlash (even a drafter right 90% of the time could not pay)
     is judged on the price measured: an outlier excess carried from the last

@@ -178,7 +178,6 @@ class Guard(Policy):
         self.timing = 0  # plain steps taken to time one (_untimed)
         self.last_step: Optional[tuple] = None  # the rows of the last step observed
         self.after_plain = True  # the last step observed was no DFlash cycle (the next one catches the drafter up)
-        self.after_cycle = False  # the last step observed was a cycle (the plain step after it is not pipelined)
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
@@ -392,19 +391,14 @@ class Guard(Policy):
         time since the engine's previous step (CycleResult.t_step: everything a
         step costs, its tokens' handing out included), when that step had the
         same rows. Medians over the last few: a pipelined plain step before a
-        cycle is short (its compute was done). A plain step right after a cycle
-        is left out: it is not pipelined, and it is long (the cycle's tail), so
-        where an answer's plain steps are its last few, after its cycles, they
-        would make the unit (2x a plain step, in the short-answer bench). A
-        DFlash cycle right after a plain step or a lookup cycle is left out: it
-        also brings the drafter's context up to date with the tokens those
-        made, once."""
+        cycle is short (its compute was done) and the one after long (two
+        steps' compute). A DFlash cycle right after a plain step or a lookup
+        cycle is left out: it also brings the drafter's context up to date with
+        the tokens those made, once."""
         uids, B, secs, w = tuple(r.uid for r in rows), len(rows), results[0].t_step, max(r.width for r in results)
         last, self.last_step = self.last_step, uids
         after_plain, self.after_plain = self.after_plain, not drafted  # (a plain step, or a lookup cycle)
-        after_cycle, self.after_cycle = self.after_cycle, w > 1
-        if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain) \
-                or (w == 1 and after_cycle):
+        if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
             return
         if w == 1:
             plain = self.plain_s.setdefault(B, [])
