@@ -338,8 +338,8 @@ class Guard(Policy):
         if s.gate is not None and room > 1:  # the context repeats itself: verify its continuation if it
             m = r.offers(LOOKUP, min(self.w, room) - 1)  # beats what the row would do instead
             s.grade = r.grade(LOOKUP) if m else 0
-            rate = expected(self._p(s), w) / self.kd[w] if w > 1 else None  # (None: plain steps)
-            if m and (not drafting or s.gate.take(m, s.grade, self.kv, rate)):
+            if m and (not drafting or s.gate.take(m, s.grade, self.kv,  # (rate None: instead, plain steps)
+                                                  expected(self._p(s), w) / self.kd[w] if w > 1 else None)):
                 return LOOKUP, m + 1  # (not drafting: a proposal, judged with the set's in _judge_lookups)
         return (DFLASH, w) if drafting and w > 1 else ("", 1)
 
@@ -429,14 +429,15 @@ class Guard(Policy):
         guarded = self._guarded(rows)
         if not guarded:
             return
-        self.est = self.best([self._p(g) for g in guarded])  # (the estimates do not depend on the state)
+        ps = [self._p(g) for g in guarded]
+        self.est = self.best(ps)  # (the estimates do not depend on the state)
         s = self.est[2]
         if self.state == "probe":
             self.trial += 1
             if self.trial == 1 and len(self.excess.get((len(rows), True), ())) < self.PAID_TRUSTED:
                 # its one cycle so far caught the drafter up and was not timed, and what was paid rests on
                 # too few cycles to tell an outlier: judged at the price measured, so the probe times one
-                s = self.best([self._p(g) for g in guarded], self.priced[0])[2]
+                s = self.best(ps, self.priced[0])[2]
             if s < 1.0 or (self.trial >= self.PROBE and s < self.MARGIN):
                 self._fall_back()
                 self.probe_w = None
