@@ -95,6 +95,14 @@ def test_a_long_prompt_waits_for_its_own_length_and_a_batch_for_its_size(pair):
         assert got == reference_tokens(model, tok, prompt, 64)
         assert "not measured" not in st.policy
     assert eng.drafter_forwards > 0
+    # a set's plain step in seconds (the unit of what the guard's cycles paid is held near it): the
+    # measured [B, 1] step, linear in B between the sizes measured, growing with the length as one row's
+    eng.costs.rows.at(4)
+    m, step = eng.costs.cost_model(), {b: cal.book.curve(model, drafter, widths=(1,), batch=b).t1 for b in (2, 4)}
+    assert m.plain_seconds(2, 0) == pytest.approx(step[2]) and m.plain_seconds(3, 0) == pytest.approx(
+        (step[2] + step[4]) / 2)
+    assert m.plain_seconds(2, 600) / m.plain_seconds(2, 0) == pytest.approx(m.plain_seconds(1, 600) / m.plain_seconds(1, 0))
+    assert m.plain_seconds(1, 600) > m.plain_seconds(1, 0) > 0
 
 
 def test_prepare_queues_what_a_server_will_need_in_order(pair):

@@ -194,6 +194,29 @@ def test_one_slow_cycle_paid_does_not_stop_drafting_for_good():
     assert g.fallbacks >= 1  # (it did fall back at first: 5 plain steps a cycle priced no better than plain)
 
 
+def test_a_few_plain_steps_timed_short_do_not_set_the_unit_for_good():
+    """What was paid is in units of the set's timed plain step, held within
+    UNIT_BOUND of the step measured apart: a request whose only timed plain
+    steps were short (their compute done before they were timed) once priced
+    every cycle at ~20 plain steps; carried to the next requests, that ended
+    each probe at its first cycle, so no cycle was timed again (the unit trap)."""
+    c = _costs(2.0)  # a plain step measured apart: 8 ms
+    g = Guard(_model(c))
+    k5 = g.model.k(1, 0, True)[5]
+    for _ in range(5):  # cycles that cost their price (the first: the catch-up), before any plain step is timed
+        _step(g, 5, 0.008 * k5, accepted=4)
+    for _ in range(3):
+        _step(g, 1, 0.0004)  # three plain steps timed short
+    h = Guard(_model(c), g.leave(ROW))
+    seen = []
+    for _ in range(300):  # the next request, every step at its price, its drafter right every time
+        w = h.decide([ROW]).width
+        h.observe([ROW], [CycleResult(w, w - 1, w, source=DFLASH if w > 1 else "", t_step=0.008 * (k5 if w > 1 else 1))])
+        seen.append(w)
+    assert h.state == "draft" and seen[-50:] == [5] * 50
+    assert g.paid[(1, True)] <= k5 * (Guard.UNIT_BOUND - 1) + 1e-9  # (a cycle at its price: at most the bound's)
+
+
 def test_an_excess_learnt_at_one_width_prices_every_width_by_the_same_steps():
     """What the curves miss is work per cycle: an excess paid at width 5 raises
     width 2 by the same plain steps, not by width 5's ratio (which would price

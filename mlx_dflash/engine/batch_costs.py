@@ -107,11 +107,22 @@ class BatchCosts:
     def curve(self, B: int, verify: bool = False) -> Dict[int, float]:
         """{w: cost of a cycle at width w in plain batched steps} at B rows
         (`verify`: without the drafter forward, a cycle of prompt-lookup drafts)."""
+        lo, hi, f = self._between(B)
+        a, b = self._at(lo, verify), self._at(hi, verify)
+        return {w: a[w] + f * (b[w] - a[w]) for w in self.widths}
+
+    def plain_s(self, B: int) -> float:
+        """Seconds of one plain [B, 1] step, as the curves at the sizes around B measured it."""
+        lo, hi, f = self._between(B)
+        self._at(lo), self._at(hi)
+        return self._t1[lo] + f * (self._t1[hi] - self._t1[lo])
+
+    @staticmethod
+    def _between(B: int) -> tuple:
+        """(lo, hi, f): the measured sizes around B, and B's place between them (costs are linear in B)."""
         lo = max([b for b in MEASURED_B if b <= B] or [1])
         hi = min([b for b in MEASURED_B if b >= B] or [MEASURED_B[-1]])
-        a, b = self._at(lo, verify), self._at(hi, verify)
-        f = 0.0 if hi == lo else (B - lo) / (hi - lo)
-        return {w: a[w] + f * (b[w] - a[w]) for w in self.widths}
+        return lo, hi, 0.0 if hi == lo else (B - lo) / (hi - lo)
 
     def verify_curve(self, B: int) -> Dict[int, float]:
         return self.curve(B, verify=True)

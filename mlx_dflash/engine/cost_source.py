@@ -64,13 +64,13 @@ class CostSource:
                                       **opts)
 
     def _batch(self, B: int) -> Costs:
-        """A B-row set's curve in units of a plain [B, 1] step (CostModel's `batch`)."""
+        """A B-row set's curve in units of a plain [B, 1] step, that step's seconds its t1 (CostModel's `batch`)."""
         try:
             v, t = self.rows.verify_curve(B), self.rows.curve(B)
         except Unpriced as e:
             self.want(e.key, first=True)
             raise
-        return Costs(1.0, v, {w: t[w] - v[w] for w in v})
+        return Costs(self.rows.plain_s(B), v, {w: t[w] - v[w] for w in v})
 
     # -- measuring ahead of the requests ---------------------------------------------------
     def want(self, key: tuple, first: bool = False) -> None:

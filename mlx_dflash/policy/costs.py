@@ -160,14 +160,26 @@ class CostModel:
             self._single[at] = self._seconds(self.curve(at))
         return self._single[at]
 
-    def single(self, L: int) -> Dict[bool, Dict[int, float]]:
-        """{drafting: {w: k}} for one row at L tokens of context."""
+    def _between(self, L: int) -> tuple:
+        """(lo, hi, f): the seconds of the two curves that bracket L tokens, and L's place between them
+        (seconds are linear in the length: attention's reads)."""
         lo, at = self._single[None], self.priced_at(L)
         hi = self._one(at) if at is not None else lo
-        f = (L - lo[0]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+        return lo, hi, (L - lo[0]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+
+    def single(self, L: int) -> Dict[bool, Dict[int, float]]:
+        """{drafting: {w: k}} for one row at L tokens of context."""
+        lo, hi, f = self._between(L)
         plain = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
         return {drafting: {x: max(lo[i][x] + f * (hi[i][x] - lo[i][x]), 1e-9) / plain for x in lo[i]}
                 for drafting, i in ((True, 1), (False, 2))}
+
+    def plain_seconds(self, B: int, L: int) -> float:
+        """One plain step of B rows at L tokens, in seconds, as measured apart (several rows: their curve's
+        step, t1, scaled by the single stream's growth with the length, as k is)."""
+        lo, hi, f = self._between(self._bucket(L))
+        one = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
+        return one if B == 1 or self.batch is None else self.batch(B).t1 * one / max(lo[3], 1e-9)
 
     def k(self, B: int = 1, L: int = 0, drafting: bool = True) -> Dict[int, float]:
         """{w: k(w, B, L)} for every w up to the widest measured (1: a plain step, 1)."""

@@ -153,6 +153,11 @@ class Guard(Policy):
     # drafter's context update)
     PAID_SAMPLES, PLAIN_SAMPLES, PLAIN_MIN = 8, 16, 3  # (PLAIN_MIN: plain steps timed before they are the unit)
     PAID_TRUSTED = 3  # samples behind what was paid before it may end a probe at its first (untimed) cycle
+    # the unit of what was paid, the set's timed plain step, is held within this factor of the plain step
+    # measured apart: a few steps whose compute was done before they were timed (pipelined) must not set
+    # it (one run priced a width-2 cycle at 20.8 plain steps for good, bench/guard_sim/tried.md: the unit
+    # trap); timed units read 0.7-1.3x the measured one (bench/guard_sim/unit_bound/)
+    UNIT_BOUND = 2.0
     UNTIMED = 3  # cycles drafted before a set with no plain step timed at its size steps plainly to time one
     PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
     POOL = 8  # pseudo-tries of the pooled rate's prior, p_mid
@@ -396,6 +401,7 @@ class Guard(Policy):
         cycle is left out: it also brings the drafter's context up to date with
         the tokens those made, once."""
         uids, B, secs, w = tuple(r.uid for r in rows), len(rows), results[0].t_step, max(r.width for r in results)
+        L = max(r.context for r in rows)
         last, self.last_step = self.last_step, uids
         after_plain, self.after_plain = self.after_plain, not drafted  # (a plain step, or a lookup cycle)
         if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
@@ -405,24 +411,30 @@ class Guard(Policy):
             plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
             if self._timed(B):
                 for u in [u for u in self.unmatched if u[0][0] == B]:
-                    self._paid(*u)
+                    self._paid(*u, self._unit(B, L))
                 self.unmatched = [u for u in self.unmatched if u[0][0] != B]
             return
         price = self.priced[0 if drafted else 1].get(w)
         if price:
             self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs, price)]
             if self._timed(B):
-                self._paid(*self.unmatched.pop())
+                self._paid(*self.unmatched.pop(), self._unit(B, L))
 
     def _timed(self, B: int) -> bool:
         """Whether enough plain steps at B are timed (PLAIN_MIN) to be the unit of its prices as paid."""
         return len(self.plain_s.get(B, ())) >= self.PLAIN_MIN
 
-    def _paid(self, key: tuple, secs: float, price: float) -> None:
-        """One cycle's plain steps beyond its k(w), against the median plain step at
-        its B (DFlash cycles and lookup-only ones apart: the drafter's share is priced apart)."""
+    def _unit(self, B: int, L: int) -> float:
+        """The plain step at B rows: the median of the timed ones, within UNIT_BOUND of the one measured
+        apart at L tokens."""
+        t, apart = median(self.plain_s[B]), self.model.plain_seconds(B, L)
+        return min(max(t, apart / self.UNIT_BOUND), apart * self.UNIT_BOUND)
+
+    def _paid(self, key: tuple, secs: float, price: float, unit: float) -> None:
+        """One cycle's plain steps beyond its k(w), in units of its set's plain step
+        (DFlash cycles and lookup-only ones apart: the drafter's share is priced apart)."""
         excess = self.excess.setdefault(key, [])
-        excess[:] = excess[-(self.PAID_SAMPLES - 1):] + [secs / median(self.plain_s[key[0]]) - price]
+        excess[:] = excess[-(self.PAID_SAMPLES - 1):] + [secs / unit - price]
         self.paid[key] = median(excess)
 
     def _judge(self, rows: Sequence[Row]) -> None:
