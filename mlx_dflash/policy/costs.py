@@ -145,6 +145,7 @@ class CostModel:
         self.widths = sorted((set(widths) & set(base.c)) | {1})  # the measured ones (the guard chooses among them)
         self._single = {None: self._seconds(base)}
         self._k: Dict[tuple, Dict[int, float]] = {}
+        self._plain: Dict[tuple, float] = {}
 
     def _seconds(self, cv: Costs) -> tuple:
         """(context, {w: seconds of a drafting cycle}, {w: of a verify alone}, seconds per plain token),
@@ -177,9 +178,12 @@ class CostModel:
     def plain_seconds(self, B: int, L: int) -> float:
         """One plain step of B rows at L tokens, in seconds, as measured apart (several rows: their curve's
         step, t1, scaled by the single stream's growth with the length, as k is)."""
-        lo, hi, f = self._between(self._bucket(L))
-        one = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
-        return one if B == 1 or self.batch is None else self.batch(B).t1 * one / max(lo[3], 1e-9)
+        key = (B, self._bucket(L))
+        if key not in self._plain:
+            lo, hi, f = self._between(key[1])
+            one = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
+            self._plain[key] = one if B == 1 or self.batch is None else self.batch(B).t1 * one / max(lo[3], 1e-9)
+        return self._plain[key]
 
     def k(self, B: int = 1, L: int = 0, drafting: bool = True) -> Dict[int, float]:
         """{w: k(w, B, L)} for every w up to the widest measured (1: a plain step, 1)."""

@@ -177,6 +177,7 @@ class Guard(Policy):
         self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
         self.paid = dict(self.prior.paid)  # (B, drafting) -> plain steps a cycle takes beyond its price
         self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
+        self.step_s: Dict[int, float] = {}  # B -> a plain step's seconds as measured apart, at the last set's L
         # (B, drafting) -> the last cycles' plain steps beyond their price (the samples behind paid)
         self.excess: Dict[tuple, List[float]] = {k: list(v) for k, v in self.prior.excess.items()}
         self.unmatched: List[tuple] = []  # ((B, drafting), seconds, k): cycles before B's plain steps were timed
@@ -216,6 +217,7 @@ class Guard(Policy):
         B, L = len(rows), max((r.context for r in rows), default=0)
         try:
             self.priced = (self.model.k(B, L, True), self.model.k(B, L, False))
+            self.step_s[B] = self.model.plain_seconds(B, L)
         except Unpriced as e:
             self.unpriced = str(e)
             return False
@@ -401,7 +403,6 @@ class Guard(Policy):
         cycle is left out: it also brings the drafter's context up to date with
         the tokens those made, once."""
         uids, B, secs, w = tuple(r.uid for r in rows), len(rows), results[0].t_step, max(r.width for r in results)
-        L = max(r.context for r in rows)
         last, self.last_step = self.last_step, uids
         after_plain, self.after_plain = self.after_plain, not drafted  # (a plain step, or a lookup cycle)
         if secs <= 0 or last != uids or not any(u in self.rows for u in uids) or (drafted and after_plain):
@@ -411,24 +412,24 @@ class Guard(Policy):
             plain[:] = plain[-(self.PLAIN_SAMPLES - 1):] + [secs]
             if self._timed(B):
                 for u in [u for u in self.unmatched if u[0][0] == B]:
-                    self._paid(*u, self._unit(B, L))
+                    self._paid(*u, self._unit(B))
                 self.unmatched = [u for u in self.unmatched if u[0][0] != B]
             return
         price = self.priced[0 if drafted else 1].get(w)
         if price:
             self.unmatched = self.unmatched[-(self.PAID_SAMPLES - 1):] + [((B, drafted), secs, price)]
             if self._timed(B):
-                self._paid(*self.unmatched.pop(), self._unit(B, L))
+                self._paid(*self.unmatched.pop(), self._unit(B))
 
     def _timed(self, B: int) -> bool:
         """Whether enough plain steps at B are timed (PLAIN_MIN) to be the unit of its prices as paid."""
         return len(self.plain_s.get(B, ())) >= self.PLAIN_MIN
 
-    def _unit(self, B: int, L: int) -> float:
+    def _unit(self, B: int) -> float:
         """The plain step at B rows: the median of the timed ones, within UNIT_BOUND of the one measured
-        apart at L tokens."""
-        t, apart = median(self.plain_s[B]), self.model.plain_seconds(B, L)
-        return min(max(t, apart / self.UNIT_BOUND), apart * self.UNIT_BOUND)
+        apart (at the length last priced; never priced at B: unbounded)."""
+        t, apart = median(self.plain_s[B]), self.step_s.get(B)
+        return t if apart is None else min(max(t, apart / self.UNIT_BOUND), apart * self.UNIT_BOUND)
 
     def _paid(self, key: tuple, secs: float, price: float, unit: float) -> None:
         """One cycle's plain steps beyond its k(w), in units of its set's plain step

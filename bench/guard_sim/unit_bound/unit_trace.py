@@ -18,25 +18,20 @@ from mlx_dflash.policy.costs import median
 from mlx_dflash.policy.guard import Guard
 
 LOG = open(os.environ.get("UNIT_TRACE", "/tmp/unit_trace.log"), "w")
-decide, paid = Guard.decide, Guard._paid
-
-
-def _decide(self, rows):
-    self.trace_L = max((r.context for r in rows), default=0)
-    return decide(self, rows)
+paid = Guard._paid
 
 
 def _paid(self, key, secs, price, unit):
     B = key[0]
-    timed, apart = median(self.plain_s[B]), self.model.plain_seconds(B, self.trace_L)
+    timed, apart = median(self.plain_s[B]), self.step_s[B]
     paid(self, key, secs, price, unit)
-    print(f"PAID B={B} drafting={key[1]} L={self.trace_L} secs={secs * 1e3:.2f}ms price={price:.2f} "
+    print(f"PAID B={B} drafting={key[1]} secs={secs * 1e3:.2f}ms price={price:.2f} "
           f"unit={unit * 1e3:.2f}ms timed={timed * 1e3:.2f}ms apart={apart * 1e3:.2f}ms "
           f"ratio={timed / apart:.2f} excess={self.excess[key][-1]:.2f} paid={self.paid[key]:.2f}",
           file=LOG, flush=True)
 
 
-Guard.decide, Guard._paid = _decide, _paid
+Guard._paid = _paid
 if sys.argv[1] == "cli":
     from app.cli import main
     sys.argv = ["mlx-dflash"] + sys.argv[2:]
