@@ -277,6 +277,32 @@ def test_a_probe_starts_only_where_the_room_left_repays_it():
     assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
 
 
+def test_short_answers_one_after_another_still_probe():
+    """A probe refused because the answer's room left cannot repay it counts the
+    plain steps it waited as room: what was paid (learnt only while drafting)
+    once priced a cycle above what any one short answer could repay, and every
+    answer after stayed plain for good (bench/guard_sim/unit_bound/)."""
+    prior = Observed(paid={(1, True): 1.0}, excess={(1, True): [1.0] * 3})  # a width-5 cycle: 3 plain steps
+    seen = []
+    for answer in range(3):
+        g = Guard(_model(_costs(2.0)), prior)
+        row = Row()
+        widths = []
+        for left in range(40, 0, -1):  # 40 tokens: a probe's worst case, 2 plain steps a cycle, needs 48
+            row.left = left
+            w = g.decide([row]).width
+            if w == 1:
+                _plain(g, 1, (row,))
+            else:
+                _cycle(g, 4, w, (row,))
+            widths.append(w)
+            if w == 1 and left == 40:
+                assert g.reason(row).startswith("plain: too few tokens left to repay a probe")
+        seen.append(max(widths))
+        prior = g.leave(row)
+    assert seen[0] == 1 and seen[1] == 5  # the first answer waits; the next probes on the steps it waited
+
+
 def test_a_short_answer_probes_at_the_widest_width_that_repays_it():
     """The probe's worst case is checked at each width up to the predicted one:
     where the widest cannot be repaid in the room left, a narrower one that can

@@ -93,6 +93,7 @@ class Observed:
     tau: Dict[int, float] = field(default_factory=dict)  # tokens per cycle, by width
     backoff: int = 0  # the guard's next plain-run length (0: the first)
     wait: int = 0  # plain tokens still due when the last request ended (0: it was drafting)
+    deferred: int = 0  # plain steps since a probe fell due, each refused as too dear for the room left
     # share of the guard's lookup drafts accepted, by grade (the length of the n-gram match: lookup_gate.py)
     lookup_alpha: Dict[int, float] = field(default_factory=dict)
     p: Optional[List[float]] = None  # the guard's per-position acceptance (when it chooses the width)

@@ -13,7 +13,9 @@ that maximises it. States (of the set):
   where the rows' room left could repay its worst case PAYBACK times over, at
   the widest width up to the predicted one where it can (short answers probe
   narrower; a few tokens left, or a dear cycle: many rows, a long context, do
-  not probe). It starts each row's evidence afresh and is judged after every
+  not probe, and the plain steps they wait count as room for the next probe,
+  so short answers one after another still probe now and then). It starts each
+  row's evidence afresh and is judged after every
   cycle: on text that does not draft well a probe costs one to three cycles;
   PROBE cycles that pay by MARGIN switch to draft.
 - draft: the evidence goes on, fading by 1 - ALPHA per cycle; below
@@ -187,6 +189,7 @@ class Guard(Policy):
         self.hopeless = False
         self.unpriced: Optional[str] = None  # what the last set's price lacks (not measured yet)
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
+        self.deferred = self.prior.deferred  # plain steps since a probe fell due and was refused (short)
         self.probe_w: Optional[int] = None  # the probe under way drafts at most this wide (its worst case repaid)
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
@@ -300,7 +303,10 @@ class Guard(Policy):
         if self.state != "probe" or self.trial > 0:
             return True
         left = [r.left for r in rows if r.uid in self.rows]
-        risk = sum(left) / len(left) / (self.PAYBACK * self.PROBE)  # plain steps a probe cycle may lose
+        # plain steps a probe cycle may lose; the steps already refused count as room, so short answers
+        # one after another still probe now and then (else what was paid, learnt only while drafting,
+        # could keep every later answer plain)
+        risk = (sum(left) / len(left) + self.deferred) / (self.PAYBACK * self.PROBE)
         fits = [x for x in self.ws if x <= self.est[0] and self.kd[x] - 1 <= risk]
         self.probe_w = max(fits, default=None)
         self.short = self.probe_w is None
@@ -447,6 +453,7 @@ class Guard(Policy):
         s = self.est[2]
         if self.state == "probe":
             self.trial += 1
+            self.deferred = 0
             if self.trial == 1 and len(self.excess.get((len(rows), True), ())) < self.PAID_TRUSTED:
                 # its one cycle so far caught the drafter up and was not timed, and what was paid rests on
                 # too few cycles to tell an outlier: judged at the price measured, so the probe times one
@@ -462,6 +469,7 @@ class Guard(Policy):
 
     def _plain_step(self) -> None:
         self.wait = max(0, self.wait - 1)
+        self.deferred += self.state == "probe" and self.short
         if self.hopeless:
             self.wait = self.wait or self.BACKOFF_MAX
         elif self.state == "plain" and self.wait == 0:
@@ -503,7 +511,7 @@ class Guard(Policy):
         if s.tried:
             p = [h / n if n else e for h, n, e in zip(s.hits, s.tries, self._p(s))]
             tries = list(s.tries)
-        o = Observed(backoff=self.backoff, p=list(p) if p is not None else None, tries=tries,
+        o = Observed(backoff=self.backoff, deferred=self.deferred, p=list(p) if p is not None else None, tries=tries,
                      wait=self.wait if self.state == "plain" and not self.hopeless else 0,
                      lookup_alpha=dict(s.gate.alpha) if s.gate is not None else self.prior.lookup_alpha,
                      paid=dict(self.paid), excess={k: list(v) for k, v in self.excess.items()})
