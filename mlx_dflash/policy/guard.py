@@ -157,8 +157,8 @@ class Guard(Policy):
     PAID_TRUSTED = 3  # samples behind what was paid before it may end a probe at its first (untimed) cycle
     # the unit of what was paid, the set's timed plain step, is held within this factor of the plain step
     # measured apart: a few steps whose compute was done before they were timed (pipelined) must not set
-    # it (one run priced a width-2 cycle at 20.8 plain steps for good, bench/guard_sim/tried.md: the unit
-    # trap); timed units read 0.7-1.3x the measured one (bench/guard_sim/unit_bound/)
+    # it (one run priced a width-2 cycle at 20.8 plain steps for good, bench/guard_sim/: the unit
+    # trap); where the curves are right, timed units read 0.66-1.88x the measured one (unit_bound/)
     UNIT_BOUND = 2.0
     UNTIMED = 3  # cycles drafted before a set with no plain step timed at its size steps plainly to time one
     PSEUDO = 2  # pseudo-tries of a position's prior, the row's pooled rate
@@ -469,7 +469,8 @@ class Guard(Policy):
 
     def _plain_step(self) -> None:
         self.wait = max(0, self.wait - 1)
-        self.deferred += self.state == "probe" and self.short
+        if self.state == "probe" and self.short:
+            self.deferred += 1
         if self.hopeless:
             self.wait = self.wait or self.BACKOFF_MAX
         elif self.state == "plain" and self.wait == 0:
