@@ -281,10 +281,10 @@ def test_short_answers_one_after_another_still_probe():
     """A probe refused because the answer's room left cannot repay it counts the
     plain steps it waited as room: what was paid (learnt only while drafting)
     once priced a cycle above what any one short answer could repay, and every
-    answer after stayed plain for good (bench/guard_sim/unit_bound/)."""
+    answer after stayed plain for good (bench/guard_sim/README.md)."""
     prior = Observed(paid={(1, True): 1.0}, excess={(1, True): [1.0] * 3})  # a width-5 cycle: 3 plain steps
     seen = []
-    for answer in range(3):
+    for _ in range(2):
         g = Guard(_model(_costs(2.0)), prior)
         row = Row()
         widths = []
