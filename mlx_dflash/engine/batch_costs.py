@@ -114,7 +114,8 @@ class BatchCosts:
     def plain_s(self, B: int) -> float:
         """Seconds of one plain [B, 1] step, as the curves at the sizes around B measured it."""
         lo, hi, f = self._between(B)
-        self._at(lo), self._at(hi)
+        for b in (lo, hi):
+            self._at(b)  # (held, or Unpriced: the step's seconds come with the size's curve)
         return self._t1[lo] + f * (self._t1[hi] - self._t1[lo])
 
     @staticmethod

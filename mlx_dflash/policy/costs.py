@@ -172,19 +172,25 @@ class CostModel:
     def single(self, L: int) -> Dict[bool, Dict[int, float]]:
         """{drafting: {w: k}} for one row at L tokens of context."""
         lo, hi, f = self._between(L)
-        plain = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
+        plain = self._plain_at(L)
         return {drafting: {x: max(lo[i][x] + f * (hi[i][x] - lo[i][x]), 1e-9) / plain for x in lo[i]}
                 for drafting, i in ((True, 1), (False, 2))}
 
     def plain_seconds(self, B: int, L: int) -> float:
-        """One plain step of B rows at L tokens, in seconds, as measured apart (several rows: their curve's
-        step, t1, scaled by the single stream's growth with the length, as k is)."""
+        """One plain step of B rows at L tokens, in seconds, as measured apart: the unit of one row's k
+        (several rows: their curve's step, t1, scaled by the single stream's growth with the length, as
+        k is)."""
         key = (B, self._bucket(L))
         if key not in self._plain:
-            lo, hi, f = self._between(key[1])
-            one = max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
-            self._plain[key] = one if B == 1 or self.batch is None else self.batch(B).t1 * one / max(lo[3], 1e-9)
+            one = self._plain_at(key[1])
+            self._plain[key] = one if B == 1 or self.batch is None else \
+                self.batch(B).t1 * one / max(self._single[None][3], 1e-9)
         return self._plain[key]
+
+    def _plain_at(self, L: int) -> float:
+        """One row's plain step at L tokens, in seconds (linear between the curves that bracket L)."""
+        lo, hi, f = self._between(L)
+        return max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
 
     def k(self, B: int = 1, L: int = 0, drafting: bool = True) -> Dict[int, float]:
         """{w: k(w, B, L)} for every w up to the widest measured (1: a plain step, 1)."""
