@@ -1,16 +1,17 @@
 """The default mode's guard (policy.guard.Guard): its prices, probes, fallbacks
 and widths (pure, no model), and the guard in the decode loop; its calibration
-is measured once and cached."""
+is measured once and cached. Its prices as paid: test_guard_paid.py."""
 
 import random
 
 import pytest
 
 from drafters import PROMPTS, OracleDrafter, reference_tokens
+from guard_drive import ROW, curve_for, cycle, drive, due, model_for, plain
 from mlx_dflash import generate, load
 from mlx_dflash.engine import calibrate
 from mlx_dflash.policy import costs
-from mlx_dflash.policy.base import DFLASH, LOOKUP, CycleResult, Plan
+from mlx_dflash.policy.base import DFLASH, CycleResult, Plan
 from mlx_dflash.policy.costs import CostModel, Costs, Observed
 from mlx_dflash.policy.guard import Guard
 from mlx_dflash.policy.lookup_gate import LookupGate
@@ -19,60 +20,12 @@ from rows import Row
 pytestmark = pytest.mark.usefixtures("fresh_costs")
 
 
-def _costs(k, w=5):
-    """A curve whose width-w cycle costs k plain tokens (a plain token 0.8 of a
-    1-token step, as pipelining gives; verify and draft split 3:1)."""
-    t1, tp = 0.01, 0.008
-    steps = k * tp / t1
-    return Costs(t1, {1: 1.0, w: 0.75 * steps}, {1: 0.0, w: 0.25 * steps}, t_plain=tp)
-
-
-def _model(base, long=None):
-    """The CostModel of one curve (and a long-context one)."""
-    return CostModel(lambda at: base if at is None else long, sorted(base.c),
-                     priced_at=(lambda n: None) if long is None else (lambda n: long.context if n > 512 else None))
-
-
-ROW = Row()
-
-
-def _due(g, rows=(ROW,)) -> int:
-    """0 when the guard drafts now, else -1 (plain steps)."""
-    return 0 if g.decide(list(rows)).width > 1 else -1
-
-
-def _cycle(g, accepted, w=5, rows=(ROW,)):
-    """A DFlash cycle at width w in which each row accepted `accepted` drafts."""
-    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=DFLASH) for _ in rows])
-
-
-def _plain(g, k, rows=(ROW,)):
-    for _ in range(k):
-        g.observe(list(rows), [CycleResult(1, 0, 1) for _ in rows])
-
-
-def _drive(g, accepted, cycles, rows=(ROW,)):
-    """Run the guard's loop for `cycles` decisions, each draft cycle accepting
-    `accepted(i)` drafts per row. Returns the decisions: a width, or -1 per plain step."""
-    seq = []
-    for i in range(cycles):
-        d = g.decide(list(rows))
-        if d.width == 1:
-            _plain(g, 1, rows)
-            seq.append(-1)
-        else:
-            assert set(d.sources) == {DFLASH}
-            _cycle(g, accepted(i), d.width, rows)
-            seq.append(d.width)
-    return seq
-
-
 def test_guard_cost_is_the_calibrated_cycle_in_plain_tokens():
     c = Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6}, t_plain=0.008)
-    g = Guard(_model(c))
+    g = Guard(model_for(c))
     g.decide([ROW])
     assert g.kd[5] == pytest.approx((1.8 + 0.6) * 0.01 / 0.008) and g.kv[5] == pytest.approx(1.8 * 0.01 / 0.008)
-    g = Guard(_model(Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})))  # no t_plain: t1
+    g = Guard(model_for(Costs(0.01, {1: 1.0, 5: 1.8}, {1: 0.0, 5: 0.6})))  # no t_plain: t1
     g.decide([ROW])
     assert g.kd[5] == pytest.approx(2.4)
 
@@ -90,191 +43,14 @@ def test_guard_measures_nothing_for_fixed_widths_and_plain_rows():
     assert g.decide([off]).width == 1
 
 
-def _step(g, w, secs, rows=(ROW,), accepted=0):
-    """One step the engine accounted `secs` after its previous one (CycleResult.t_step)."""
-    g.decide(list(rows))
-    src = DFLASH if w > 1 else ""
-    g.observe(list(rows), [CycleResult(w, accepted, accepted + 1, source=src, t_step=secs) for _ in rows])
-
-
-def test_prices_are_raised_to_what_the_cycles_paid():
-    """Cycles that take longer than k(w) x the set's plain step add the median
-    excess (in plain steps) to every price at that set size; it carries to the
-    next request; the first cycle after plain steps (the drafter's catch-up) and
-    steps of another set of rows are left out; cheaper cycles lower nothing."""
-    g = Guard(_model(_costs(2.0)))
-    rows = (Row(uid=1), Row(uid=2))
-    for _ in range(4):
-        _step(g, 1, 0.010, rows)  # plain steps at 2 rows: 10 ms
-    assert g.paid == {}
-    k5 = g.priced[0][5]
-    _step(g, 5, 100.0, rows, accepted=4)  # right after plain steps: the catch-up cycle, left out
-    assert g.paid == {}
-    for excess in (0.6, 0.4, 8.0):
-        _step(g, 5, 0.010 * (k5 + excess), rows, accepted=4)
-    assert g.paid[(2, True)] == pytest.approx(0.6)  # the median of 0.6, 0.4 and 8
-    g.decide(list(rows))
-    assert g.kd[5] == pytest.approx(k5 + 0.6) and g.kv[5] == pytest.approx(g.priced[1][5])  # (lookup apart)
-    assert g.kd[1] == 1.0  # (a plain step is the unit)
-    assert "0.60 more than measured, as paid" in g.reason(rows[0])
-    assert g.decide([ROW]) and g.kd[5] == pytest.approx(g.model.k(1, 0, True)[5])  # one row: its own price
-    o = g.leave(rows[0])
-    h = Guard(_model(_costs(2.0)), o)
-    h.decide(list(rows))
-    assert h.kd[5] == pytest.approx(k5 + 0.6)  # the next request starts from what was paid
-    # cycles cheaper than their price leave it as measured; unknown step times (0) are not samples
-    q = Guard(_model(_costs(2.0)))
-    for _ in range(4):
-        _step(q, 1, 0.010, rows)
-    for secs in (0.010 * k5 * 5, 0.0, 0.0, 0.010 * (k5 - 0.5)):  # (the catch-up, two unknown, one sample)
-        _step(q, 5, secs, rows, accepted=4)
-    q.decide(list(rows))
-    assert q.paid[(2, True)] == pytest.approx(-0.5) and q.kd[5] == pytest.approx(k5)
-
-
-def test_what_was_paid_is_a_median_over_requests():
-    """The excess is the median of the last PAID_SAMPLES cycles, this request's
-    and those before it: one request times few cycles, and one slow cycle in
-    the next (a busy moment) must not set the prices of every request after it."""
-    g = Guard(_model(_costs(2.0)))
-    for _ in range(4):
-        _step(g, 1, 0.010)
-    k5 = g.priced[0][5]
-    _step(g, 5, 1.0, accepted=4)  # (the catch-up, left out)
-    for excess in (0.4, 0.5, 0.45):
-        _step(g, 5, 0.010 * (k5 + excess), accepted=4)
-    o = g.leave(ROW)
-    assert o.paid[(1, True)] == pytest.approx(0.45) and o.excess[(1, True)] == pytest.approx([0.4, 0.5, 0.45])
-    h = Guard(_model(_costs(2.0)), o)
-    for _ in range(4):
-        _step(h, 1, 0.010)
-    _step(h, 5, 1.0, accepted=4)
-    _step(h, 5, 0.010 * (k5 + 3.0), accepted=4)  # one slow cycle
-    assert h.paid[(1, True)] == pytest.approx(0.475)  # the median of 0.4, 0.5, 0.45 and 3.0 (the middle two's mean)
-    for _ in range(Guard.PAID_SAMPLES):  # the oldest samples give way to the newest
-        _step(h, 5, 0.010 * (k5 + 1.0), accepted=4)
-    assert h.paid[(1, True)] == pytest.approx(1.0) and len(h.excess[(1, True)]) == Guard.PAID_SAMPLES
-
-
-def test_the_drafters_catch_up_after_a_lookup_cycle_is_not_what_a_cycle_pays():
-    """The drafter's context follows the target only in DFlash cycles: the one
-    after a lookup cycle catches up the tokens that cycle made (as the one after
-    plain steps does), so its time is no sample of what a cycle pays."""
-    g = Guard(_model(_costs(2.0)))
-    rows = (Row(lookup=True),)
-    for _ in range(4):
-        _step(g, 1, 0.010, rows)
-    k5 = g.priced[0][5]
-    _step(g, 5, 1.0, rows, accepted=4)  # (the catch-up after plain steps)
-    _step(g, 5, 0.010 * (k5 + 0.2), rows, accepted=4)
-    g.decide(list(rows))
-    g.observe(list(rows), [CycleResult(5, 4, 5, source=LOOKUP, t_step=0.010 * g.priced[1][5])])
-    _step(g, 5, 0.010 * (k5 + 6.0), rows, accepted=4)  # the catch-up after the lookup cycle: left out
-    assert g.excess[(1, True)] == pytest.approx([0.2])
-    _step(g, 5, 0.010 * (k5 + 0.4), rows, accepted=4)
-    assert g.excess[(1, True)] == pytest.approx([0.2, 0.4])
-
-
-def test_one_slow_cycle_paid_does_not_stop_drafting_for_good():
-    """Never trying DFlash (even a drafter right 90% of the time could not pay)
-    is judged on the price measured: an outlier excess carried from the last
-    request raises the prices, the guard falls back, and the cycles of its
-    next probe, timed at their price, bring what was paid back down."""
-    c = Costs(0.01, {1: 1.0, 5: 1.4}, {1: 0.0, 5: 0.6}, t_plain=0.01)  # k(5) = 2: a ceiling of 2.5
-    g = Guard(_model(c), Observed(paid={(1, True): 3.0}, excess={(1, True): [3.0]}))
-    g.decide([ROW])
-    assert g.kd[5] == pytest.approx(5.0) and not g.hopeless  # (as paid, 5 / 5 is below the ceiling)
-    seen = []
-    for _ in range(300):
-        d = g.decide([ROW])
-        w = d.width
-        g.observe([ROW], [CycleResult(w, w - 1, w, source=DFLASH if w > 1 else "", t_step=0.01 * (2.0 if w > 1 else 1))])
-        seen.append(w)
-    assert g.paid[(1, True)] == pytest.approx(0.0) and g.state == "draft" and seen[-50:] == [5] * 50
-    assert g.fallbacks >= 1  # (it did fall back at first: 5 plain steps a cycle priced no better than plain)
-
-
-def test_a_few_plain_steps_timed_short_do_not_set_the_unit_for_good():
-    """What was paid is in units of the set's timed plain step, held within
-    UNIT_BOUND of the step measured apart: a request whose only timed plain
-    steps were short (their compute done before they were timed) once priced
-    every cycle at ~20 plain steps; carried to the next requests, that ended
-    each probe at its first cycle, so no cycle was timed again (the unit trap)."""
-    c = _costs(2.0)  # a plain step measured apart: 8 ms
-    g = Guard(_model(c))
-    k5 = g.model.k(1, 0, True)[5]
-    for _ in range(5):  # cycles that cost their price (the first: the catch-up), before any plain step is timed
-        _step(g, 5, 0.008 * k5, accepted=4)
-    for _ in range(3):
-        _step(g, 1, 0.0004)  # three plain steps timed short
-    h = Guard(_model(c), g.leave(ROW))
-    seen = []
-    for _ in range(300):  # the next request, every step at its price, its drafter right every time
-        w = h.decide([ROW]).width
-        h.observe([ROW], [CycleResult(w, w - 1, w, source=DFLASH if w > 1 else "", t_step=0.008 * (k5 if w > 1 else 1))])
-        seen.append(w)
-    assert h.state == "draft" and seen[-50:] == [5] * 50
-    assert g.paid[(1, True)] <= k5 * (Guard.UNIT_BOUND - 1) + 1e-9  # (a cycle at its price: at most the bound's)
-
-
-def test_an_excess_learnt_at_one_width_prices_every_width_by_the_same_steps():
-    """What the curves miss is work per cycle: an excess paid at width 5 raises
-    width 2 by the same plain steps, not by width 5's ratio (which would price
-    a narrow width below what it costs)."""
-    base = Costs(0.01, {1: 1.0, 2: 1.1, 5: 1.5}, {1: 0.0, 2: 0.3, 5: 0.5})
-    g = Guard(_model(base))
-    for _ in range(4):
-        _step(g, 1, 0.010)
-    k2, k5 = g.priced[0][2], g.priced[0][5]
-    for _ in range(4):  # (the first: the catch-up)
-        _step(g, 5, 0.010 * (k5 + 1.0), accepted=4)
-    g.decide([ROW])
-    assert g.kd[2] == pytest.approx(k2 + 1.0) and g.kd[5] == pytest.approx(k5 + 1.0)
-
-
-def test_a_set_that_never_steps_plainly_times_a_plain_step_once():
-    """Prices as paid are in plain steps: a set whose cycles pay (as priced) never
-    falls back, so after UNTIMED cycles it steps plainly until three plain steps
-    are timed, learns what its cycles cost, and falls back where they do not
-    pay. A set of the same size that carries what was paid does not stop again."""
-    base = Costs(0.01, {1: 1.0, 2: 1.1}, {1: 0.0, 2: 0.1})  # a width-2 cycle priced at 1.2 plain steps
-    g = Guard(_model(base))
-    seq = []
-    for i in range(40):  # each draft accepted half the time (1.25x plain as priced); every cycle truly costs 2.2
-        w = g.decide([ROW]).width
-        a = int(i % 2 == 0) if w > 1 else 0
-        g.observe([ROW], [CycleResult(w, a, a + 1, source=DFLASH if w > 1 else "",
-                                      t_step=0.010 * (2.2 if w > 1 else 1.0))])
-        seq.append(w)
-    assert seq[:4] == [2, 2, 2, 2]  # (the catch-up, then UNTIMED cycles)
-    assert seq[4:7] == [1, 1, 1]  # three plain steps timed
-    assert g.paid[(1, True)] == pytest.approx(1.0)
-    assert seq[-20:] == [1] * 20  # 1.5 tokens for 2.2 plain steps: it steps plainly
-    assert g.leave(ROW).paid == {(1, True): pytest.approx(1.0)}  # (carried on)
-    h = Guard(_model(base), Observed(paid={(1, True): 0.1}))  # what was paid at one row, carried
-    for _ in range(10):  # every draft accepted: it drafts on
-        assert h.decide([ROW]).width == 2
-        h.observe([ROW], [CycleResult(2, 1, 2, source=DFLASH, t_step=0.013)])
-    assert h.unmatched and not h.plain_s  # it drafted on, its cycles waiting for a plain step
-    # plain steps whose time is unknown (0) are no samples: it stops trying after 3 x UNTIMED of them
-    q = Guard(_model(base))
-    seq = []
-    for _ in range(30):
-        w = q.decide([ROW]).width
-        q.observe([ROW], [CycleResult(w, 1 if w > 1 else 0, 2 if w > 1 else 1, source=DFLASH if w > 1 else "",
-                                      t_step=0.012 if w > 1 else 0.0)])
-        seq.append(w)
-    assert seq.count(1) == 3 * Guard.UNTIMED and seq[-10:] == [2] * 10
-
-
 def test_a_probe_starts_only_where_the_room_left_repays_it():
-    g = Guard(_model(_costs(2.0)))  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
+    g = Guard(model_for(curve_for(2.0)))  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
     row = Row()
     row.left = 8 * 3 - 1  # (PAYBACK x that, less one)
-    assert _due(g, (row,)) == -1 and g.reason(row).startswith("plain: too few tokens left to repay a probe")
+    assert due(g, (row,)) == -1 and g.reason(row).startswith("plain: too few tokens left to repay a probe")
     assert "predicted" not in g.reason(row)  # (nothing tried: the probe's prior is no prediction to quote)
     row.left = 8 * 3
-    assert _due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
+    assert due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
 
 
 def test_short_answers_one_after_another_still_probe():
@@ -285,16 +61,16 @@ def test_short_answers_one_after_another_still_probe():
     prior = Observed(paid={(1, True): 1.0}, excess={(1, True): [1.0] * 3})  # a width-5 cycle: 3 plain steps
     seen = []
     for _ in range(2):
-        g = Guard(_model(_costs(2.0)), prior)
+        g = Guard(model_for(curve_for(2.0)), prior)
         row = Row()
         widths = []
         for left in range(40, 0, -1):  # 40 tokens: a probe's worst case, 2 plain steps a cycle, needs 48
             row.left = left
             w = g.decide([row]).width
             if w == 1:
-                _plain(g, 1, (row,))
+                plain(g, 1, (row,))
             else:
-                _cycle(g, 4, w, (row,))
+                cycle(g, 4, w, (row,))
             widths.append(w)
             if w == 1 and left == 40:
                 assert g.reason(row).startswith("plain: too few tokens left to repay a probe")
@@ -308,7 +84,7 @@ def test_a_short_answer_probes_at_the_widest_width_that_repays_it():
     where the widest cannot be repaid in the room left, a narrower one that can
     is probed; the probe ends, and the next one is judged afresh."""
     c = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.5, 8: 1.7}  # (the probe's prior predicts width 8 best)
-    g = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    g = Guard(model_for(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
     row = Row(cap=8)
     row.left = 15  # repays a width-5 probe (8 x 3 x 0.5 = 12) but not width 8 (8 x 3 x 0.7 = 16.8)
     d = g.decide([row])
@@ -316,16 +92,16 @@ def test_a_short_answer_probes_at_the_widest_width_that_repays_it():
     g.observe([row], [CycleResult(5, 4, 5, source=DFLASH)])
     assert g.decide([row]).widths == (5,)  # the same probe: still at most 5 wide
     row.left = 2  # a fresh guard with less room: not even width 2 (8 x 3 x 0.1 = 2.4) repays
-    h = Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
+    h = Guard(model_for(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01)))
     assert h.decide([row]).width == 1 and h.reason(row).startswith("plain: too few tokens left to repay a probe")
     row.left = 17
-    assert Guard(_model(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01))).decide([row]).widths == (8,)
+    assert Guard(model_for(Costs(0.01, c, {w: 0.0 for w in c}, t_plain=0.01))).decide([row]).widths == (8,)
 
 
 def test_guard_keeps_drafting_when_it_pays():
-    g = Guard(_model(_costs(2.0)))
-    assert _due(g) == 0 and g.reason(ROW).startswith("dflash: probing")
-    seq = _drive(g, lambda i: 3 if i % 2 else 2, 60)  # 3.5 tokens a cycle: 1.75x
+    g = Guard(model_for(curve_for(2.0)))
+    assert due(g) == 0 and g.reason(ROW).startswith("dflash: probing")
+    seq = drive(g, lambda i: 3 if i % 2 else 2, 60)  # 3.5 tokens a cycle: 1.75x
     assert seq == [5] * 60 and g.state == "draft" and g.fallbacks == 0
     assert g.speedup() > 1.4 and g.reason(ROW).startswith("dflash: ")
 
@@ -335,32 +111,32 @@ def test_guard_probe_is_a_sequential_test():
     width: one poor cycle ends it, cycles that pay keep it going, and it switches
     to drafting only after PROBE cycles that pay by MARGIN."""
     k = 3.2
-    g = Guard(_model(_costs(k)))
-    _due(g)
-    _cycle(g, 0)  # nothing accepted: below break-even at once -> plain
+    g = Guard(model_for(curve_for(k)))
+    due(g)
+    cycle(g, 0)  # nothing accepted: below break-even at once -> plain
     assert g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
-    g = Guard(_model(_costs(k)))
-    _due(g)
+    g = Guard(model_for(curve_for(k)))
+    due(g)
     for a in (4, 4):
-        _cycle(g, a)
+        cycle(g, a)
         assert g.state == "probe"
-    _cycle(g, 4)
+    cycle(g, 4)
     assert g.state == "draft" and g.speedup() > Guard.MARGIN
     n = 0
     while g.state == "draft" and n < 6:  # a run of cycles that emit one token each: below break-even -> plain
-        _cycle(g, 0)
+        cycle(g, 0)
         n += 1
     assert g.state == "plain" and n >= 2 and g.reason(ROW).startswith("plain: DFlash 0.")
-    g = Guard(_model(_costs(k)))
-    _due(g)
+    g = Guard(model_for(curve_for(k)))
+    due(g)
     for a in (2, 1, 2):  # about break-even: not by MARGIN -> plain after PROBE cycles at most
-        _cycle(g, a)
+        cycle(g, a)
     assert g.state == "plain"
 
 
 def test_guard_falls_back_probes_with_backoff_and_recovers():
-    g = Guard(_model(_costs(3.0)))
-    seq = _drive(g, lambda i: 0, 4000)  # nothing accepted
+    g = Guard(model_for(curve_for(3.0)))
+    seq = drive(g, lambda i: 0, 4000)  # nothing accepted
     runs, run = [], 0
     for x in seq:
         if x < 0:
@@ -373,9 +149,9 @@ def test_guard_falls_back_probes_with_backoff_and_recovers():
     assert all(x == 5 for x in seq if x > 0)  # probes draft at the widest measured width
     assert sum(x > 0 for x in seq) <= 3 * g.fallbacks  # each failed probe cost at most 3 cycles
     while g.state != "plain":
-        _drive(g, lambda i: 0, 1)
+        drive(g, lambda i: 0, 1)
     assert g.reason(ROW).startswith("plain: DFlash 0.")
-    seq = _drive(g, lambda i: 4, Guard.BACKOFF_MAX + 8)  # the text becomes draftable: drafting comes back
+    seq = drive(g, lambda i: 4, Guard.BACKOFF_MAX + 8)  # the text becomes draftable: drafting comes back
     assert g.state == "draft" and seq[-3:] == [5, 5, 5] and g.backoff == Guard.BACKOFF0
 
 
@@ -383,25 +159,25 @@ def test_guard_never_drafts_where_even_full_acceptance_loses():
     # a cycle = 6 plain tokens > width 5; 4.2 (bf16 on mlx-cpu): w / k = 1.19 < 1.25, only a
     # drafter right > 90% of the time could pay; 3.9: w / k = 1.28, worth probing
     for k, hopeless in ((6.0, True), (4.2, True), (3.9, False)):
-        g = Guard(_model(_costs(k)), Observed(p=[0.95] * 4))
+        g = Guard(model_for(curve_for(k)), Observed(p=[0.95] * 4))
         assert g.uses_drafter(ROW.plan, 0) == (not hopeless)
         if not hopeless:
-            assert _due(g) == 0 and g.state == "draft"
+            assert due(g) == 0 and g.state == "draft"
             continue
-        assert _due(g) == -1 and "cannot pay" in g.reason(ROW)
+        assert due(g) == -1 and "cannot pay" in g.reason(ROW)
         for _ in range(5):  # plain for good: it never probes
-            _plain(g, Guard.BACKOFF_MAX)
-            assert _due(g) == -1 and g.probes == 0
+            plain(g, Guard.BACKOFF_MAX)
+            assert due(g) == -1 and g.probes == 0
         assert g.leave(ROW).wait == 0  # nothing to carry: the next request decides the same from the costs
 
 
 def test_guard_prior_carries_acceptance_and_backoff():
-    g = Guard(_model(_costs(3.0)), Observed(p=[0.5] * 4, backoff=64, wait=40))
-    assert _due(g) == -1 and g.wait == 40  # the last request ended plain: this one continues it
+    g = Guard(model_for(curve_for(3.0)), Observed(p=[0.5] * 4, backoff=64, wait=40))
+    assert due(g) == -1 and g.wait == 40  # the last request ended plain: this one continues it
     o = g.leave(ROW)
     assert o.backoff == 64 and o.wait == 40
-    g = Guard(_model(_costs(3.0)), Observed(p=[0.95] * 4))
-    assert _due(g) == 0 and g.state == "draft" and g.speedup() > 1
+    g = Guard(model_for(curve_for(3.0)), Observed(p=[0.95] * 4))
+    assert due(g) == 0 and g.state == "draft" and g.speedup() > 1
     assert g.leave(Row(carry=False)) is None  # (a seeded row's state is not carried)
 
 
@@ -415,19 +191,19 @@ def test_guard_chooses_the_width_that_pays_best():
     c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify (memory-bound target)
     d = {w: 0.0 if w == 1 else 0.2 for w in ws}
     row = Row(cap=8)
-    g = Guard(_model(_multi(c, d)))
+    g = Guard(model_for(_multi(c, d)))
     assert g.decide([row]).widths == (8,)  # the probe's prior: the widest
     for _ in range(12):  # every draft accepted: the widest block pays best
-        _cycle(g, 7, 8, [row])
+        cycle(g, 7, 8, [row])
     assert g.state == "draft" and g.decide([row]).widths == (8,) and g.speedup() > 3
     for _ in range(40):  # the first draft right, the second wrong: two-token blocks are the most a cycle emits
-        _cycle(g, 1, g.decide([row]).width, [row])
+        cycle(g, 1, g.decide([row]).width, [row])
     x = g.decide([row]).width
     assert x in (2, 3)
     assert g.widths[8] >= 12 and sum(v for w, v in g.widths.items() if w < 8) > 0
     o = g.leave(row)
     assert o.p is not None and len(o.p) == 7 and o.p[0] > 0.9 and o.p[1] < 0.2
-    nxt = Guard(_model(_multi(c, d)), o)  # the next request starts where this one left off
+    nxt = Guard(model_for(_multi(c, d)), o)  # the next request starts where this one left off
     assert nxt.decide([row]).width == x and nxt.state == "draft"
 
 
@@ -440,9 +216,9 @@ def test_the_last_block_is_cut_to_the_answer_and_drafts_only_where_that_pays():
     c = {w: 1 + 0.15 * (w - 1) for w in ws}
     d = {w: 0.0 if w == 1 else 1.0 for w in ws}  # k(2) = 2.15 > 2: a 2-row cycle never pays; k(3) = 2.3
     row = Row(cap=8)
-    g = Guard(_model(_multi(c, d)))
+    g = Guard(model_for(_multi(c, d)))
     for _ in range(12):  # every draft accepted: drafting at the widest width
-        _cycle(g, 7, g.decide([row]).width, [row])
+        cycle(g, 7, g.decide([row]).width, [row])
     assert g.state == "draft" and g.decide([row]).widths == (8,) and g.kd[2] > 2 > g.kd[3] - 1
     for left, want in ((8, 8), (7, 7), (6, 6), (3, 3), (2, 1), (1, 1)):
         row.left = left
@@ -452,7 +228,7 @@ def test_the_last_block_is_cut_to_the_answer_and_drafts_only_where_that_pays():
     assert g.decide([fixed]).widths == (4,)
     # drafts right 80% of the time, a dearer drafter: 8 rows pay (4.2 tokens for 3.55), 5 barely
     # (3.4 for 3.1), 3 do not (2.4 for 2.8)
-    h = Guard(_model(_multi(c, {w: 0.0 if w == 1 else 1.5 for w in ws})), Observed(p=[0.8] * 7, tries=[50.0] * 7))
+    h = Guard(model_for(_multi(c, {w: 0.0 if w == 1 else 1.5 for w in ws})), Observed(p=[0.8] * 7, tries=[50.0] * 7))
     row.left = 10**6
     assert h.decide([row]).widths == (8,) and h.state == "draft"
     row.left = 5
@@ -466,15 +242,15 @@ def test_guard_with_several_widths_still_falls_back_and_never_drafts_where_none_
     c = {w: 1 + 0.25 * (w - 1) for w in ws}  # a verify of 8 costs 2.75 steps, a draft 0.6
     d = {w: 0.0 if w == 1 else 0.6 for w in ws}
     row = Row(cap=8)
-    g = Guard(_model(_multi(c, d)))
+    g = Guard(model_for(_multi(c, d)))
     cycles = 0
     while g.decide([row]).width > 1 and cycles < 10:  # nothing accepted: no width pays
-        _cycle(g, 0, g.decide([row]).width, [row])
+        cycle(g, 0, g.decide([row]).width, [row])
         cycles += 1
     assert cycles <= 4 and g.state == "plain" and g.wait == Guard.BACKOFF0 and g.fallbacks == 1
     assert g.reason(row).startswith("plain: DFlash") and g.reason(row).endswith("probe in 64")
     dear = {w: 0.0 if w == 1 else 0.9 * w for w in ws}  # drafting costs more than any block can emit
-    h = Guard(_model(_multi(c, dear)))
+    h = Guard(model_for(_multi(c, dear)))
     assert h.decide([row]).width == 1 and h.hopeless and "cannot pay" in h.reason(row)
 
 
@@ -487,18 +263,18 @@ def test_guard_prices_positions_past_a_narrow_width_from_the_ones_it_tried():
     c = {w: 1 + 0.05 * (w - 1) for w in ws}  # a cheap verify: wide blocks pay when drafts are right
     d = {w: 0.0 if w == 1 else 0.2 for w in ws}
     row = Row(cap=8)
-    g = Guard(_model(_multi(c, d)))
+    g = Guard(model_for(_multi(c, d)))
     for _ in range(6):
-        _cycle(g, 7, g.decide([row]).width, [row])
+        cycle(g, 7, g.decide([row]).width, [row])
     assert g.state == "draft" and g.decide([row]).width == 8
     for _ in range(40):  # every draft past the first wrong: it narrows
-        _cycle(g, 1, g.decide([row]).width, [row])
+        cycle(g, 1, g.decide([row]).width, [row])
     assert g.decide([row]).width <= 3
     widths = []
     for _ in range(30):  # every draft right again
         w = g.decide([row]).width
         widths.append(w)
-        _cycle(g, w - 1, w, [row])
+        cycle(g, w - 1, w, [row])
     assert widths[-1] == 8 and widths.index(8) < 20
     est = g._p(g.rows[row.uid])
     assert min(est) > 0.8  # no position left behind at its old low value
@@ -514,18 +290,18 @@ def test_guard_does_not_keep_probing_a_drafter_right_half_the_time():
     d = {w: 0.0 if w == 1 else 0.5 for w in ws}
     rng = random.Random(0)
     row = Row(cap=8)
-    g = Guard(_model(_multi(c, d)))
+    g = Guard(model_for(_multi(c, d)))
     cost = tokens = 0.0
     while tokens < 2000:
         w = g.decide([row]).width
         if w == 1:
-            _plain(g, 1, [row])
+            plain(g, 1, [row])
             cost, tokens = cost + 1, tokens + 1
             continue
         a = 0
         while a < w - 1 and rng.random() < 0.5:
             a += 1
-        _cycle(g, a, w, [row])
+        cycle(g, a, w, [row])
         cost, tokens = cost + g.priced[0][w], tokens + a + 1
     assert tokens / cost > 0.97  # plain: 1.0
     assert g.fallbacks >= 3 and g.backoff > Guard.BACKOFF0
@@ -537,7 +313,7 @@ def test_guard_prices_cycles_at_the_length_of_the_context():
     context grows (a verify's attention reads grow with the context, a plain step's too)."""
     short = Costs(0.010, {1: 1.0, 5: 1.2}, {1: 0.0, 5: 0.3}, context=128, t_plain=0.010)
     long = Costs(0.020, {1: 1.0, 5: 2.4}, {1: 0.0, 5: 0.3}, context=4096, t_plain=0.020)  # drafts dearer at length
-    m = _model(short, long)
+    m = model_for(short, long)
     assert m.k(1, 128)[5] == pytest.approx(1.5)
     assert m.k(1, 4096)[5] == pytest.approx(2.7)
     assert m.k(1, 2112)[5] == pytest.approx((0.5 * (0.015 + 0.054)) / 0.015, rel=0.05)  # seconds interpolated
@@ -545,11 +321,11 @@ def test_guard_prices_cycles_at_the_length_of_the_context():
     near = Row(context=128)
     for _ in range(6):
         g.decide([near])
-        _cycle(g, 1, rows=[near])  # 2 tokens a cycle: pays at 1.5, not at 2.7
+        cycle(g, 1, rows=[near])  # 2 tokens a cycle: pays at 1.5, not at 2.7
     assert g.state == "draft"
     far = Row(context=4096)
     g.decide([far])
-    _cycle(g, 1, rows=[far])
+    cycle(g, 1, rows=[far])
     assert g.state == "plain" and "cycle = 2.70" in g.reason(far)
 
 
@@ -588,7 +364,7 @@ def test_default_mode_guard_in_the_loop(pairs):
     p = len(tok.encode(prompt))
     wrong = OracleDrafter(p, ref, model.args.vocab_size, noise=1.0)
     # a cycle costs 2 plain tokens, whatever the machine's load does to a measurement
-    calibrate.remember(model, wrong, _costs(2.0))
+    calibrate.remember(model, wrong, curve_for(2.0))
     r = generate(model, tok, prompt, wrong, max_tokens=n)
     assert r.token_ids == ref and r.stats.mode == "dflash" and r.stats.max_width == wrong.block_size
     assert r.stats.plain_cycles > r.stats.cycles // 2 and r.stats.policy.startswith("plain: DFlash 0.")
@@ -599,7 +375,7 @@ def test_default_mode_guard_in_the_loop(pairs):
         assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
     # a right drafter in the default mode keeps drafting
     right = OracleDrafter(p, ref, model.args.vocab_size)
-    calibrate.remember(model, right, _costs(2.0))  # the same fixed costs: the decision is the guard's, not the load's
+    calibrate.remember(model, right, curve_for(2.0))  # the same fixed costs: the decision is the guard's, not the load's
     r = generate(model, tok, prompt, right, max_tokens=n)
     # (a few plain steps time the unit of prices as paid, once: Guard._untimed)
     assert r.token_ids == ref and r.stats.plain_cycles <= 1 + 4 and r.stats.tau > 3.5
