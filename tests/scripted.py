@@ -295,6 +295,20 @@ class LocalServer:
     def worker(self):
         return self.app.state.worker
 
+    def warmed(self, timeout: float = 300) -> "LocalServer":
+        """Wait until the model the server loads at start has every cost curve its
+        guard wants (measured while idle, or read from the session's cache), as on a
+        server that has run a while. Until then requests decode plain by design, so
+        a test that checks drafting would pass or fail by which module ran first."""
+        deadline = time.monotonic() + timeout
+        while self.worker.engine is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("test server did not load its model")
+            time.sleep(0.05)
+        if not self.worker.engine.costs_ready.wait(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError("test server did not measure its costs")
+        return self
+
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
@@ -314,7 +328,7 @@ def script_server(key: str):
     def srv(pairs, tmp_path_factory):
         tok = tool_tokenizer(pairs() / "target", tmp_path_factory.mktemp("tok"))
         with LocalServer(ScriptCatalog(tok), api_key=key) as s:
-            yield s
+            yield s.warmed()
 
     return srv
 
