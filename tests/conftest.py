@@ -33,7 +33,7 @@ from mlx_dflash.engine import calibrate  # noqa: E402
 
 @pytest.fixture
 def fresh_costs(tmp_path, monkeypatch):
-    """Cost curves go to a temporary cache dir, measured afresh per test (test_adaptive, test_guard, test_guard_paid)."""
+    """Cost curves go to a temporary cache dir, measured afresh per test (test_adaptive, test_guard*)."""
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
     monkeypatch.setattr(calibrate, "DEFAULT", calibrate.Calibration())
 

@@ -375,7 +375,7 @@ def test_default_mode_guard_in_the_loop(pairs):
         assert r.token_ids == ref and r.stats.plain_cycles <= 1 and r.stats.policy.startswith("fixed width")
     # a right drafter in the default mode keeps drafting
     right = OracleDrafter(p, ref, model.args.vocab_size)
-    calibrate.remember(model, right, curve_for(2.0))  # the same fixed costs: the decision is the guard's, not the load's
+    calibrate.remember(model, right, curve_for(2.0))  # the same fixed costs: the guard decides, not the load
     r = generate(model, tok, prompt, right, max_tokens=n)
     # (a few plain steps time the unit of prices as paid, once: Guard._untimed)
     assert r.token_ids == ref and r.stats.plain_cycles <= 1 + 4 and r.stats.tau > 3.5
