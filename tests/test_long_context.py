@@ -13,7 +13,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, tr
 from tiny_families import build, config
 
 from mlx_dflash import stream_generate
+from mlx_dflash.engine import calibrate
 from mlx_dflash.engine.decode_config import DecodeConfig
+from mlx_dflash.engine.engine import Engine
 from mlx_dflash.drafting.drafter import ContextCache, Drafter
 from mlx_dflash.drafting.drafter_config import DrafterConfig
 from mlx_dflash.cache.prompt_cache import PromptCache, common_prefix
@@ -354,9 +356,6 @@ def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatc
     of them random K/V rows (a step's cost depends on shapes, not values): the
     session prefills at most SYNTHETIC_FROM tokens, and every attention layer
     holds the full context (a sliding one its window) when the steps are timed."""
-    from mlx_dflash.engine import calibrate
-    from mlx_dflash.engine.engine import Engine
-
     model, d = model_of(family), _pair(tmp_path, family)
     fed, seen = [], []
     real_prefill, real_verify = Engine._prefill, Engine.verify
@@ -381,3 +380,25 @@ def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatc
     assert costs.t1 > 0 and costs.c[3] > 0 and costs.d[3] > 0
     assert seen and all(off == context if size is None else off >= min(size, context)
                         for layers in seen for _, off, size in layers)
+
+
+@pytest.mark.slow
+def test_costs_at_long_context_time_the_draft_a_decode_pays(tmp_path, monkeypatch):
+    """The long curves time each draft with the drafter's context bounded as a
+    decode bounds it by default (a sink and a window): timed over every context
+    row, a draft at 16k tokens cost 4-5x what decoding pays, and the guard's
+    prices as paid only ever raise a price, so it drafted too little at length."""
+    model, d = model_of("qwen3"), _pair(tmp_path)
+    window, sink = DecodeConfig().drafter_layout
+    seen, real_propose = [], Engine.propose
+
+    def propose(self, rows, *a, **k):  # the drafter context each timed draft attends to
+        out = real_propose(self, rows, *a, **k)
+        seen.append([(c.offset, c.keys.shape[2]) for c in rows[0].pc.drafter])
+        return out
+
+    monkeypatch.setattr(Engine, "propose", propose)
+    context = window + sink + 3 * calibrate.SYNTHETIC_FROM
+    calibrate.measure_costs(model, d, max_width=3, context=context, widths=(1, 3), min_rounds=1, max_rounds=2,
+                            budget_s=0.01)
+    assert seen and all(off >= context and rows <= window + sink for layers in seen for off, rows in layers), seen

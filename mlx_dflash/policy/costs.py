@@ -57,8 +57,9 @@ class Costs:
 # bumped when a measurement changes, so curves measured the old way are not reused
 # (2: 16 pipelined plain steps, not 4, and the fastest round: both inflated t_plain;
 # 3: timed through the decode session's own steps, plain steps with feature capture, a plain
-# token as the median ratio to the 1-token step)
-COST_METHOD = 3
+# token as the median ratio to the 1-token step; 4: drafts timed with the drafter's context bounded as a decode
+# bounds it, not over the whole context)
+COST_METHOD = 4
 
 
 class Unpriced(Exception):
