@@ -1,5 +1,6 @@
 """Any `mlx-dflash` command with the guard's state logged at each decision,
-each fallback and each request's start and end (to GUARD_TRACE, default
+each judgement of a cycle (its estimates), each cycle's price as paid, each
+fallback and each request's start and end (to GUARD_TRACE, default
 /tmp/guard_trace.log): how tried.md's hybrid 4k answer was traced.
 
     MLX_DFLASH_BLAS_THREADS=1 MLX_DFLASH_KERNEL_THREADS=2 PYTHONPATH=. python bench/guard_sim/trace.py \
@@ -15,6 +16,7 @@ from mlx_dflash.policy.guard import Guard
 
 LOG = open(os.environ.get("GUARD_TRACE", "/tmp/guard_trace.log"), "w")
 init, decide, leave, fall_back = Guard.__init__, Guard.decide, Guard.leave, Guard._fall_back
+judge, paid = Guard._judge, Guard._paid
 
 
 def _init(self, costs, prior=None):
@@ -44,6 +46,24 @@ def _fall_back(self):
     fall_back(self)
 
 
+def _judge(self, rows):
+    """After each DFlash cycle: the estimates it was judged on (prices as measured, what was paid)."""
+    judge(self, rows)
+    s, (w, tau, x), pr = self.rows.get(rows[0].uid), self.est, self.priced[0]
+    if s is not None:
+        print(f"  JUDGE state={self.state} trial={self.trial} est=({w}, {tau and round(tau, 2)}, {x and round(x, 3)}) "
+              f"priced 5/8/12={pr.get(5, 0):.2f}/{pr.get(8, 0):.2f}/{pr.get(12, 0):.2f} "
+              f"paid={ {k: round(v, 2) for k, v in self.paid.items()} } p={[round(v, 2) for v in self._p(s)[:8]]} "
+              f"tries={[round(v, 1) for v in s.tries[:8]]}", file=LOG, flush=True)
+
+
+def _paid(self, key, secs, price, unit):
+    print(f"  PAID {key} {secs * 1e3:.1f} ms, unit {unit * 1e3:.2f} ms, price {price:.2f}: "
+          f"excess {secs / unit - price:.2f}", file=LOG, flush=True)
+    paid(self, key, secs, price, unit)
+
+
 Guard.__init__, Guard.decide, Guard.leave, Guard._fall_back = _init, _decide, _leave, _fall_back
+Guard._judge, Guard._paid = _judge, _paid
 sys.argv = ["mlx-dflash"] + sys.argv[1:]
 main()

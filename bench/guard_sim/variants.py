@@ -17,7 +17,13 @@ tried.md (none of these is in the product):
              cycle's chance under Laplace's rule on its own evidence over its chance under the row's
              estimates (carried and own) it was drafted on (switch.py)
 
+    GRADED=1 the lookup gate's prior share by the match's length (2, 3, 4 tokens: 0.17, 0.28, 0.79, the
+             shares of bench/short_answers/ngram_shares.log) where the gate's is 0.5 for every length
+
     ALPHA=0.02 PYTHONPATH=. python bench/guard_sim/variants.py short_answers.py 0.3 0 48
+
+A script is one of this folder's, else a path (a real bench: bench/short_answers/bench.py), or `cli`
+and a command of `mlx-dflash` (`cli bench --realistic ...`).
 """
 
 import math
@@ -29,6 +35,8 @@ from pathlib import Path
 from mlx_dflash.policy import guard as guard_module
 from mlx_dflash.policy.base import DFLASH
 from mlx_dflash.policy.guard import Guard
+from mlx_dflash.policy.lookup_gate import LookupGate
+from app.cli import main
 
 HERE = Path(__file__).parent  # (on sys.path as the script's folder: the scripts it runs import sim from it)
 
@@ -192,5 +200,17 @@ if "CHANGE" in os.environ:
                 self._judge(rows)
     guard_module._RowState.__init__, Guard.observe = _with_own, observe_change
 
+if "GRADED" in os.environ:
+    graded = {1: 0.10, 2: 0.17, 3: 0.28, 4: 0.79}
+
+    def rate_graded(self, grade):
+        longer = [a for g, a in self.alpha.items() if g > grade]
+        return min([self.alpha.get(grade, graded.get(grade, self.ALPHA0))] + longer)
+    LookupGate.rate = rate_graded
+
 script, sys.argv = sys.argv[1], sys.argv[1:]
-runpy.run_path(str(HERE / script), run_name="__main__")
+if script == "cli":
+    sys.argv = ["mlx-dflash"] + sys.argv[1:]
+    main()
+else:
+    runpy.run_path(str(HERE / script if (HERE / script).exists() else Path(script)), run_name="__main__")
