@@ -20,6 +20,7 @@ from mlx_dflash.models.settings_checks import settings_store
 
 from bench import prompt_of
 
+
 def layouts(arg: str) -> list:
     """(window, sink) pairs from "1024:64,none:0" (none: every context row)."""
     return [(None if w == "none" else int(w), int(k)) for w, k in (x.split(":") for x in arg.split(","))]
