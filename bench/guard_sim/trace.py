@@ -58,9 +58,9 @@ def _judge(self, rows):
 
 
 def _paid(self, key, secs, price, unit):
-    print(f"  PAID {key} {secs * 1e3:.1f} ms, unit {unit * 1e3:.2f} ms, price {price:.2f}: "
-          f"excess {secs / unit - price:.2f}", file=LOG, flush=True)
     paid(self, key, secs, price, unit)
+    print(f"  PAID {key} {secs * 1e3:.1f} ms, unit {unit * 1e3:.2f} ms, price {price:.2f}: "
+          f"excess {self.excess[key][-1]:.2f}", file=LOG, flush=True)
 
 
 Guard.__init__, Guard.decide, Guard.leave, Guard._fall_back = _init, _decide, _leave, _fall_back
