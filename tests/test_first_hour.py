@@ -237,13 +237,18 @@ def test_a_client_that_leaves_is_logged_with_its_tokens(home):
                 got += line.startswith("data: {")
                 if got >= 8:
                     break  # the client leaves mid-answer
-        deadline = time.monotonic() + 30
-        while "POST /v1/completions" not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        line = [ln for ln in out.getvalue().splitlines() if "POST /v1/completions" in ln][0]
+
+        def logged(n):  # the first n requests' lines: a line is written after its response is sent
+            deadline = time.monotonic() + 30
+            while len(lines := [ln for ln in out.getvalue().splitlines() if "POST /v1/completions" in ln]) < n \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return lines
+
+        line = logged(1)[0]
         m = re.search(r" 200 tokens=(\d+) \(client left\) \d+ ms$", line)
         assert m and int(m.group(1)) >= 8, line
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=120)
         assert r.status_code == 200
-        line = [ln for ln in out.getvalue().splitlines() if "POST /v1/completions" in ln][-1]
+        line = logged(2)[-1]
         assert " 200 tokens=" in line and "tau=" in line and "client left" not in line
