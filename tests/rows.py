@@ -8,6 +8,7 @@ class Row:
 
     def __init__(self, cap=5, uid=1, context=0, fixed=False, lookup=False, offer=0, carry=True, match=4):
         self.uid, self.context, self.left, self.offer, self.match = uid, context, 10**6, offer, match
+        self.unseen = 0  # context rows the drafter has not taken in (its catch-up)
         self.plan = Plan("dflash", cap, fixed, True, lookup, carry=carry)
 
     def offers(self, source, n):

@@ -129,7 +129,7 @@ def test_the_guard_prices_lookup_rows_with_their_own_acceptance():
 
     class R:
         def __init__(self, uid, offer):
-            self.uid, self.offer, self.context, self.left = uid, offer, 0, 10**6
+            self.uid, self.offer, self.context, self.left, self.unseen = uid, offer, 0, 10**6, 0
             self.plan = Plan("dflash", 5, False, True, True)
 
         def offers(self, source, n):

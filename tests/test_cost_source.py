@@ -139,7 +139,7 @@ def test_a_curve_measured_for_other_widths_never_narrows_the_cached_one(pair):
 
 class _Row:
     def __init__(self, context, uid=1):
-        self.uid, self.context, self.left = uid, context, 10**6
+        self.uid, self.context, self.left, self.unseen = uid, context, 10**6, 0
         self.plan = Plan("dflash", 5, False, True, False, carry=True)
 
     def offers(self, source, n):

@@ -52,7 +52,7 @@ def test_json_progress_threads_and_both_sizes(tiny_probes, capsys):
     assert [r["context"] for r in g["curves"]] == [128, 1024]
     for r in g["curves"]:
         assert r["c"]["1"] == 1.0 and r["d"]["1"] == 0.0 and r["t1_ms"] > 0 and r["plain_ms"] > 0
-        assert set(r["c"]) == set(r["d"]) and len(r["c"]) > 1
+        assert set(r["c"]) == set(r["d"]) and len(r["c"]) > 1 and r["catch_up_ms_1k"] > 0
     if fastblas.STATE["shim"]:
         assert out["blas_threads"] >= 1 and out["blas_threads_from"]
     # the compute dtype, and on a CPU backend the measured bf16 / float32 step of the embedded target
@@ -180,7 +180,7 @@ def test_quick_shows_the_guards_cached_cost_curves_by_context(tiny_probes, tmp_p
     model = doctor.probe_model("small")
     book = CostBook()
     curves = {None: Costs(0.002, {1: 1.0, 2: 1.1, 5: 1.3}, {1: 0.0, 2: 0.4, 5: 0.5}, 128, 1e12, 0.0021),
-              4096: Costs(0.003, {1: 1.0, 2: 1.2, 5: 1.6}, {1: 0.0, 2: 0.5, 5: 0.6}, 4096, 1e12, 0.0032)}
+              4096: Costs(0.003, {1: 1.0, 2: 1.2, 5: 1.6}, {1: 0.0, 2: 0.5, 5: 0.6}, 4096, 1e12, 0.0032, 0.002)}
     for at, c in curves.items():
         book.keep(model, None, c, context=at)
     # batch engine curves in the same cache (keyed by batch size; session 8's format tagged the
@@ -194,10 +194,11 @@ def test_quick_shows_the_guards_cached_cost_curves_by_context(tiny_probes, tmp_p
     assert [r["context"] for r in group["curves"]] == [128, 4096]
     assert [r["c"]["5"] for r in group["curves"]] == [1.3, 1.6] and group["curves"][1]["d"]["2"] == 0.5
     assert group["curves"][1]["t1_ms"] == 3.0 and group["curves"][1]["plain_ms"] == 3.2
+    assert group["curves"][1]["catch_up_ms_1k"] == 6.0  # 0.002 t1 a row: 1,000 rows at 3 ms
     assert main(["doctor", "--quick"]) == 0
     text = capsys.readouterr().out
     row = next(line for line in text.splitlines() if line.strip().startswith("4096"))
-    assert row.split()[:4] == ["4096", "3.00", "3.20", "1.20"]
+    assert row.split()[:5] == ["4096", "3.00", "3.20", "6.00", "1.20"]
 
 
 def test_contexts_must_be_token_counts(capsys):

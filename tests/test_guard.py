@@ -53,6 +53,30 @@ def test_a_probe_starts_only_where_the_room_left_repays_it():
     assert due(g, (row,)) == 0 and g.reason(row).startswith("dflash: probing")
 
 
+def test_a_probe_prices_the_drafters_catch_up_over_the_context_it_has_not_seen():
+    """A probe's first draft takes in every context row captured since the
+    drafter's last draft: at a request's start, a prompt's whole window. On the
+    realistic bench that cost 5-6 plain steps at 1k tokens, and short answers that
+    probed read 0.93x mlx-lm where plain decoding was best (bench/guard_sim/catch_up/)."""
+    base = curve_for(2.0)  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
+    row_cost = 0.01  # plain steps per row taken in
+    curve = Costs(base.t1, base.c, base.d, t_plain=base.t_plain, u=row_cost * base.t_plain / base.t1)
+    assert model_for(curve).catch_up() == pytest.approx(row_cost)
+    assert model_for(base).catch_up() == 0.0  # (not measured: nothing priced)
+    row = Row()
+    row.left = 8 * 3  # repays the cycles alone (PAYBACK x 3)
+    g = Guard(model_for(curve))
+    assert due(g, (row,)) == 0  # nothing to catch up: it probes
+    row.unseen = 100  # one plain step more to repay
+    g = Guard(model_for(curve))
+    assert due(g, (row,)) == -1
+    assert g.reason(row).startswith("plain: too few tokens left to repay a probe") and \
+        "the drafter's catch-up 1.00" in g.reason(row)
+    row.left = 8 * (3 + 1) + 1
+    g = Guard(model_for(curve))
+    assert due(g, (row,)) == 0
+
+
 def test_short_answers_one_after_another_still_probe():
     """A probe refused because the answer's room left cannot repay it counts the
     plain steps it waited as room: what was paid (learnt only while drafting)
@@ -395,7 +419,7 @@ def test_guard_calibration_is_small_and_cached(pairs, monkeypatch):
     key = costs.cost_key(model, drafter)
     curve = costs.load_cached(key, widths=(1, 5))
     want = {1, drafter.block_size} | {w for w in GUARD_WIDTHS if w < drafter.block_size}
-    assert curve is not None and set(curve.c) == want and curve.t_plain > 0 and curve.d[5] > 0
+    assert curve is not None and set(curve.c) == want and curve.t_plain > 0 and curve.d[5] > 0 and curve.u > 0
     assert r.stats.policy
 
     def boom(*a, **k):

@@ -16,6 +16,7 @@ from mlx_dflash import stream_generate
 from mlx_dflash.engine import calibrate
 from mlx_dflash.engine.decode_config import DecodeConfig
 from mlx_dflash.engine.engine import Engine
+from mlx_dflash.policy.base import DFLASH
 from mlx_dflash.drafting.drafter import ContextCache, Drafter
 from mlx_dflash.drafting.drafter_config import DrafterConfig
 from mlx_dflash.cache.prompt_cache import PromptCache, common_prefix
@@ -383,6 +384,25 @@ def test_costs_at_long_context_need_no_long_prefill(tmp_path, family, monkeypatc
 
 
 @pytest.mark.slow
+def test_a_rows_unseen_context_is_what_its_next_draft_takes_in(tmp_path):
+    """What the guard prices as a probe's catch-up (Sequence.unseen): the context
+    rows the drafter takes in at its next draft, within its sink and window (a
+    prompt's first sink rows and its last window rows), none right after a draft,
+    and each row a plain step captures after it."""
+    model, d = model_of("qwen3"), _pair(tmp_path)
+    eng = Engine(model, None, d)
+    eng.submit(ids_of(40), DecodeConfig(drafter_window=8, drafter_sink=2, guard=False, block_size=4, max_tokens=64))
+    while not eng.rows:
+        eng._prefill(eng.waiting[0])
+    s = eng.rows[0]
+    assert sum(f.shape[1] for f in s.pending) == 40 and s.unseen == 2 + 8
+    mx.eval(eng.propose([s], [4], [DFLASH])[1])
+    assert s.unseen == 0
+    for _ in range(3):
+        eng._plain()
+    assert s.unseen == sum(f.shape[1] for f in s.pending) >= 3
+
+
 def test_costs_at_long_context_time_the_draft_a_decode_pays(tmp_path, monkeypatch):
     """The long curves time each draft with the drafter's context bounded as a
     decode bounds it by default (a sink and a window): timed over every context

@@ -127,6 +127,7 @@ class _Row:
         from mlx_dflash.policy.base import Plan
 
         self.uid, self.context, self.left, self.offer, self.match = 1, 0, 10**6, offer, match
+        self.unseen = 0
         self.plan = Plan("dflash", 5, False, True, lookup)
 
     def offers(self, source, n):

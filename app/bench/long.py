@@ -135,7 +135,7 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
 
     def seed_guard():  # the guard prices cycles at this length with these costs (its own calibration
         plain = base.gen_time / max(1, base.gen_tokens)  # would prefill priced_at(n) tokens first)
-        c = Costs(costs.t1, costs.c, costs.d, n, time.time(), plain)
+        c = Costs(costs.t1, costs.c, costs.d, n, time.time(), plain, costs.u)
         DEFAULT.book.keep(model, replay, c, save=False)
         if priced_at(n) is not None:
             DEFAULT.book.keep(model, replay, c, save=False, context=priced_at(n))

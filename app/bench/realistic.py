@@ -234,9 +234,10 @@ class CostSampler:
         if cache is None:
             _, feats = self.t(self.ids[None], self.cache, self.capture)
         mx.eval(drafter.propose(self.t, 1, feats, self.dcache, 2).tokens)
+        self.layout, self.rows = layout, feats[:, -256:]  # (the rows a catch-up takes in: Costs.u)
         self.restore = self.t.checkpoint(self.cache)
         self.ws, self.context = sorted({1, *widths}), context
-        self.t1, self.c, self.d = [], {w: [] for w in self.ws}, {w: [] for w in self.ws if w > 1}
+        self.t1, self.c, self.d, self.u = [], {w: [] for w in self.ws}, {w: [] for w in self.ws if w > 1}, []
         for w in self.ws:  # warm-up: first calls at a new shape are slow
             self._verify(w), self._draft(w) if w > 1 else None
 
@@ -250,13 +251,25 @@ class CostSampler:
         self.restore()
         return dt
 
-    def _draft(self, w):
+    def _draft(self, w, cache=None):
         t0 = time.perf_counter()
-        self.mx.eval(self.drafter.propose(self.t, 1, None, self.dcache, w).tokens)
+        self.mx.eval(self.drafter.propose(self.t, 1, None, self.dcache if cache is None else cache, w).tokens)
         return time.perf_counter() - t0
+
+    def _catch_up(self):
+        """Per context row, what a draft pays beyond d(2) to take rows in first
+        (the product's Costs.u), on a drafter context of its own."""
+        mx, n = self.mx, self.rows.shape[1]
+        cache = self.drafter.make_cache(*self.layout)
+        mx.eval(self.drafter.propose(self.t, 1, self.rows, cache, 2).tokens)
+        base = self._draft(2, cache)
+        t0 = time.perf_counter()
+        mx.eval(self.drafter.propose(self.t, 1, self.rows, cache, 2).tokens)
+        return max(0.0, time.perf_counter() - t0 - base) / n
 
     def sample(self, rounds: int = 1) -> None:
         for _ in range(rounds):
+            self.u.append(self._catch_up() / self._verify(1))
             for w in self.ws[1:]:
                 t1 = self._verify(1)
                 self.t1.append(t1)
@@ -271,7 +284,7 @@ class CostSampler:
         d = {1: 0.0, **{w: median(v) for w, v in self.d.items()}}
         full = range(1, max(self.ws) + 1)
         return Costs(median(self.t1), {w: interpolate(c, w) for w in full}, {w: interpolate(d, w) for w in full},
-                     self.context, time.time())
+                     self.context, time.time(), u=median(self.u) if self.u else 0.0)
 
 
 def bench_target(name, args, log) -> dict:

@@ -234,6 +234,7 @@ def _measured_with(key: dict) -> str:
 
 def _curve_row(context: int, c: Costs) -> dict:
     return {"context": context, "t1_ms": round(c.t1 * 1e3, 3), "plain_ms": round(c.t_plain * 1e3, 3),
+            "catch_up_ms_1k": round(c.u * c.t1 * 1e6, 2),  # the drafter taking in 1,000 context rows
             "c": {str(w): round(v, 3) for w, v in sorted(c.c.items())},
             "d": {str(w): round(v, 3) for w, v in sorted(c.d.items())}}
 
@@ -476,12 +477,13 @@ def guard_cost_lines(groups: list, quick: bool) -> list:
         widths = sorted({int(w) for r in g["curves"] for w in r["c"]} & set(SHOWN_WIDTHS)
                         | {max(int(w) for r in g["curves"] for w in r["c"])})
         out.append(f"guard cost by context, {g['model']} + drafter {g['drafter']}"
-                   + (" (cached)" if quick else "") + ": c(w) verify, d(w) draft, in 1-token steps t1")
-        out.append("  context   t1 ms  plain ms  " + "  ".join(f"c({w:>2})" for w in widths) + "  "
+                   + (" (cached)" if quick else "") + ": c(w) verify, d(w) draft, in 1-token steps t1; "
+                   "catch-up: the drafter taking in 1k context rows (a probe's first draft after a prompt)")
+        out.append("  context   t1 ms  plain ms  catch-up ms  " + "  ".join(f"c({w:>2})" for w in widths) + "  "
                    + "  ".join(f"d({w:>2})" for w in widths) + "  measured with")
         for r in g["curves"]:
             cell = lambda curve, w: f"{curve[str(w)]:5.2f}" if str(w) in curve else "    -"  # noqa: E731
             out.append(f"  {r['context']:>7}  {r['t1_ms']:6.2f}  {r['plain_ms']:8.2f}  "
-                       + "  ".join(cell(r["c"], w) for w in widths) + "  "
+                       f"{r.get('catch_up_ms_1k', 0.0):11.2f}  " + "  ".join(cell(r["c"], w) for w in widths) + "  "
                        + "  ".join(cell(r["d"], w) for w in widths) + f"  {r.get('with', '')}")
     return out

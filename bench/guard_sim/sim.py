@@ -9,6 +9,11 @@ and over plain decoding, mean over seeds.
 
 --overhead H: every cycle truly costs k(w) + H plain steps (work per cycle the
 curves miss), as its step time tells the guard (prices as paid).
+
+--catch-up C: each answer starts with a prompt whose window (ROWS context rows)
+the drafter has not taken in; its first draft costs C plain steps more, and each
+context row after (a plain step's, a cycle's accepted ones) C / ROWS. Fixed widths
+pay it too. The guard is told (Costs.u), unless --unpriced (the code before).
 """
 
 import argparse
@@ -56,7 +61,7 @@ LAWS = {
 
 class Row:
     def __init__(self, cap, left):
-        self.uid, self.context, self.left = 1, 0, left
+        self.uid, self.context, self.left, self.unseen = 1, 0, left, 0
         self.plan = Plan("dflash", cap, False, True, False)
 
     def offers(self, source, n):
@@ -66,9 +71,12 @@ class Row:
         return 0
 
 
-def model_of(k):
+ROWS = 1088  # a prompt's window: the drafter's context window and sink (DecodeConfig)
+
+
+def model_of(k, u=0.0):
     ws = sorted(k)
-    curve = Costs(1.0, {1: 1.0, **{w: k[w] for w in ws}}, {1: 0.0, **{w: 0.0 for w in ws}}, t_plain=1.0)
+    curve = Costs(1.0, {1: 1.0, **{w: k[w] for w in ws}}, {1: 0.0, **{w: 0.0 for w in ws}}, t_plain=1.0, u=u)
     return CostModel(lambda at: curve, [1] + ws)
 
 
@@ -80,22 +88,26 @@ def accept(law, w, t, rng):
     return a
 
 
-def run_guard(k, law, tokens, seed, cap=16, prior=None, overhead=0.0):
+def run_guard(k, law, tokens, seed, cap=16, prior=None, overhead=0.0, catch=0.0, priced=True):
     """One answer of `tokens` tokens decoded under the guard: (tokens per plain step's time, what it hands on).
-    Each cycle truly costs k(w) + `overhead` plain steps (host work the curves miss) and says so in
-    its t_step, as the engine's wall clock does (a plain step: 1.0)."""
+    Each cycle truly costs k(w) + `overhead` plain steps (host work the curves miss), and the drafter's
+    catch-up over the rows it has not taken in (`catch` plain steps a prompt's window: see --catch-up), and
+    says so in its t_step, as the engine's wall clock does (a plain step: 1.0)."""
     rng = random.Random(seed)
-    g = Guard(model_of(k), prior)
+    g = Guard(model_of(k, catch / ROWS if priced else 0.0), prior)
     row = Row(cap, tokens)
+    row.unseen = ROWS if catch else 0
     made = cost = 0
     while made < tokens:
         row.left = tokens - made
         w = g.decide([row]).widths[0]
         if w == 1:
             res, c = CycleResult(1, 0, 1, t_step=1.0), 1.0
+            row.unseen += bool(catch)
         else:  # (its width is within what is left of the answer, plus the bonus row; a stop cuts the rest)
             a = accept(law, w, made, rng)
-            c = interpolate(k, w) + overhead
+            c = interpolate(k, w) + overhead + catch / ROWS * row.unseen
+            row.unseen = (a + 1) * bool(catch)
             res = CycleResult(w, a, min(a + 1, row.left), source=DFLASH, t_step=c)
         made += res.emitted
         cost += c
@@ -103,29 +115,31 @@ def run_guard(k, law, tokens, seed, cap=16, prior=None, overhead=0.0):
     return made / cost, g.leave(row)
 
 
-def fixed_rate(k, law, tokens, requests, seed, w, overhead=0.0):
+def fixed_rate(k, law, tokens, requests, seed, w, overhead=0.0, catch=0.0):
     """A fixed width over `requests` answers of `tokens` each (the last block of an
-    answer no wider than what is left of it, as the engine cuts it)."""
+    answer no wider than what is left of it, as the engine cuts it), each answer's
+    first cycle catching the drafter up over its prompt's window."""
     rng = random.Random(seed)
     made = cost = 0
     for _ in range(requests):
-        got = 0
+        got, unseen = 0, ROWS
         while got < tokens:
             x = min(w, tokens - got + 1)
             a = min(accept(law, x, got, rng), tokens - got - 1)
             got += a + 1
-            cost += interpolate(k, x) + overhead if x > 1 else 1.0
+            cost += interpolate(k, x) + overhead + catch / ROWS * unseen if x > 1 else 1.0
+            unseen = a + 1 if x > 1 else unseen + 1
         made += got
     return made / cost
 
 
-def fixed_rates(k, law, tokens, requests, seeds, overhead=0.0) -> dict:
+def fixed_rates(k, law, tokens, requests, seeds, overhead=0.0, catch=0.0) -> dict:
     """Each fixed width's (2-16) mean rate over `seeds` runs of `requests` answers."""
-    return {w: statistics.mean(fixed_rate(k, law, tokens, requests, s, w, overhead) for s in range(seeds))
+    return {w: statistics.mean(fixed_rate(k, law, tokens, requests, s, w, overhead, catch) for s in range(seeds))
             for w in range(2, 17)}
 
 
-def guard_rate(k, law, tokens, requests, seeds, overhead=0.0, warm=0) -> float:
+def guard_rate(k, law, tokens, requests, seeds, overhead=0.0, warm=0, catch=0.0, priced=True) -> float:
     """The guard's mean rate over `seeds` runs of `requests` answers, its state
     carried from answer to answer (after a warm-up answer of `warm` tokens, not counted)."""
     got = []
@@ -134,7 +148,8 @@ def guard_rate(k, law, tokens, requests, seeds, overhead=0.0, warm=0) -> float:
         if warm:
             _, prior = run_guard(k, law, warm, 7777 + s, overhead=overhead)
         for r in range(requests):
-            x, prior = run_guard(k, law, tokens, 1000 * s + r, prior=prior, overhead=overhead)
+            x, prior = run_guard(k, law, tokens, 1000 * s + r, prior=prior, overhead=overhead, catch=catch,
+                                 priced=priced)
             rates.append(x)
         got.append(statistics.mean(rates))
     return statistics.mean(got)
@@ -147,16 +162,20 @@ def main():
     ap.add_argument("--requests", type=int, default=3, help="requests in a row, the guard's state carried")
     ap.add_argument("--overhead", type=float, default=0.0,
                     help="plain steps each cycle costs beyond its curve (what the guard learns as paid)")
+    ap.add_argument("--catch-up", type=float, default=0.0,
+                    help="plain steps the drafter's first draft of an answer pays to take in its prompt's window")
+    ap.add_argument("--unpriced", action="store_true", help="the guard is not told the catch-up's cost")
     args = ap.parse_args()
     print(f"| curve | law | best fixed (x plain) | guard x plain | guard / best fixed |")
     print("|---|---|---|---|---|")
     worst = []
     for cname, k in CURVES.items():
         for lname, law in LAWS.items():
-            fixed = fixed_rates(k, law, args.tokens, args.requests, args.seeds, args.overhead)
+            fixed = fixed_rates(k, law, args.tokens, args.requests, args.seeds, args.overhead, args.catch_up)
             bw = max(fixed, key=fixed.get)
             best = max(1.0, fixed[bw])
-            m = guard_rate(k, law, args.tokens, args.requests, args.seeds, args.overhead)
+            m = guard_rate(k, law, args.tokens, args.requests, args.seeds, args.overhead, catch=args.catch_up,
+                           priced=not args.unpriced)
             worst.append(m / best)
             print(f"| {cname} | {lname} | w{bw if fixed[bw] > 1 else 1} {best:.2f}x | {m:.2f}x | **{m / best:.3f}** |",
                   flush=True)

@@ -229,6 +229,12 @@ def _unseen(cache, n: int):
     return head, gap
 
 
+def taken_in(cache, n: int) -> int:
+    """Of `n` new context rows, how many the next draft takes into `cache` (the
+    rest would leave every layer's window unseen): what its catch-up costs."""
+    return n - _unseen(cache, n)[1]
+
+
 class Drafter(nn.Module):
     """The drafter's own weights; embedding and head come from the target."""
 

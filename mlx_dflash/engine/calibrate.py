@@ -27,6 +27,7 @@ from .engine import Engine
 from .measuring import checkpoint
 from .sequence import cat_feats
 
+CATCH_ROWS = 256  # context rows a timed catch-up takes in (its cost per row: Costs.u)
 COST_BUDGET_S = 0.5  # wall-clock budget of the timed rounds (plus one warm-up and a prefill)
 
 
@@ -104,6 +105,7 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
     anchor, tokens = s.anchor, list(pc.tokens)
     real = drafter is not None
     if real:
+        f0 = cat_feats(s.pending)  # (the shape and dtype of a context row, for the catch-up's)
         mx.eval(eng.propose([s], [2], [DFLASH])[1])  # fills the drafter's context once
 
     def reset():
@@ -127,6 +129,16 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
         t0 = time.perf_counter()
         mx.eval(eng.propose([s], [w], [DFLASH])[1])
         return time.perf_counter() - t0
+
+    def catch_up():
+        """A 2-position draft that first takes in CATCH_ROWS context rows, less one that takes in none,
+        per row (what a probe's first draft pays after a prompt or plain steps: the rows' projections)."""
+        base = draft(2)
+        s.pending = [mx.random.normal((1, CATCH_ROWS, f0.shape[2]), key=mx.random.key(2)).astype(f0.dtype)]
+        mx.eval(s.pending)
+        dt = draft(2) - base
+        s.pending = []
+        return dt / CATCH_ROWS
 
     def plain(n=plain_steps):
         s.plan = Plan("off")  # (the policy decides plain for a row that never drafts)
@@ -172,7 +184,10 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
     # (the session's plain run includes the loop's own per-token work). The median:
     # the fastest round (used before) picked a lucky round on a busy machine and
     # made every cycle look ~2x dearer than fixed widths measured it
-    return Costs(t1, c, d, context, time.time(), t1 * median([a / b for a, b in zip(tp, tv[1])]))
+    # last: the rows it takes in stay in the drafter's context (no attention among them: what a row costs
+    # does not depend on the rows before it)
+    u = median([max(0.0, catch_up()) / t1 for _ in range(3)]) if real and f0 is not None else 0.0
+    return Costs(t1, c, d, context, time.time(), t1 * median([a / b for a, b in zip(tp, tv[1])]), u)
 
 
 class Calibration:

@@ -384,9 +384,9 @@ def share_costs(c: Costs, group) -> Costs:
     """Rank 0's cost curve on every rank."""
     ws = sorted(c.c)
     dws = sorted(c.d)
-    v = broadcast_floats([c.t1, c.t_plain] + [c.c[w] for w in ws] + [c.d[w] for w in dws], group)
-    return Costs(v[0], dict(zip(ws, v[2:2 + len(ws)])), dict(zip(dws, v[2 + len(ws):])), c.context,
-                 c.measured_at, v[1])
+    v = broadcast_floats([c.t1, c.t_plain, c.u] + [c.c[w] for w in ws] + [c.d[w] for w in dws], group)
+    return Costs(v[0], dict(zip(ws, v[3:3 + len(ws)])), dict(zip(dws, v[3 + len(ws):])), c.context,
+                 c.measured_at, v[1], v[2])
 
 
 class Session:

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from ..cache.prompt_cache import PromptCache
+from ..drafting.drafter import taken_in
 from ..policy.base import Plan
 from .decode_config import DecodeConfig
 from .emitter import Emitter
@@ -56,6 +57,12 @@ class Sequence:
     @property
     def context(self) -> int:
         return len(self.pc.tokens)
+
+    @property
+    def unseen(self) -> int:
+        """Context rows its next draft takes in first (the drafter's catch-up)."""
+        n = sum(f.shape[1] for f in self.pending if f is not None)
+        return taken_in(self.pc.drafter, n) if self.pc.drafter else n
 
     def offers(self, source: str, n: int) -> int:
         pr = self.sources.get(source)

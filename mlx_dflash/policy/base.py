@@ -72,6 +72,10 @@ class Row(Protocol):
     def context(self) -> int:  # tokens in its cache
         ...
 
+    @property
+    def unseen(self) -> int:  # context rows the drafter takes in at its next draft (its catch-up)
+        ...
+
     def offers(self, source: str, n: int) -> int:  # how many of n drafts `source` can propose now
         ...
 

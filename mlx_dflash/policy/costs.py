@@ -37,6 +37,9 @@ class Costs:
     context: int = COST_CONTEXT
     measured_at: float = 0.0  # unix time
     t_plain: float = 0.0  # seconds per token of pipelined plain decoding (0: not measured)
+    # the drafter's catch-up: what a draft costs beyond d(w) per context row it takes in first (the rows
+    # plain steps or a prefill captured since its last draft), in units of t1 (0: not measured)
+    u: float = 0.0
 
     @property
     def max_width(self) -> int:
@@ -45,21 +48,21 @@ class Costs:
     def to_json(self) -> dict:
         return {"t1": self.t1, "c": {str(k): v for k, v in self.c.items()},
                 "d": {str(k): v for k, v in self.d.items()}, "context": self.context,
-                "measured_at": self.measured_at, "t_plain": self.t_plain}
+                "measured_at": self.measured_at, "t_plain": self.t_plain, "u": self.u}
 
     @classmethod
     def from_json(cls, j: dict) -> "Costs":
         return cls(float(j["t1"]), {int(k): float(v) for k, v in j["c"].items()},
                    {int(k): float(v) for k, v in j["d"].items()}, int(j.get("context", COST_CONTEXT)),
-                   float(j.get("measured_at", 0.0)), float(j.get("t_plain", 0.0)))
+                   float(j.get("measured_at", 0.0)), float(j.get("t_plain", 0.0)), float(j.get("u", 0.0)))
 
 
 # bumped when a measurement changes, so curves measured the old way are not reused
 # (2: 16 pipelined plain steps, not 4, and the fastest round: both inflated t_plain;
 # 3: timed through the decode session's own steps, plain steps with feature capture, a plain
 # token as the median ratio to the 1-token step; 4: drafts timed with the drafter's context bounded as a decode
-# bounds it, not over the whole context)
-COST_METHOD = 4
+# bounds it, not over the whole context; 5: the drafter's catch-up per context row, u)
+COST_METHOD = 5
 
 
 class Unpriced(Exception):
@@ -146,6 +149,7 @@ class CostModel:
         base = curve(None)
         self.widths = sorted((set(widths) & set(base.c)) | {1})  # the measured ones (the guard chooses among them)
         self._single = {None: self._seconds(base)}
+        self._u = base.u * base.t1  # seconds of the drafter's catch-up per context row
         self._k: Dict[tuple, Dict[int, float]] = {}
         self._plain: Dict[tuple, float] = {}
 
@@ -192,6 +196,12 @@ class CostModel:
         """One row's plain step at L tokens, in seconds (linear between the curves that bracket L)."""
         lo, hi, f = self._between(L)
         return max(lo[3] + f * (hi[3] - lo[3]), 1e-9)
+
+    def catch_up(self, B: int = 1, L: int = 0) -> float:
+        """What one context row costs the drafter to take in, for each of B rows, in the set's plain
+        steps at L tokens (the base curve's u: the drafter's context is bounded, so a row costs the same
+        at any length; 0 where it was not measured)."""
+        return B * self._u / self.plain_seconds(B, L)
 
     def k(self, B: int = 1, L: int = 0, drafting: bool = True) -> Dict[int, float]:
         """{w: k(w, B, L)} for every w up to the widest measured (1: a plain step, 1)."""

@@ -10,7 +10,10 @@ speedup at w is mean_b tau_b(w) / k(w, B, L), and each cycle drafts at the w
 that maximises it. States (of the set):
 
 - probe: drafting on trial (a fresh start, or after a plain run), started only
-  where the rows' room left could repay its worst case PAYBACK times over, at
+  where the rows' room left could repay its worst case PAYBACK times over (its
+  cycles, and the drafter's catch-up: its first draft takes in every context
+  row captured since the drafter's last one, a whole prompt's window at a
+  request's start), at
   the widest width up to the predicted one where it can (short answers probe
   narrower; a few tokens left, or a dear cycle: many rows, a long context, do
   not probe, and the plain steps they wait count as room for the next probe,
@@ -176,6 +179,7 @@ class Guard(Policy):
         self.fallbacks = self.probes = 0
         self.widths: Dict[int, int] = {}  # width -> DFlash cycles
         self.kd = self.kv = {1: 1.0}  # k(w) drafting / verify alone, at the last set's B and L (as paid)
+        self.catch = 0.0  # plain steps the drafter's catch-up costs per context row, at the last set's B and L
         self.priced = ({1: 1.0}, {1: 1.0})  # the same, as measured
         self.paid = dict(self.prior.paid)  # (B, drafting) -> plain steps a cycle takes beyond its price
         self.plain_s: Dict[int, List[float]] = {}  # B -> the last plain steps' seconds
@@ -191,6 +195,7 @@ class Guard(Policy):
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
         self.deferred = self.prior.deferred  # plain steps since a probe fell due and was refused (short)
         self.probe_w: Optional[int] = None  # the probe under way drafts at most this wide (its worst case repaid)
+        self.catch_rows = 0.0  # the guarded rows' unseen context when a probe was last due (mean)
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
         if self.prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -221,6 +226,7 @@ class Guard(Policy):
         try:
             self.priced = (self.model.k(B, L, True), self.model.k(B, L, False))
             self.step_s[B] = self.model.plain_seconds(B, L)
+            self.catch = self.model.catch_up(B, L)
         except Unpriced as e:
             self.unpriced = str(e)
             return False
@@ -296,18 +302,22 @@ class Guard(Policy):
 
     def _probe_pays(self, rows: Sequence[Row]) -> bool:
         """Whether a probe about to start (its first cycle) could repay its worst
-        case (see PAYBACK) within the guarded rows' room left (mean tokens before
-        max_tokens), at the widest width up to the predicted one that can: a
-        short answer probes narrower (probe_w). Where none can (near an answer's
-        end; a dear cycle: many rows, a long context) the rows step plainly."""
+        case (see PAYBACK: PROBE cycles of one token, and the drafter's catch-up
+        over the rows' unseen context) within the guarded rows' room left (mean
+        tokens before max_tokens), at the widest width up to the predicted one
+        that can: a short answer probes narrower (probe_w). Where none can (near
+        an answer's end; a dear cycle: many rows, a long context; a whole prompt
+        to catch up for a short answer) the rows step plainly."""
         if self.state != "probe" or self.trial > 0:
             return True
-        left = [r.left for r in rows if r.uid in self.rows]
-        # plain steps a probe cycle may lose; the steps already refused count as room, so short answers
-        # one after another still probe now and then (else what was paid, learnt only while drafting,
-        # could keep every later answer plain)
-        risk = (sum(left) / len(left) + self.deferred) / (self.PAYBACK * self.PROBE)
-        fits = [x for x in self.ws if x <= self.est[0] and self.kd[x] - 1 <= risk]
+        mine = [r for r in rows if r.uid in self.rows]
+        # plain steps a probe may lose; the steps already refused count as room, so short answers one
+        # after another still probe now and then (else what was paid, learnt only while drafting, could
+        # keep every later answer plain)
+        room = (sum(r.left for r in mine) / len(mine) + self.deferred) / self.PAYBACK
+        self.catch_rows = sum(r.unseen for r in mine) / len(mine)
+        catch = self.catch * self.catch_rows  # (paid whatever the probe finds: part of its worst case)
+        fits = [x for x in self.ws if x <= self.est[0] and self.PROBE * (self.kd[x] - 1) + catch <= room]
         self.probe_w = max(fits, default=None)
         self.short = self.probe_w is None
         return not self.short
@@ -553,8 +563,10 @@ class Guard(Policy):
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
         if self.state == "probe" and self.short:  # (a probe due starts afresh: est is its prior, no evidence)
             n = min(self.ws)
+            up = self.catch * self.catch_rows
+            catch = f", the drafter's catch-up {up:.2f}" if up > 0 else ""
             return f"plain: too few tokens left to repay a probe (a width-{n} cycle costs {self.kd[n]:.2f} " \
-                   f"plain tokens)"
+                   f"plain tokens{catch})"
         if self.state == "probe":
             return f"dflash: probing, {why}" if why else f"dflash: probing (cycle = {k:.2f} plain tokens)"
         return f"dflash: {why}"
