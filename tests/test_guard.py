@@ -56,8 +56,8 @@ def test_a_probe_starts_only_where_the_room_left_repays_it():
 def test_a_probe_prices_the_drafters_catch_up_over_the_context_it_has_not_seen():
     """A probe's first draft takes in every context row captured since the
     drafter's last draft: at a request's start, a prompt's whole window. On the
-    realistic bench that cost 5-6 plain steps at 1k tokens, and short answers that
-    probed read 0.93x mlx-lm where plain decoding was best (bench/guard_sim/catch_up/)."""
+    realistic bench's targets that cost 4-6 plain steps at 1k tokens, in no price
+    (bench/guard_sim/catch_up/)."""
     base = curve_for(2.0)  # a width-5 cycle costs 2 plain tokens: a probe that finds nothing loses 3 x 1
     row_cost = 0.01  # plain steps per row taken in
     curve = Costs(base.t1, base.c, base.d, t_plain=base.t_plain, u=row_cost * base.t_plain / base.t1)
