@@ -85,27 +85,38 @@ def measure_costs(model, drafter=None, max_width: int = 5, context: int = COST_C
         eng.close(uid)
 
 
-def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_rounds, max_rounds, plain_steps,
-             stop) -> Costs:
-    drafter = eng.drafter
+def _prefilled(eng, real_rows, context, stop):
+    """The session's one request, its prompt prefilled (the steps timed after it start from its first
+    token) and its context extended with random rows and features to `context` (SYNTHETIC_FROM)."""
     s = eng.waiting[0]
-    while not eng.rows:  # (its prefill alone: the steps timed below start from its first token)
+    while not eng.rows:
         eng._prefill(s)
         checkpoint(stop)
-    pc = s.pc
-    if context > real_rows:  # the rest of the context as random rows (SYNTHETIC_FROM)
-        extend_with_random_rows(pc.target, context - real_rows)
+    if context > real_rows:
+        extend_with_random_rows(s.pc.target, context - real_rows)
         feats = cat_feats(s.pending)
         if feats is not None:
             s.pending = [mx.concatenate([feats, mx.random.normal((1, context - real_rows, feats.shape[2]),
                                                                   key=mx.random.key(1)).astype(feats.dtype)],
                                         axis=1)]
-    mx.eval([c.state for c in pc.target])
+    mx.eval([c.state for c in s.pc.target])
+    return s
+
+
+def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_rounds, max_rounds, plain_steps,
+             stop) -> Costs:
+    """Timed in turn: verifies, drafts and plain runs in rounds (c, d, the plain token), then the
+    drafter's catch-up (u)."""
+    drafter = eng.drafter
+    s = _prefilled(eng, real_rows, context, stop)
+    pc = s.pc
     restore = eng.target.checkpoint(pc.target)  # timing steps leave the cache exactly as it was
     anchor, tokens = s.anchor, list(pc.tokens)
     real = drafter is not None
+    row = None  # (a context row's width and dtype, for the catch-up's rows)
     if real:
-        f0 = cat_feats(s.pending)  # (the shape and dtype of a context row, for the catch-up's)
+        f0 = cat_feats(s.pending)
+        row = (f0.shape[2], f0.dtype) if f0 is not None else None
         mx.eval(eng.propose([s], [2], [DFLASH])[1])  # fills the drafter's context once
 
     def reset():
@@ -134,7 +145,7 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
         """A 2-position draft that first takes in CATCH_ROWS context rows, less one that takes in none,
         per row (what a probe's first draft pays after a prompt or plain steps: the rows' projections)."""
         base = draft(2)
-        s.pending = [mx.random.normal((1, CATCH_ROWS, f0.shape[2]), key=mx.random.key(2)).astype(f0.dtype)]
+        s.pending = [mx.random.normal((1, CATCH_ROWS, row[0]), key=mx.random.key(2)).astype(row[1])]
         mx.eval(s.pending)
         dt = draft(2) - base
         s.pending = []
@@ -180,13 +191,13 @@ def _measure(eng, ids, real_rows, context, widths, max_width, budget_s, min_roun
     c = {w: median([a / b for a, b in zip(tv[w], tv[1])]) for w in widths}
     d = {1: 0.0}
     d.update({w: (median([a / b for a, b in zip(td[w], tv[1])]) if real else 0.0) for w in widths if w > 1})
+    # the catch-up last: the rows it takes in stay in the drafter's context (no attention among them: what
+    # a row costs does not depend on the rows before it)
+    u = median([max(0.0, catch_up()) / t1 for _ in range(3)]) if row is not None else 0.0
     # a plain token, as a ratio to the 1-token step within each round like c and d
     # (the session's plain run includes the loop's own per-token work). The median:
     # the fastest round (used before) picked a lucky round on a busy machine and
     # made every cycle look ~2x dearer than fixed widths measured it
-    # last: the rows it takes in stay in the drafter's context (no attention among them: what a row costs
-    # does not depend on the rows before it)
-    u = median([max(0.0, catch_up()) / t1 for _ in range(3)]) if real and f0 is not None else 0.0
     return Costs(t1, c, d, context, time.time(), t1 * median([a / b for a, b in zip(tp, tv[1])]), u)
 
 

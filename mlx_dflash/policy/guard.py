@@ -195,7 +195,7 @@ class Guard(Policy):
         self.short = False  # the last probe due was not started: the rows' room left could not repay it
         self.deferred = self.prior.deferred  # plain steps since a probe fell due and was refused (short)
         self.probe_w: Optional[int] = None  # the probe under way drafts at most this wide (its worst case repaid)
-        self.catch_rows = 0.0  # the guarded rows' unseen context when a probe was last due (mean)
+        self.catch_due = 0.0  # plain steps the drafter's catch-up would have cost the probe last due
         self.est = (0, None, None)  # (width, tau, speedup) as last predicted
         self.started = False
         if self.prior.wait:  # the last request on these objects ended plain: so does this one begin
@@ -315,9 +315,9 @@ class Guard(Policy):
         # after another still probe now and then (else what was paid, learnt only while drafting, could
         # keep every later answer plain)
         room = (sum(r.left for r in mine) / len(mine) + self.deferred) / self.PAYBACK
-        self.catch_rows = sum(r.unseen for r in mine) / len(mine)
-        catch = self.catch * self.catch_rows  # (paid whatever the probe finds: part of its worst case)
-        fits = [x for x in self.ws if x <= self.est[0] and self.PROBE * (self.kd[x] - 1) + catch <= room]
+        # (paid whatever the probe finds: part of its worst case)
+        self.catch_due = self.catch * sum(r.unseen for r in mine) / len(mine)
+        fits = [x for x in self.ws if x <= self.est[0] and self.PROBE * (self.kd[x] - 1) + self.catch_due <= room]
         self.probe_w = max(fits, default=None)
         self.short = self.probe_w is None
         return not self.short
@@ -563,8 +563,7 @@ class Guard(Policy):
             return f"plain: DFlash {why}; probe in {self.wait}" if why else f"plain: probe in {self.wait}"
         if self.state == "probe" and self.short:  # (a probe due starts afresh: est is its prior, no evidence)
             n = min(self.ws)
-            up = self.catch * self.catch_rows
-            catch = f", the drafter's catch-up {up:.2f}" if up > 0 else ""
+            catch = f", the drafter's catch-up {self.catch_due:.2f}" if self.catch_due > 0 else ""
             return f"plain: too few tokens left to repay a probe (a width-{n} cycle costs {self.kd[n]:.2f} " \
                    f"plain tokens{catch})"
         if self.state == "probe":
