@@ -102,6 +102,15 @@ def synthetic(model, tok, prompt, drafter, head: int = 64):
     return pc
 
 
+def seed_guard(model, drafter, costs: Costs, n: int, plain) -> None:
+    """The guard prices cycles at context `n` with `costs` (sampled on this cache) and the plain run's
+    token time, rather than by its own calibration (which would prefill priced_at(n) tokens first)."""
+    c = Costs(costs.t1, costs.c, costs.d, n, time.time(), plain.gen_time / max(1, plain.gen_tokens), costs.u)
+    DEFAULT.book.keep(model, drafter, c, save=False)
+    if priced_at(n) is not None:
+        DEFAULT.book.keep(model, drafter, c, save=False, context=priced_at(n))
+
+
 def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     vocab = inner.config.vocab_size
     widths = sorted({int(x) for x in args.realistic_widths.split(",") if x.strip()})
@@ -134,13 +143,6 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
     sampler.sample(2)
     costs = sampler.costs()
 
-    def seed_guard():  # the guard prices cycles at this length with these costs (its own calibration
-        plain = base.gen_time / max(1, base.gen_tokens)  # would prefill priced_at(n) tokens first)
-        c = Costs(costs.t1, costs.c, costs.d, n, time.time(), plain, costs.u)
-        DEFAULT.book.keep(model, replay, c, save=False)
-        if priced_at(n) is not None:
-            DEFAULT.book.keep(model, replay, c, save=False, context=priced_at(n))
-
     methods = [Method("mlx-lm", "mlx-lm"), Method("default (guard)", "default", 5)]
     methods += [Method(f"dflash2-w{w}", "dflash2", w) for w in widths]
 
@@ -153,7 +155,7 @@ def bench_length(name, model, inner, tok, n: int, args, log) -> dict:
             return run_mlx_lm(model, tok, prompt[-1:], args.max_tokens, prompt_cache=copy.deepcopy(pc.target))
         # every method sees the same accept-length draws (common random numbers: a fair comparison)
         replay.begin(prompt, cont, seed=1000 * i)
-        seed_guard()
+        seed_guard(model, replay, costs, n, base)
         return run_ours(model, tok, prompt, replay, args.max_tokens, None if m.kind == "default" else m.width,
                         "dflash", costs, m.kind == "default", on_token=lambda k: setattr(replay, "emitted", k),
                         lookup=False, prompt_cache=copy.deepcopy(pc))

@@ -15,13 +15,11 @@ import sys
 import time
 
 import mlx_dflash  # noqa: F401  (first: it loads the fast BLAS, which must precede any import of mlx)
-from app.bench.long import prefill, synthetic, tau_at
+from app.bench.long import prefill, seed_guard, synthetic, tau_at
 from app.bench.realistic import CostSampler, ReplayDrafter, alpha_for, build_drafter, build_target, word_tokenizer
 from app.bench.runs import fastest_plain, run_mlx_lm
 from mlx_dflash import DecodeConfig, stream_generate
-from mlx_dflash.engine.calibrate import DEFAULT
-from mlx_dflash.policy.costs import Costs
-from mlx_dflash.policy.registry import guard_widths, priced_at
+from mlx_dflash.policy.registry import guard_widths
 
 
 def main(name: str, n: int, rounds: int) -> None:
@@ -41,15 +39,9 @@ def main(name: str, n: int, rounds: int) -> None:
     sampler.sample(2)
     costs = sampler.costs()
 
-    def seed():  # as app/bench/long.py seeds the guard
-        c = Costs(costs.t1, costs.c, costs.d, n, time.time(), base.gen_time / max(1, base.gen_tokens), costs.u)
-        DEFAULT.book.keep(model, replay, c, save=False)
-        if priced_at(n) is not None:
-            DEFAULT.book.keep(model, replay, c, save=False, context=priced_at(n))
-
     def go(width, i):
         replay.begin(prompt, base.tokens, seed=1000 * i)
-        seed()
+        seed_guard(model, replay, costs, n, base)
         cycles, seen, count = [], None, 0
         t0 = last = time.perf_counter()
         for r in stream_generate(model, tok, prompt, replay, max_tokens=48, block_size=width, verify_mode="dflash",
